@@ -1,0 +1,1 @@
+"""Ray actors, one role per file. Installed as ``rlfabric.actors``."""

@@ -1,0 +1,157 @@
+"""EnvRunner: a vector of envs plus a local copy of the policy; produces trajectory fragments.
+
+A fragment is columnar numpy, time-major ([T, N, ...] for T steps of N envs), and carries the policy version
+that produced it. Observations are stored normalized exactly as the policy saw them, so the learner's ratio is
+1 before its first gradient step.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import numpy as np
+import ray
+
+from rlfabric import registry
+from rlfabric.models import ActionSpec, NumpyPolicy
+from rlfabric.models.mlp import obs_dim_of
+from rlfabric.normalization import RunningStats, discounted_returns, normalize
+from rlfabric.vector import EnvVector
+
+
+class EnvRunnerCore:
+    """The runner's logic without Ray, so it can be used and tested in-process."""
+
+    def __init__(
+        self,
+        env_id: str,
+        env_kwargs: dict[str, Any],
+        num_envs: int,
+        fragment_length: int,
+        seed: int,
+        gamma: float,
+        obs_clip: float,
+        registry_blob: bytes | None = None,
+    ) -> None:
+        if registry_blob is not None:
+            registry.load_snapshot(registry_blob)
+        self.env_id, self.env_kwargs = env_id, env_kwargs
+        self.envs = EnvVector([registry.make_env(env_id, env_kwargs) for _ in range(num_envs)])
+        first = self.envs.envs[0]
+        self.obs_dim = obs_dim_of(first.observation_space)
+        self.action = ActionSpec.from_space(first.action_space)
+        self.fragment_length = fragment_length
+        self.gamma = gamma
+        self.obs_clip = obs_clip
+        self.rng = np.random.default_rng(seed)
+        self.raw_obs = self.envs.reset([seed * 1000 + i for i in range(num_envs)])
+        self.return_carry = np.zeros(num_envs)
+        self.policy: NumpyPolicy | None = None
+        self.version = -1
+        self.obs_stats = RunningStats.empty((self.obs_dim,))
+        self.normalize_obs = False
+
+    def spaces(self) -> dict[str, Any]:
+        return {"obs_dim": self.obs_dim, "action": self.action}
+
+    def set_weights(self, weights: dict[str, Any]) -> int:
+        """Install a published policy version: actor arrays plus the observation statistics to normalize with."""
+        self.policy = NumpyPolicy(weights["actor"])
+        self.version = int(weights["version"])
+        self.normalize_obs = weights["obs_stats"] is not None
+        if self.normalize_obs:
+            self.obs_stats = RunningStats.from_dict(weights["obs_stats"])
+        return self.version
+
+    def _policy_input(self, raw: np.ndarray) -> np.ndarray:
+        return normalize(raw, self.obs_stats, self.obs_clip) if self.normalize_obs else raw
+
+    def sample(self) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+        """Step every env ``fragment_length`` times; return (small metadata, the fragment's arrays)."""
+        if self.policy is None:
+            raise RuntimeError("EnvRunner.sample called before set_weights")
+        start = time.perf_counter()
+        T, N, D = self.fragment_length, self.envs.num_envs, self.obs_dim
+        raw_obs = np.empty((T, N, D), np.float32)
+        act_shape = (T, N) if self.action.kind == "discrete" else (T, N, self.action.n)
+        actions = np.empty(act_shape, np.int64 if self.action.kind == "discrete" else np.float32)
+        logp = np.empty((T, N), np.float32)
+        rewards = np.empty((T, N), np.float32)
+        terminated = np.empty((T, N), bool)
+        truncated = np.empty((T, N), bool)
+        trunc_index, trunc_raw_obs = [], []
+        ep_returns: list[float] = []
+        ep_lengths: list[int] = []
+        obs = self.raw_obs
+        for t in range(T):
+            raw_obs[t] = obs
+            a, lp = self.policy.act(self._policy_input(obs), self.rng)
+            actions[t], logp[t] = a, lp
+            step = self.envs.step(a)
+            rewards[t], terminated[t], truncated[t] = step.rewards, step.terminated, step.truncated
+            for i, final in step.final_obs.items():
+                if step.truncated[i] and not step.terminated[i]:
+                    trunc_index.append((t, i))
+                    trunc_raw_obs.append(final)
+            ep_returns += step.episode_returns
+            ep_lengths += step.episode_lengths
+            obs = step.obs
+        self.raw_obs = obs
+        dones = np.logical_or(terminated, truncated)
+        returns, self.return_carry = discounted_returns(rewards, dones, self.gamma, self.return_carry)
+        trunc_raw = np.asarray(trunc_raw_obs, np.float32).reshape(-1, D)
+        fragment = {
+            "obs": self._policy_input(raw_obs.reshape(T * N, D)).reshape(T, N, D),
+            "actions": actions,
+            "logp": logp,
+            "rewards": rewards,
+            "terminated": terminated,
+            "truncated": truncated,
+            "last_obs": self._policy_input(obs),
+            "truncated_index": np.asarray(trunc_index, np.int64).reshape(-1, 2),
+            "truncated_obs": self._policy_input(trunc_raw) if len(trunc_raw) else trunc_raw,
+            # What this fragment adds to the global statistics; the learner merges them.
+            "obs_stats": RunningStats.of(raw_obs.reshape(T * N, D)).to_dict(),
+            "return_stats": RunningStats.of(returns.reshape(-1, 1)).to_dict(),
+        }
+        meta = {
+            "version": self.version,
+            "env_steps": T * N,
+            "episode_returns": ep_returns,
+            "episode_lengths": ep_lengths,
+            "sample_time_s": time.perf_counter() - start,
+        }
+        return meta, fragment
+
+    def evaluate(self, episodes: int, seed: int) -> list[float]:
+        """Returns of ``episodes`` episodes with deterministic actions, on a fresh env (training envs untouched)."""
+        if self.policy is None:
+            raise RuntimeError("EnvRunner.evaluate called before set_weights")
+        env = EnvVector([registry.make_env(self.env_id, self.env_kwargs)])
+        obs = env.reset([seed])
+        returns: list[float] = []
+        while len(returns) < episodes:
+            a, _ = self.policy.act(self._policy_input(obs), self.rng, deterministic=True)
+            step = env.step(a)
+            returns += step.episode_returns
+            obs = step.obs
+        env.close()
+        return returns
+
+
+@ray.remote
+class EnvRunner(EnvRunnerCore):
+    """The Ray actor. ``sample`` returns two objects: metadata (small, read by the driver) and the fragment."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
+        super().__init__(*args, **kwargs)
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    @ray.method(num_returns=2)
+    def sample(self) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+        return super().sample()

@@ -1,0 +1,219 @@
+"""Learner: the torch actor-critic, its optimizer and the global normalizer statistics.
+
+It pulls fragments from the object store by ref, computes values, GAE and PPO updates, and publishes each new
+policy version with a single ``ray.put`` that every runner reads.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import random
+import time
+from typing import Any
+
+import numpy as np
+import ray
+import torch
+
+from rlfabric.algorithms import ppo
+from rlfabric.config import Config, config_from_dict
+from rlfabric.models import ActionSpec, ActorCritic
+from rlfabric.normalization import RunningStats, scale_rewards
+
+
+class LearnerCore:
+    """PPO learner logic without Ray."""
+
+    def __init__(self, config: dict[str, Any], obs_dim: int, action: ActionSpec) -> None:
+        self.cfg: Config = config_from_dict(config)
+        seed = self.cfg.training.seed
+        torch.manual_seed(seed)
+        np.random.seed(seed)
+        random.seed(seed)
+        self.rng = np.random.default_rng(seed)
+        self.device = self._device()
+        m = self.cfg.model
+        self.model = ActorCritic(obs_dim, action, m.hidden_sizes, m.activation, m.init_log_std).to(self.device)
+        self.optimizer = torch.optim.Adam(self.model.parameters(), lr=self.cfg.ppo.lr, eps=1e-5)
+        self.version = 0
+        self.updates_done = 0
+        self.total_updates = math.ceil(self.cfg.training.total_env_steps / self.cfg.ppo.train_batch_size)
+        self.obs_stats = RunningStats.empty((obs_dim,))
+        self.return_stats = RunningStats.empty((1,))
+
+    def _device(self) -> torch.device:
+        want = self.cfg.learner.device
+        if want == "cuda" or (want == "auto" and torch.cuda.is_available() and self.cfg.learner.num_gpus > 0):
+            return torch.device("cuda")
+        torch.set_num_threads(max(1, int(self.cfg.learner.num_cpus)))
+        return torch.device("cpu")
+
+    # -- weights ----------------------------------------------------------------------------------------
+
+    def weights(self) -> dict[str, Any]:
+        """What runners need to act: actor arrays, version, and observation statistics (if normalizing)."""
+        return {
+            "actor": self.model.actor_arrays(),
+            "version": self.version,
+            "obs_stats": self.obs_stats.to_dict() if self.cfg.ppo.normalize_obs else None,
+        }
+
+    # -- update -----------------------------------------------------------------------------------------
+
+    def _values(self, obs: np.ndarray) -> np.ndarray:
+        if len(obs) == 0:
+            return np.zeros(0, np.float32)
+        with torch.no_grad():
+            return self.model.value(torch.as_tensor(obs, device=self.device)).cpu().numpy()
+
+    def _advantages(self, frag: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Values, GAE advantages and returns for one fragment, flattened to [T * N]."""
+        T, N, D = frag["obs"].shape
+        p = self.cfg.ppo
+        values = self._values(frag["obs"].reshape(T * N, D)).reshape(T, N)
+        next_values = ppo.next_state_values(
+            values,
+            self._values(frag["last_obs"]),
+            frag["truncated_index"],
+            self._values(frag["truncated_obs"]),
+        )
+        rewards = frag["rewards"]
+        if p.normalize_reward:
+            rewards = scale_rewards(rewards, self.return_stats, p.reward_clip)
+        adv, ret = ppo.gae(rewards, values, next_values, frag["terminated"], frag["truncated"], p.gamma, p.gae_lambda)
+        flat = {
+            "obs": frag["obs"].reshape(T * N, D),
+            "actions": frag["actions"].reshape(T * N, *frag["actions"].shape[2:]),
+            "logp": frag["logp"].reshape(-1),
+            "values": values.reshape(-1),
+            "advantages": adv.reshape(-1),
+            "returns": ret.reshape(-1),
+        }
+        return flat
+
+    def _merge_stats(self, fragments: list[dict[str, Any]]) -> None:
+        for frag in fragments:
+            self.obs_stats = self.obs_stats.merge(RunningStats.from_dict(frag["obs_stats"]))
+            self.return_stats = self.return_stats.merge(RunningStats.from_dict(frag["return_stats"]))
+
+    def update(self, fragments: list[dict[str, Any]]) -> dict[str, float]:
+        """One PPO update on a train batch; returns loss statistics. Bumps the policy version."""
+        start = time.perf_counter()
+        p = self.cfg.ppo
+        self._merge_stats(fragments)
+        parts = [self._advantages(f) for f in fragments]
+        batch = {k: torch.as_tensor(np.concatenate([part[k] for part in parts]), device=self.device) for k in parts[0]}
+        lr = ppo.linear_lr(p.lr, self.updates_done, self.total_updates) if p.anneal_lr else p.lr
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        n = len(batch["obs"])
+        stats: dict[str, list[float]] = {
+            k: [] for k in ("policy_loss", "value_loss", "entropy", "approx_kl", "clip_fraction")
+        }
+        epochs_run = 0
+        for _ in range(p.num_epochs):
+            order = torch.as_tensor(self.rng.permutation(n), device=self.device)
+            for lo in range(0, n, p.minibatch_size):
+                idx = order[lo : lo + p.minibatch_size]
+                logp, entropy, values = self.model.evaluate(batch["obs"][idx], batch["actions"][idx])
+                adv = batch["advantages"][idx]
+                if p.normalize_advantages:
+                    adv = ppo.normalize_advantages(adv)
+                pg_loss, info = ppo.clipped_surrogate_loss(logp, batch["logp"][idx], adv, p.clip_coef)
+                v_loss = ppo.value_loss(
+                    values,
+                    batch["values"][idx],
+                    batch["returns"][idx],
+                    p.clip_coef if p.clip_value_loss else None,
+                )
+                ent = entropy.mean()
+                loss = pg_loss - p.ent_coef * ent + p.vf_coef * v_loss
+                self.optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(self.model.parameters(), p.max_grad_norm)
+                self.optimizer.step()
+                for key, val in (
+                    ("policy_loss", pg_loss.item()),
+                    ("value_loss", v_loss.item()),
+                    ("entropy", ent.item()),
+                    ("approx_kl", info.approx_kl),
+                    ("clip_fraction", info.clip_fraction),
+                ):
+                    stats[key].append(val)
+            epochs_run += 1
+            if (
+                p.target_kl is not None
+                and np.mean(stats["approx_kl"][-math.ceil(n / p.minibatch_size) :]) > p.target_kl
+            ):
+                break
+        self.updates_done += 1
+        self.version += 1
+        returns, values = batch["returns"].cpu().numpy(), batch["values"].cpu().numpy()
+        var_returns = float(np.var(returns))
+        out = {k: float(np.mean(v)) for k, v in stats.items()}
+        out.update(
+            lr=lr,
+            epochs_run=float(epochs_run),
+            explained_variance=float("nan")
+            if var_returns == 0
+            else 1.0 - float(np.var(returns - values)) / var_returns,
+            learn_time_s=time.perf_counter() - start,
+        )
+        return out
+
+    # -- checkpoints ------------------------------------------------------------------------------------
+
+    def state(self) -> dict[str, Any]:
+        """Everything needed to resume: weights, optimizer, normalizer statistics, RNG states, counters."""
+        return {
+            "model": {k: v.cpu() for k, v in self.model.state_dict().items()},
+            "optimizer": self.optimizer.state_dict(),
+            "obs_stats": self.obs_stats.to_dict(),
+            "return_stats": self.return_stats.to_dict(),
+            "version": self.version,
+            "updates_done": self.updates_done,
+            "rng": {
+                "numpy": self.rng.bit_generator.state,
+                "torch": torch.get_rng_state(),
+                "python": random.getstate(),
+            },
+        }
+
+    def load_state(self, state: dict[str, Any]) -> int:
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.obs_stats = RunningStats.from_dict(state["obs_stats"])
+        self.return_stats = RunningStats.from_dict(state["return_stats"])
+        self.version = int(state["version"])
+        self.updates_done = int(state["updates_done"])
+        self.rng.bit_generator.state = state["rng"]["numpy"]
+        torch.set_rng_state(state["rng"]["torch"])
+        random.setstate(state["rng"]["python"])
+        return self.version
+
+
+def state_to_bytes(state: dict[str, Any]) -> bytes:
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    return buf.getvalue()
+
+
+@ray.remote
+class Learner(LearnerCore):
+    """The Ray actor: takes fragment refs, publishes weights as one object per version."""
+
+    def publish(self) -> list[ray.ObjectRef]:
+        # Wrapped in a list so the caller gets the ref itself, not its value.
+        return [ray.put(self.weights())]
+
+    def update_from_refs(self, fragment_refs: list[ray.ObjectRef]) -> dict[str, float]:
+        fetch_start = time.perf_counter()
+        fragments = ray.get(fragment_refs)
+        fetch_time = time.perf_counter() - fetch_start
+        out = self.update(fragments)
+        out["fetch_time_s"] = fetch_time
+        return out
+
+    def get_version(self) -> int:
+        return self.version

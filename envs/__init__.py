@@ -1,0 +1,1 @@
+"""Environments shipped with rlfabric. Installed as ``rlfabric.envs``."""

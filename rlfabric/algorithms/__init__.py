@@ -1,0 +1,1 @@
+"""Algorithms as pure functions over arrays and tensors: no Ray, no I/O."""

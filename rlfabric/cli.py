@@ -1,0 +1,171 @@
+"""The ``rlfabric`` command: train, resume, list and check environments."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+from rlfabric.config import ConfigError, load_config
+
+
+def _default_run_dir(env_id: str) -> Path:
+    name = env_id.replace("gym:", "").replace(":", "_").replace("/", "_")
+    return Path("runs") / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"
+
+
+def _print_summary(summary: dict) -> None:
+    def fmt(v: object) -> str:
+        return f"{v:,.2f}" if isinstance(v, float) else str(v)
+
+    print("\n== rlfabric run summary ==")
+    for key in (
+        "env",
+        "iterations",
+        "env_steps",
+        "episodes",
+        "episode_return_mean",
+        "eval_return_mean",
+        "time_total_s",
+        "env_steps_per_s",
+        "dropped_fragments",
+        "lost_fragments",
+        "runner_restarts",
+    ):
+        print(f"  {key:<20} {fmt(summary.get(key))}")
+    print(f"  {'run dir':<20} {summary['run_dir']}")
+    if summary.get("plot"):
+        print(f"  {'learning curve':<20} {summary['plot']}")
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from rlfabric.driver import Trainer
+
+    if args.resume:
+        if args.config or args.overrides:
+            raise ConfigError("--resume DIR takes the run's saved config; do not pass a config file or overrides")
+        trainer = Trainer.from_run_dir(args.resume, quiet=args.quiet)
+    else:
+        cfg = load_config(args.config, args.overrides)
+        run_dir = Path(args.run_dir) if args.run_dir else _default_run_dir(cfg.env.id)
+        trainer = Trainer(cfg, run_dir, quiet=args.quiet)
+    print(f"rlfabric: training {trainer.cfg.env.id} -> {trainer.run_dir}", file=sys.stderr)
+    try:
+        summary = trainer.train()
+    finally:
+        trainer.close()
+    summary["run_dir"] = str(trainer.run_dir)
+    summary["plot"] = str(summary["plot"]) if summary.get("plot") else None
+    _print_summary(summary)
+    return 0
+
+
+def cmd_envs_list(args: argparse.Namespace) -> int:
+    import gymnasium as gym
+
+    from rlfabric import registry
+
+    _import_user_modules(args.import_modules)
+    print("rlfabric environments (registered and from the 'rlfabric.envs' entry-point group):")
+    for name, source in sorted(registry.list_envs().items()):
+        print(f"  {name:<32} {source}")
+    ids = sorted(gym.registry)
+    if args.all:
+        print(f"Gymnasium environments ({len(ids)}), use as gym:<id>:")
+        for env_id in ids:
+            print(f"  gym:{env_id}")
+    else:
+        print(f"Gymnasium environments: {len(ids)} ids usable as gym:<id> (list them with --all), e.g.")
+        for env_id in ("CartPole-v1", "Pendulum-v1", "HalfCheetah-v5", "Hopper-v5", "Ant-v5"):
+            if env_id in gym.registry:
+                print(f"  gym:{env_id}")
+    print("Any importable callable returning a gymnasium.Env works as package.module:factory.")
+    return 0
+
+
+def cmd_envs_check(args: argparse.Namespace) -> int:
+    import warnings
+
+    from gymnasium.utils.env_checker import check_env
+
+    from rlfabric import registry
+
+    _import_user_modules(args.import_modules)
+    kwargs = json.loads(args.kwargs) if args.kwargs else {}
+    env = registry.make_env(args.name, kwargs)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            check_env(env.unwrapped, skip_render_check=True)
+        except Exception as exc:  # the checker's assertion names the problem
+            print(f"FAIL {args.name}: {exc.__class__.__name__}: {exc}")
+            return 1
+        finally:
+            env.close()
+    print(f"OK {args.name}: observation {env.observation_space}, action {env.action_space}")
+    for w in caught:
+        print(f"  warning: {w.message}")
+    return 0
+
+
+def _import_user_modules(names: list[str] | None) -> None:
+    """Import modules that call register_env, so their names show up."""
+    import importlib
+
+    for name in names or []:
+        importlib.import_module(name)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="rlfabric", description="Distributed RL on Ray.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    train = sub.add_parser("train", help="train a policy (no config: PPO on CartPole-v1 with a local Ray)")
+    train.add_argument("config", nargs="?", help="YAML config file (defaults apply to anything missing)")
+    train.add_argument("overrides", nargs="*", help="dotted overrides, e.g. ppo.lr=1e-3 runners.num_runners=4")
+    train.add_argument("--run-dir", help="where outputs go (default: runs/<env>-<time>)")
+    train.add_argument("--resume", metavar="DIR", help="continue the run in DIR from its latest checkpoint")
+    train.add_argument("--quiet", action="store_true", help="no progress line")
+    train.set_defaults(func=cmd_train)
+
+    envs = sub.add_parser("envs", help="list or check environments").add_subparsers(dest="envs_command", required=True)
+    env_list = envs.add_parser("list", help="show registered, entry-point and Gymnasium environments")
+    env_list.add_argument("--all", action="store_true", help="list every Gymnasium id")
+    env_list.add_argument("--import", dest="import_modules", action="append", help="module to import first")
+    env_list.set_defaults(func=cmd_envs_list)
+    check = envs.add_parser("check", help="run Gymnasium's env checker on an env spec")
+    check.add_argument("name", help="a registered name, gym:<id>, entry-point name or package.module:factory")
+    check.add_argument("--kwargs", help="JSON object of factory keyword arguments")
+    check.add_argument("--import", dest="import_modules", action="append", help="module to import first")
+    check.set_defaults(func=cmd_envs_check)
+    return parser
+
+
+def _split_config_arg(args: argparse.Namespace) -> None:
+    # `rlfabric train key=value` (no config file): the first positional is an override.
+    if args.command == "train" and args.config and "=" in args.config and not os.path.exists(args.config):
+        args.overrides = [args.config, *args.overrides]
+        args.config = None
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    _split_config_arg(args)
+    try:
+        return args.func(args)
+    except ConfigError as exc:
+        print(f"rlfabric: config error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(
+            "\nrlfabric: interrupted; the latest checkpoint is kept (resume with --resume DIR)",
+            file=sys.stderr,
+        )
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

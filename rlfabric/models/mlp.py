@@ -1,0 +1,154 @@
+"""MLP actor-critic: a torch module for the learner and a numpy mirror of its actor for the runners.
+
+Runners act on a handful of observations at a time, where torch's per-op overhead dominates; the numpy mirror
+does the same math in a few microseconds and is tested equal to the torch module.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+import gymnasium as gym
+import numpy as np
+import torch
+from torch import nn
+from torch.distributions import Categorical, Normal
+
+
+@dataclass(frozen=True)
+class ActionSpec:
+    """What the policy head outputs: ``n`` categories (discrete) or an ``n``-dim box (continuous)."""
+
+    kind: Literal["discrete", "continuous"]
+    n: int
+    low: tuple[float, ...] = ()
+    high: tuple[float, ...] = ()
+
+    @classmethod
+    def from_space(cls, space: gym.Space) -> ActionSpec:
+        if isinstance(space, gym.spaces.Discrete):
+            return cls("discrete", int(space.n))
+        if isinstance(space, gym.spaces.Box) and len(space.shape) == 1:
+            return cls("continuous", int(space.shape[0]), tuple(map(float, space.low)), tuple(map(float, space.high)))
+        raise ValueError(
+            f"action space {space} is not supported: use Discrete or a 1-d Box "
+            "(flatten others with a gymnasium wrapper in the env factory)"
+        )
+
+
+def obs_dim_of(space: gym.Space) -> int:
+    if isinstance(space, gym.spaces.Box):
+        return int(np.prod(space.shape))
+    raise ValueError(
+        f"observation space {space} is not supported by the MLP model: use a Box "
+        "(wrap the env with gymnasium.wrappers.FlattenObservation in its factory)"
+    )
+
+
+_ACTIVATIONS = {"tanh": nn.Tanh, "relu": nn.ReLU}
+_NP_ACTIVATIONS = {"tanh": np.tanh, "relu": lambda x: np.maximum(x, 0.0)}
+
+
+def _mlp(in_dim: int, hidden: list[int], out_dim: int, activation: str, out_gain: float) -> nn.Sequential:
+    """Orthogonal init (sqrt(2) hidden, ``out_gain`` last), zero biases: the usual PPO recipe."""
+    layers: list[nn.Module] = []
+    dims = [in_dim, *hidden]
+    for a, b in zip(dims[:-1], dims[1:], strict=True):
+        linear = nn.Linear(a, b)
+        nn.init.orthogonal_(linear.weight, math.sqrt(2))
+        nn.init.zeros_(linear.bias)
+        layers += [linear, _ACTIVATIONS[activation]()]
+    last = nn.Linear(dims[-1], out_dim)
+    nn.init.orthogonal_(last.weight, out_gain)
+    nn.init.zeros_(last.bias)
+    layers.append(last)
+    return nn.Sequential(*layers)
+
+
+class ActorCritic(nn.Module):
+    """Separate actor and critic MLPs; a categorical head or a Gaussian with state-independent log std."""
+
+    def __init__(
+        self,
+        obs_dim: int,
+        action: ActionSpec,
+        hidden_sizes: list[int],
+        activation: str = "tanh",
+        init_log_std: float = 0.0,
+    ) -> None:
+        super().__init__()
+        self.action = action
+        self.activation = activation
+        self.actor = _mlp(obs_dim, hidden_sizes, action.n, activation, out_gain=0.01)
+        self.critic = _mlp(obs_dim, hidden_sizes, 1, activation, out_gain=1.0)
+        if action.kind == "continuous":
+            self.log_std = nn.Parameter(torch.full((action.n,), float(init_log_std)))
+
+    def distribution(self, obs: torch.Tensor) -> torch.distributions.Distribution:
+        out = self.actor(obs)
+        if self.action.kind == "discrete":
+            return Categorical(logits=out)
+        return Normal(out, self.log_std.exp().expand_as(out))
+
+    def value(self, obs: torch.Tensor) -> torch.Tensor:
+        return self.critic(obs).squeeze(-1)
+
+    def evaluate(self, obs: torch.Tensor, actions: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """(log pi(a|s), entropy, V(s)) for a batch; Gaussian terms are summed over action dims."""
+        dist = self.distribution(obs)
+        logp = dist.log_prob(actions)
+        entropy = dist.entropy()
+        if self.action.kind == "continuous":
+            logp, entropy = logp.sum(-1), entropy.sum(-1)
+        return logp, entropy, self.value(obs)
+
+    def actor_arrays(self) -> dict:
+        """The actor's parameters as numpy arrays, the form runners receive."""
+        linears = [m for m in self.actor if isinstance(m, nn.Linear)]
+        arrays = {
+            "weights": [m.weight.detach().cpu().numpy().T.copy() for m in linears],
+            "biases": [m.bias.detach().cpu().numpy().copy() for m in linears],
+            "activation": self.activation,
+            "action": self.action,
+        }
+        if self.action.kind == "continuous":
+            arrays["log_std"] = self.log_std.detach().cpu().numpy().copy()
+        return arrays
+
+
+class NumpyPolicy:
+    """The actor's forward pass and sampling in numpy, from ``ActorCritic.actor_arrays()``."""
+
+    def __init__(self, arrays: dict) -> None:
+        self.weights = [w.astype(np.float32) for w in arrays["weights"]]
+        self.biases = [b.astype(np.float32) for b in arrays["biases"]]
+        self.act_fn = _NP_ACTIVATIONS[arrays["activation"]]
+        self.action: ActionSpec = arrays["action"]
+        if self.action.kind == "continuous":
+            self.log_std = arrays["log_std"].astype(np.float64)
+            self.std = np.exp(self.log_std)
+
+    def forward(self, obs: np.ndarray) -> np.ndarray:
+        h = obs
+        for w, b in zip(self.weights[:-1], self.biases[:-1], strict=True):
+            h = self.act_fn(h @ w + b)
+        return h @ self.weights[-1] + self.biases[-1]
+
+    def act(self, obs: np.ndarray, rng: np.random.Generator, deterministic: bool = False) -> tuple:
+        """Sample actions for a batch of observations; returns (actions, log-probabilities)."""
+        out = self.forward(obs).astype(np.float64)
+        if self.action.kind == "discrete":
+            logits = out - out.max(axis=-1, keepdims=True)
+            log_probs = logits - np.log(np.exp(logits).sum(axis=-1, keepdims=True))
+            if deterministic:
+                actions = log_probs.argmax(axis=-1)
+            else:  # Gumbel-max: one vectorized draw per row
+                actions = (log_probs + rng.gumbel(size=log_probs.shape)).argmax(axis=-1)
+            logp = np.take_along_axis(log_probs, actions[:, None], axis=-1)[:, 0]
+            return actions.astype(np.int64), logp.astype(np.float32)
+        noise = np.zeros_like(out) if deterministic else rng.standard_normal(out.shape)
+        actions = out + self.std * noise
+        logp = (-0.5 * noise**2 - self.log_std - 0.5 * math.log(2 * math.pi)).sum(axis=-1)
+        return actions.astype(np.float32), logp.astype(np.float32)

@@ -1,0 +1,106 @@
+"""A run's outputs: resolved config, metrics.jsonl, TensorBoard events, progress line, plot and summary."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from rlfabric.config import Config, dump_config
+
+METRICS_FILE = "metrics.jsonl"
+CONFIG_FILE = "config.yaml"
+PLOT_FILE = "learning_curve.png"
+SUMMARY_FILE = "summary.json"
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+class RunLog:
+    def __init__(self, run_dir: Path, cfg: Config, resume: bool = False, quiet: bool = False) -> None:
+        self.run_dir = run_dir
+        run_dir.mkdir(parents=True, exist_ok=True)
+        if not resume:
+            (run_dir / CONFIG_FILE).write_text(dump_config(cfg))
+            (run_dir / METRICS_FILE).write_text("")
+        self.metrics_file = open(run_dir / METRICS_FILE, "a")  # noqa: SIM115 - kept open for the run
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.tb = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
+        self.quiet = quiet
+        self.tty = sys.stderr.isatty()
+        self.last_print = 0.0
+        self.total_env_steps = cfg.training.total_env_steps
+
+    def log(self, row: dict[str, Any]) -> None:
+        clean = {k: _jsonable(v) for k, v in row.items()}
+        self.metrics_file.write(json.dumps(clean) + "\n")
+        self.metrics_file.flush()
+        step = int(row["env_steps"])
+        for key, value in row.items():
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and key != "env_steps":
+                self.tb.add_scalar(key, value, step)
+        self.progress(row)
+
+    def progress(self, row: dict[str, Any]) -> None:
+        if self.quiet:
+            return
+        now = time.monotonic()
+        if not self.tty and now - self.last_print < 2.0:  # a log file gets a line every 2 s at most
+            return
+        self.last_print = now
+        ret = row.get("episode_return_mean")
+        pct = 100.0 * row["env_steps"] / self.total_env_steps
+        line = (
+            f"iter {row['iteration']:>4} | env steps {row['env_steps']:>10,} ({pct:5.1f}%) | "
+            f"{row['env_steps_per_s']:>8,.0f} steps/s | return {'   n/a' if ret is None else f'{ret:9.2f}'} | "
+            f"v{row['policy_version']} dropped {row['dropped_fragments']} restarts {row['runner_restarts']}"
+        )
+        print(("\r" + line) if self.tty else line, end="" if self.tty else "\n", file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if self.tty and not self.quiet:
+            print(file=sys.stderr)
+        self.metrics_file.close()
+        self.tb.close()
+
+
+def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
+    path = run_dir / METRICS_FILE
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def plot_learning_curve(run_dir: Path, title: str) -> Path | None:
+    """env steps vs episode_return_mean, as a PNG; None when there is nothing to plot."""
+    rows = [r for r in read_metrics(run_dir) if r.get("episode_return_mean") is not None]
+    if not rows:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
+    ax.plot([r["env_steps"] for r in rows], [r["episode_return_mean"] for r in rows], lw=1.5)
+    ax.set_xlabel("env steps")
+    ax.set_ylabel("episode return (mean)")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    path = run_dir / PLOT_FILE
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def write_summary(run_dir: Path, summary: dict[str, Any]) -> None:
+    (run_dir / SUMMARY_FILE).write_text(json.dumps({k: _jsonable(v) for k, v in summary.items()}, indent=2) + "\n")
