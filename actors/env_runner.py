@@ -152,6 +152,9 @@ class EnvRunner(EnvRunnerCore):
     def pid(self) -> int:
         return os.getpid()
 
+    def node_id(self) -> str:
+        return ray.get_runtime_context().get_node_id()
+
     @ray.method(num_returns=2)
     def sample(self) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
         return super().sample()

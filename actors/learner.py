@@ -65,7 +65,8 @@ class LearnerCore:
         if len(obs) == 0:
             return np.zeros(0, np.float32)
         with torch.no_grad():
-            return self.model.value(torch.as_tensor(obs, device=self.device)).cpu().numpy()
+            # Fragments arrive read-only (zero-copy from the object store); torch wants a writable array.
+            return self.model.value(torch.as_tensor(np.array(obs), device=self.device)).cpu().numpy()
 
     def _advantages(self, frag: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Values, GAE advantages and returns for one fragment, flattened to [T * N]."""

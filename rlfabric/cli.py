@@ -5,11 +5,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 import time
 from pathlib import Path
 
 from rlfabric.config import ConfigError, load_config
+
+_ANSI_COLOR = re.compile(r"\x1b\[[0-9;]*m")
 
 
 def _default_run_dir(env_id: str) -> Path:
@@ -45,9 +48,9 @@ def cmd_train(args: argparse.Namespace) -> int:
     from rlfabric.driver import Trainer
 
     if args.resume:
-        if args.config or args.overrides:
-            raise ConfigError("--resume DIR takes the run's saved config; do not pass a config file or overrides")
-        trainer = Trainer.from_run_dir(args.resume, quiet=args.quiet)
+        if args.config:
+            raise ConfigError("--resume DIR uses the run's saved config; pass only key=value overrides, not a file")
+        trainer = Trainer.from_run_dir(args.resume, args.overrides, quiet=args.quiet)
     else:
         cfg = load_config(args.config, args.overrides)
         run_dir = Path(args.run_dir) if args.run_dir else _default_run_dir(cfg.env.id)
@@ -107,7 +110,7 @@ def cmd_envs_check(args: argparse.Namespace) -> int:
             env.close()
     print(f"OK {args.name}: observation {env.observation_space}, action {env.action_space}")
     for w in caught:
-        print(f"  warning: {w.message}")
+        print("  warning:", _ANSI_COLOR.sub("", str(w.message)))
     return 0
 
 

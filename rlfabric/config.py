@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -58,16 +59,17 @@ class ModelConfig:
 
 @dataclass
 class PPOConfig:
-    train_batch_size: int = 2048
-    num_epochs: int = 10
-    minibatch_size: int = 64
-    lr: float = 3e-4
+    # Defaults are RL Baselines3 Zoo's tuned CartPole-v1 values (the default env); examples/ has others.
+    train_batch_size: int = 256
+    num_epochs: int = 20
+    minibatch_size: int = 256
+    lr: float = 1e-3
     anneal_lr: bool = True
-    gamma: float = 0.99
-    gae_lambda: float = 0.95
+    gamma: float = 0.98
+    gae_lambda: float = 0.8
     clip_coef: float = 0.2
     # Clip the value loss around the old values (CleanRL / baselines "clip_vloss").
-    clip_value_loss: bool = True
+    clip_value_loss: bool = False
     ent_coef: float = 0.0
     vf_coef: float = 0.5
     max_grad_norm: float = 0.5
@@ -82,7 +84,7 @@ class PPOConfig:
 
 @dataclass
 class TrainingConfig:
-    total_env_steps: int = 200_000
+    total_env_steps: int = 150_000
     # 0: synchronous. k > 0: runners keep sampling while the learner updates; fragments made by a policy more
     # than k versions old are dropped and counted.
     max_policy_lag: int = 0
@@ -207,8 +209,9 @@ def _coerce(value: Any, tp: Any, path: str) -> Any:
     raise TypeError(f"unsupported config annotation {tp!r} at {path}")
 
 
-def _unknown_key_error(cls: type, key: str, path: str) -> ConfigError:
+def _unknown_key_error(cls: type, key: Any, path: str) -> ConfigError:
     names = [f.name for f in dataclasses.fields(cls)]
+    key = str(key)  # YAML reads keys like 2048, null or yes as int, None or bool
     full = f"{path}.{key}" if path else key
     hint = difflib.get_close_matches(key, names, n=1)
     suggestion = f" (did you mean {hint[0]!r}?)" if hint else ""
@@ -256,7 +259,8 @@ def validate(cfg: Config) -> Config:
         f"must be between 1 and ppo.train_batch_size ({p.train_batch_size})",
     )
     _require(p.num_epochs >= 1, "ppo.num_epochs", p.num_epochs, "must be at least 1")
-    _require(p.lr > 0, "ppo.lr", p.lr, "must be > 0")
+    _require(0 < p.lr < math.inf, "ppo.lr", p.lr, "must be a finite number > 0")
+    _require(p.target_kl is None or p.target_kl > 0, "ppo.target_kl", p.target_kl, "must be > 0 or null")
     _require(0 <= p.gamma <= 1, "ppo.gamma", p.gamma, "must be in [0, 1]")
     _require(0 <= p.gae_lambda <= 1, "ppo.gae_lambda", p.gae_lambda, "must be in [0, 1]")
     _require(p.clip_coef > 0, "ppo.clip_coef", p.clip_coef, "must be > 0")

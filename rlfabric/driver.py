@@ -20,8 +20,8 @@ import torch
 from rlfabric import registry
 from rlfabric.actors.env_runner import EnvRunner
 from rlfabric.actors.learner import Learner
-from rlfabric.config import Config, ConfigError, config_from_dict
-from rlfabric.run_log import RunLog, plot_learning_curve, write_summary
+from rlfabric.config import Config, ConfigError, load_config
+from rlfabric.run_log import CONFIG_FILE, RunLog, plot_learning_curve, write_summary
 from rlfabric.runner_pool import Completed, RunnerPool
 
 CHECKPOINT_DIR = "checkpoints"
@@ -85,14 +85,17 @@ class Trainer:
         self._lost_before = 0
 
     @classmethod
-    def from_run_dir(cls, run_dir: str | Path, quiet: bool = False) -> Trainer:
-        """A trainer that continues the run saved in ``run_dir`` (config and latest checkpoint)."""
+    def from_run_dir(cls, run_dir: str | Path, overrides: list[str] | None = None, quiet: bool = False) -> Trainer:
+        """A trainer that continues the run saved in ``run_dir`` from its latest checkpoint.
+
+        ``overrides`` change the saved config (e.g. ``training.total_env_steps=2000000`` to train longer).
+        """
         run_dir = Path(run_dir)
+        if not (run_dir / CONFIG_FILE).is_file():
+            raise ConfigError(f"--resume {str(run_dir)!r}: not a run directory (no {CONFIG_FILE})")
         if latest_checkpoint(run_dir) is None:
             raise ConfigError(f"--resume {str(run_dir)!r}: no checkpoint found under {CHECKPOINT_DIR}/")
-        import yaml
-
-        cfg = config_from_dict(yaml.safe_load((run_dir / "config.yaml").read_text()))
+        cfg = load_config(run_dir / CONFIG_FILE, overrides)
         return cls(cfg, run_dir, resume=True, quiet=quiet)
 
     # -- setup ------------------------------------------------------------------------------------------
@@ -158,7 +161,9 @@ class Trainer:
             ray.get(self.learner.load_state.remote(checkpoint["learner"]))
             self._restarts_before = self.progress.runner_restarts
             self._lost_before = self.progress.lost_fragments
-        self.log = RunLog(self.run_dir, self.cfg, resume=self.resume, quiet=self.quiet)
+        self.log = RunLog(
+            self.run_dir, self.cfg, resume_at=self.progress.iteration if self.resume else None, quiet=self.quiet
+        )
         self._publish()
 
     def _publish(self) -> None:

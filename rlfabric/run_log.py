@@ -24,12 +24,14 @@ def _jsonable(value: Any) -> Any:
 
 
 class RunLog:
-    def __init__(self, run_dir: Path, cfg: Config, resume: bool = False, quiet: bool = False) -> None:
+    def __init__(self, run_dir: Path, cfg: Config, resume_at: int | None = None, quiet: bool = False) -> None:
+        """Start a run's outputs; ``resume_at`` (a checkpoint's iteration) keeps the metrics up to it."""
         self.run_dir = run_dir
         run_dir.mkdir(parents=True, exist_ok=True)
-        if not resume:
-            (run_dir / CONFIG_FILE).write_text(dump_config(cfg))
-            (run_dir / METRICS_FILE).write_text("")
+        (run_dir / CONFIG_FILE).write_text(dump_config(cfg))
+        kept = [r for r in read_metrics(run_dir) if r["iteration"] <= resume_at] if resume_at is not None else []
+        # Rows logged after the checkpoint are redone by the resumed run; drop them so none appear twice.
+        (run_dir / METRICS_FILE).write_text("".join(json.dumps(r) + "\n" for r in kept))
         self.metrics_file = open(run_dir / METRICS_FILE, "a")  # noqa: SIM115 - kept open for the run
         from torch.utils.tensorboard import SummaryWriter
 

@@ -89,8 +89,8 @@ class ActorCritic(nn.Module):
     def distribution(self, obs: torch.Tensor) -> torch.distributions.Distribution:
         out = self.actor(obs)
         if self.action.kind == "discrete":
-            return Categorical(logits=out)
-        return Normal(out, self.log_std.exp().expand_as(out))
+            return Categorical(logits=out, validate_args=False)
+        return Normal(out, self.log_std.exp().expand_as(out), validate_args=False)
 
     def value(self, obs: torch.Tensor) -> torch.Tensor:
         return self.critic(obs).squeeze(-1)

@@ -1,0 +1,316 @@
+"""Config loading: every error is one line naming the field; the CLI reports it before Ray starts."""
+
+import subprocess
+import sys
+import time
+
+import pytest
+
+from rlfabric.config import Config, ConfigError, apply_overrides, config_from_dict, load_config, parse_override
+
+
+def _error(data) -> str:
+    with pytest.raises(ConfigError) as info:
+        config_from_dict(data)
+    message = str(info.value)
+    assert "\n" not in message
+    return message
+
+
+def test_defaults():
+    cfg = config_from_dict(None)
+    assert isinstance(cfg, Config)
+    assert cfg == Config()  # missing sections and keys take the dataclass defaults
+    assert cfg.env.id == "gym:CartPole-v1"
+    assert isinstance(cfg.ppo.lr, float) and cfg.ppo.lr > 0
+    envs = cfg.runners.num_runners * cfg.runners.envs_per_runner
+    assert cfg.fragment_length * envs == cfg.ppo.train_batch_size
+    assert config_from_dict({}) == cfg
+    assert load_config(None) == cfg
+    # a partial section keeps the defaults of its other keys
+    partial = config_from_dict({"ppo": {"lr": 0.123}})
+    assert partial.ppo.lr == 0.123 and partial.ppo.gamma == cfg.ppo.gamma and partial.runners == cfg.runners
+
+
+# -- unknown keys ---------------------------------------------------------------------------------------
+
+
+def test_unknown_nested_key_names_dotted_path_and_suggests():
+    message = _error({"ppo": {"lrr": 1e-3}})
+    assert "'ppo.lrr'" in message
+    assert "did you mean 'lr'?" in message
+
+
+def test_unknown_top_level_key_suggests_section():
+    message = _error({"runner": {"num_runners": 2}})
+    assert "'runner'" in message
+    assert "did you mean 'runners'?" in message
+
+
+def test_unknown_key_without_close_match_lists_allowed():
+    message = _error({"training": {"zzzzzz": 1}})
+    assert "'training.zzzzzz'" in message
+    assert "did you mean" not in message
+    assert "total_env_steps" in message  # lists what is allowed here
+
+
+@pytest.mark.parametrize(
+    "data",
+    [{2048: 1}, {"ppo": {None: 1}}, {True: {}}],  # what YAML makes of the keys `2048:`, `null:` and `on:`
+    ids=["int", "null", "bool"],
+)
+def test_non_string_key_is_a_config_error(data):
+    message = _error(data)
+    assert "unknown config key" in message
+
+
+@pytest.mark.parametrize("field, value", [("ppo.lr", float("inf")), ("ppo.target_kl", -0.01)])
+def test_out_of_range_float_names_the_field(field, value):
+    section, key = field.split(".")
+    message = _error({section: {key: value}})
+    assert message.startswith(f"{field} = ")
+
+
+def test_config_must_be_a_mapping():
+    assert "mapping" in _error([1, 2])
+
+
+# -- types ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "data, field, bad, expected",
+    [
+        ({"ppo": {"num_epochs": "ten"}}, "ppo.num_epochs", "'ten'", "an integer"),
+        ({"ppo": {"num_epochs": 2.5}}, "ppo.num_epochs", "2.5", "an integer"),
+        ({"ppo": {"num_epochs": True}}, "ppo.num_epochs", "True", "an integer"),
+        ({"ppo": {"lr": "fast"}}, "ppo.lr", "'fast'", "a number"),
+        ({"ppo": {"anneal_lr": "yes"}}, "ppo.anneal_lr", "'yes'", "true or false"),
+        ({"ppo": {"target_kl": "x"}}, "ppo.target_kl", "'x'", "a number or null"),
+        ({"model": {"activation": "gelu"}}, "model.activation", "'gelu'", "one of 'tanh', 'relu'"),
+        ({"model": {"hidden_sizes": 64}}, "model.hidden_sizes", "64", "a list"),
+        ({"model": {"hidden_sizes": [64, "x"]}}, "model.hidden_sizes[1]", "'x'", "an integer"),
+        ({"env": {"id": 5}}, "env.id", "5", "a string"),
+        ({"env": {"kwargs": [1]}}, "env.kwargs", "[1]", "a mapping"),
+        ({"runners": {"resources": {"gpu_node": "one"}}}, "runners.resources.gpu_node", "'one'", "a number"),
+        ({"ppo": 3}, "ppo", "3", "a mapping"),
+    ],
+)
+def test_wrong_type_names_field_value_and_expected_type(data, field, bad, expected):
+    message = _error(data)
+    assert message.startswith(f"{field} = {bad} is not valid: expected ")
+    assert expected in message
+
+
+def test_numbers_are_coerced():
+    cfg = config_from_dict(
+        {"ppo": {"lr": "3e-4", "num_epochs": 4.0, "gamma": 1, "target_kl": "0.02"}, "training": {"stop_return": 5}}
+    )
+    assert cfg.ppo.lr == 3e-4 and isinstance(cfg.ppo.lr, float)
+    assert cfg.ppo.num_epochs == 4 and isinstance(cfg.ppo.num_epochs, int)
+    assert cfg.ppo.gamma == 1.0 and isinstance(cfg.ppo.gamma, float)
+    assert cfg.ppo.target_kl == 0.02
+    assert cfg.training.stop_return == 5.0
+    assert config_from_dict({"ppo": {"target_kl": None}}).ppo.target_kl is None
+
+
+def test_yaml_3e_minus_4_string_accepted_as_float(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("ppo:\n  lr: 3e-4\n  ent_coef: 1e-2\n")  # YAML 1.1 reads both as strings
+    cfg = load_config(path)
+    assert cfg.ppo.lr == pytest.approx(3e-4) and isinstance(cfg.ppo.lr, float)
+    assert cfg.ppo.ent_coef == pytest.approx(1e-2)
+    assert load_config(None, ["ppo.lr=5e-4"]).ppo.lr == pytest.approx(5e-4)
+
+
+# -- ranges ---------------------------------------------------------------------------------------------
+
+
+def test_train_batch_size_must_be_multiple_of_total_envs():
+    message = _error({"runners": {"num_runners": 3, "envs_per_runner": 4}, "ppo": {"train_batch_size": 100}})
+    assert message.startswith("ppo.train_batch_size = 100 is not valid:")
+    assert "12" in message
+    # a multiple is fine, and sets the fragment length
+    cfg = config_from_dict(
+        {"runners": {"num_runners": 3, "envs_per_runner": 4}, "ppo": {"train_batch_size": 120, "minibatch_size": 60}}
+    )
+    assert cfg.fragment_length == 10
+
+
+_EIGHT_ENVS = {"num_runners": 2, "envs_per_runner": 4}
+
+
+@pytest.mark.parametrize(
+    "data, field",
+    [
+        ({"runners": {"num_runners": 0}}, "runners.num_runners"),
+        ({"runners": {"envs_per_runner": -1}}, "runners.envs_per_runner"),
+        ({"runners": {"sample_timeout_s": 0}}, "runners.sample_timeout_s"),
+        ({"runners": _EIGHT_ENVS, "ppo": {"train_batch_size": 4}}, "ppo.train_batch_size"),  # fewer than the envs
+        ({"runners": _EIGHT_ENVS, "ppo": {"train_batch_size": 64, "minibatch_size": 65}}, "ppo.minibatch_size"),
+        ({"runners": _EIGHT_ENVS, "ppo": {"train_batch_size": 64, "minibatch_size": 0}}, "ppo.minibatch_size"),
+        ({"ppo": {"num_epochs": 0}}, "ppo.num_epochs"),
+        ({"ppo": {"lr": 0}}, "ppo.lr"),
+        ({"ppo": {"gamma": 1.5}}, "ppo.gamma"),
+        ({"ppo": {"gae_lambda": -0.1}}, "ppo.gae_lambda"),
+        ({"ppo": {"clip_coef": 0}}, "ppo.clip_coef"),
+        ({"ppo": {"max_grad_norm": -1}}, "ppo.max_grad_norm"),
+        ({"training": {"total_env_steps": 0}}, "training.total_env_steps"),
+        ({"training": {"max_policy_lag": -1}}, "training.max_policy_lag"),
+        ({"training": {"eval_episodes": -2}}, "training.eval_episodes"),
+        ({"model": {"hidden_sizes": []}}, "model.hidden_sizes"),
+        ({"model": {"hidden_sizes": [64, 0]}}, "model.hidden_sizes"),
+    ],
+)
+def test_out_of_range_values(data, field):
+    message = _error(data)
+    assert message.startswith(f"{field} = ")
+    assert "is not valid" in message
+
+
+def test_boundary_values_are_accepted():
+    cfg = config_from_dict(
+        {
+            "runners": _EIGHT_ENVS,
+            "ppo": {"train_batch_size": 8, "gamma": 1, "gae_lambda": 0, "minibatch_size": 8},
+            "training": {"max_policy_lag": 0},
+        }
+    )
+    assert cfg.ppo.gamma == 1.0 and cfg.ppo.gae_lambda == 0.0 and cfg.ppo.minibatch_size == 8
+    assert cfg.fragment_length == 1
+
+
+# -- overrides ------------------------------------------------------------------------------------------
+
+
+def test_apply_overrides_nested_keys_and_yaml_values():
+    data = {"ppo": {"lr": 1e-3}, "env": {"id": "gym:Pendulum-v1"}}
+    out = apply_overrides(
+        data,
+        ["ppo.gamma=0.9", "env.kwargs.g=9.81", "model.hidden_sizes=[32, 16]", "ppo.target_kl=null", "env.id=x"],
+    )
+    assert out == {
+        "ppo": {"lr": 1e-3, "gamma": 0.9, "target_kl": None},
+        "env": {"id": "x", "kwargs": {"g": 9.81}},
+        "model": {"hidden_sizes": [32, 16]},
+    }
+    assert data == {"ppo": {"lr": 1e-3}, "env": {"id": "gym:Pendulum-v1"}}  # input untouched
+
+
+def test_overrides_win_over_the_file_and_later_over_earlier(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("ppo:\n  lr: 0.001\n  gamma: 0.98\nrunners:\n  num_runners: 1\n")
+    cfg = load_config(path, ["ppo.lr=0.002", "runners.envs_per_runner=2", "ppo.lr=0.005"])
+    assert cfg.ppo.lr == 0.005
+    assert cfg.ppo.gamma == 0.98  # untouched by the override of a sibling
+    assert cfg.runners.num_runners == 1 and cfg.runners.envs_per_runner == 2
+
+
+def test_override_errors_are_validated_like_the_file():
+    with pytest.raises(ConfigError, match=r"^unknown config key 'ppo\.lrr' \(did you mean 'lr'\?\)"):
+        load_config(None, ["ppo.lrr=0.1"])
+    with pytest.raises(ConfigError, match=r"^ppo\.lr = 'abc' is not valid: expected a number$"):
+        load_config(None, ["ppo.lr=abc"])
+
+
+@pytest.mark.parametrize("text", ["ppo.lr", "ppo.lr 3e-4", ""])
+def test_override_without_equals_is_rejected(text):
+    with pytest.raises(ConfigError, match="expected key=value"):
+        parse_override(text)
+    with pytest.raises(ConfigError, match="expected key=value"):
+        load_config(None, [text])
+
+
+@pytest.mark.parametrize("text", ["=3", "ppo..lr=3", ".lr=3", "ppo.=3"])
+def test_override_with_empty_key_parts_is_rejected(text):
+    with pytest.raises(ConfigError, match="dotted names"):
+        parse_override(text)
+
+
+def test_override_through_a_non_section_is_rejected():
+    with pytest.raises(ConfigError, match=r"ppo\.lr is not a section"):
+        apply_overrides({"ppo": {"lr": 1e-3}}, ["ppo.lr.x=1"])
+
+
+def test_parse_override_reads_values_as_yaml():
+    assert parse_override("a.b=3") == (["a", "b"], 3)
+    assert parse_override("a=true") == (["a"], True)
+    assert parse_override("a=x=y") == (["a"], "x=y")
+    assert parse_override("a=") == (["a"], "")
+
+
+def test_load_config_file_errors(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "missing.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("ppo: [unclosed\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(bad)
+    listy = tmp_path / "list.yaml"
+    listy.write_text("- 1\n- 2\n")
+    with pytest.raises(ConfigError, match="mapping at the top level"):
+        load_config(listy)
+    empty = tmp_path / "empty.yaml"
+    empty.write_text("")
+    assert load_config(empty) == Config()
+
+
+# -- the CLI --------------------------------------------------------------------------------------------
+
+# id -> (config file text or None, overrides, substrings the one error line must contain)
+CLI_CASES = {
+    "unknown-key": ("ppo:\n  lrr: 0.001\n", [], ["'ppo.lrr'", "did you mean 'lr'?"]),
+    # no config file: the first positional is an override
+    "wrong-type": (None, ["ppo.lr=abc"], ["ppo.lr = 'abc'", "expected a number"]),
+    "unknown-gym-env": ("training:\n  seed: 3\n", ["env.id=gym:NoSuchEnv-v0"], ["env.id = 'gym:NoSuchEnv-v0'"]),
+    "unknown-env-name": ("{}\n", ["env.id=not_a_registered_name"], ["env.id = 'not_a_registered_name'"]),
+    "non-string-key": ("2048: 1\n", [], ["2048"]),
+}
+
+
+@pytest.fixture(scope="module")
+def cli_runs(tmp_path_factory):
+    """Run every CLI case at once (each is a fresh interpreter importing torch and ray: seconds apiece)."""
+    procs = {}
+    start = time.perf_counter()
+    for case, (yaml_text, overrides, _) in CLI_CASES.items():
+        folder = tmp_path_factory.mktemp(case)
+        args = list(overrides)
+        if yaml_text is not None:
+            (folder / "run.yaml").write_text(yaml_text)
+            args.insert(0, str(folder / "run.yaml"))
+        procs[case] = (
+            folder,
+            subprocess.Popen(
+                [sys.executable, "-m", "rlfabric.cli", "train", *args],
+                cwd=folder,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            ),
+        )
+    results = {}
+    for case, (folder, proc) in procs.items():
+        try:
+            out, err = proc.communicate(timeout=120)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, err = proc.communicate()
+        results[case] = (folder, proc.returncode, out, err, time.perf_counter() - start)
+    return results
+
+
+@pytest.mark.parametrize("case", list(CLI_CASES))
+def test_cli_config_error_is_one_line_exit_2_before_ray(cli_runs, case):
+    folder, returncode, out, err, elapsed = cli_runs[case]
+    assert returncode == 2, err
+    assert "Traceback" not in err and "Traceback" not in out
+    lines = err.splitlines()
+    assert len(lines) == 1, err
+    assert lines[0].startswith("rlfabric: config error:")
+    for name in CLI_CASES[case][2]:
+        assert name in lines[0]
+    assert out == ""
+    # it failed before anything started: no Ray session logged, no run directory written, and quickly
+    assert not (folder / "runs").exists()
+    assert elapsed < 60

@@ -1,0 +1,167 @@
+"""End-to-end training on a local Ray: learning, sync/async, resume, and the CLI's outputs."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import ray
+import torch
+
+from rlfabric.config import config_from_dict
+from rlfabric.driver import Trainer, latest_checkpoint
+
+
+def _rows(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.slow
+def test_cartpole_learns_to_475(local_ray, tmp_path):
+    """The default PPO config reaches a 100-episode mean return of 475 on CartPole-v1 (seeded)."""
+    cfg = config_from_dict({"training": {"seed": 0, "stop_return": 475.0, "total_env_steps": 250_000}})
+    trainer = Trainer(cfg, tmp_path, quiet=True)
+    try:
+        summary = trainer.train()
+    finally:
+        trainer.close()
+    assert summary["episode_return_mean"] >= 475, summary
+    assert summary["env_steps"] < 250_000  # stopped by stop_return, not by the budget
+    assert summary["eval_return_mean"] >= 475, summary
+    rows = _rows(tmp_path)
+    assert [r["iteration"] for r in rows] == list(range(1, len(rows) + 1))
+    assert all(r["policy_lag_mean"] == 0 for r in rows)  # max_policy_lag 0 is synchronous
+    assert rows[0]["episode_return_mean"] < 100  # it really learned
+    for name in ("config.yaml", "summary.json", "learning_curve.png"):
+        assert (tmp_path / name).is_file(), name
+    assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
+    assert latest_checkpoint(tmp_path) is not None
+
+
+def test_gaussian_policy_improves_on_point_mass(local_ray, tmp_path):
+    """The continuous path (Gaussian policy, obs and reward normalization) learns on the shipped PointMass env."""
+    cfg = config_from_dict(
+        {
+            "env": {"id": "rlfabric/PointMass-v0"},
+            "ppo": {
+                "train_batch_size": 2048,
+                "minibatch_size": 256,
+                "num_epochs": 10,
+                "lr": 3e-4,
+                "gamma": 0.99,
+                "gae_lambda": 0.95,
+                "normalize_obs": True,
+                "normalize_reward": True,
+                "clip_value_loss": True,
+            },
+            "training": {"total_env_steps": 60_000, "seed": 3, "eval_episodes": 20},
+        }
+    )
+    trainer = Trainer(cfg, tmp_path, quiet=True)
+    try:
+        trainer.train()
+    finally:
+        trainer.close()
+    rows = _rows(tmp_path)
+    first, last = rows[0]["episode_return_mean"], rows[-1]["episode_return_mean"]
+    assert last > first + 10, (first, last)
+
+
+def test_async_mode_bounds_policy_lag(local_ray, tmp_path):
+    """max_policy_lag=1: runners sample during updates; no trained fragment is more than one version old."""
+    cfg = config_from_dict({"training": {"max_policy_lag": 1, "total_env_steps": 20_000, "eval_episodes": 0}})
+    trainer = Trainer(cfg, tmp_path, quiet=True)
+    try:
+        trainer.train()
+    finally:
+        trainer.close()
+    rows = _rows(tmp_path)
+    lags = [r["policy_lag_mean"] for r in rows]
+    assert max(lags) <= 1.0
+    assert max(lags) > 0  # some fragments really were sampled during an update
+    assert rows[-1]["env_steps"] >= 20_000
+    assert rows[-1]["env_steps_sampled"] >= rows[-1]["env_steps"]
+
+
+def test_stale_fragments_are_dropped_and_counted(local_ray, tmp_path):
+    """A fragment older than max_policy_lag versions never reaches the learner; the drop is counted."""
+    from rlfabric.runner_pool import Completed
+
+    cfg = config_from_dict({"training": {"max_policy_lag": 1}})
+    trainer = Trainer(cfg, tmp_path, quiet=True)
+    trainer.version = 5
+    buffer: list = []
+    meta = {"env_steps": 256, "episode_returns": [10.0], "episode_lengths": [10]}
+    for version in (5, 4, 3, 0):
+        trainer._accept(Completed(0, {**meta, "version": version}, None), buffer)
+    assert [c.meta["version"] for c in buffer] == [5, 4]
+    assert trainer.progress.dropped_fragments == 2
+    assert trainer.progress.env_steps_sampled == 4 * 256
+
+
+def test_resume_continues_at_the_same_step_and_statistics(local_ray, tmp_path):
+    """A run interrupted from the CLI resumes from its checkpoint with the same env step and normalizer stats."""
+    run_dir = tmp_path / "run"
+    cmd = [
+        sys.executable, "-m", "rlfabric.cli", "train", "training.total_env_steps=1000000",
+        "training.checkpoint_every=3", "ppo.normalize_obs=true", "ppo.normalize_reward=true",
+        "--run-dir", str(run_dir), "--quiet",
+    ]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not (run_dir / "checkpoints" / "iter_000006.pt").exists():
+            assert proc.poll() is None, proc.communicate()
+            assert time.monotonic() < deadline, "no checkpoint within 120 s"
+            time.sleep(0.2)
+    finally:
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err
+    assert "resume with --resume" in err
+
+    ckpt = torch.load(latest_checkpoint(run_dir), weights_only=False)
+    saved_iter, saved_steps = ckpt["progress"]["iteration"], ckpt["progress"]["env_steps"]
+    assert saved_iter >= 6
+
+    trainer = Trainer.from_run_dir(run_dir, [f"training.total_env_steps={saved_steps + 2048}"], quiet=True)
+    try:
+        trainer.setup()
+        assert trainer.progress.env_steps == saved_steps
+        state = ray.get(trainer.learner.state.remote())
+        for key in ("count", "mean", "m2"):
+            np.testing.assert_array_equal(state["obs_stats"][key], ckpt["learner"]["obs_stats"][key])
+            np.testing.assert_array_equal(state["return_stats"][key], ckpt["learner"]["return_stats"][key])
+        assert state["version"] == ckpt["learner"]["version"]
+        for name, tensor in ckpt["learner"]["model"].items():
+            torch.testing.assert_close(state["model"][name], tensor)
+        trainer.train()
+    finally:
+        trainer.close()
+    rows = _rows(run_dir)
+    assert [r["iteration"] for r in rows] == list(range(1, len(rows) + 1))  # no gap, no repeat
+    resumed = rows[saved_iter]
+    assert resumed["env_steps"] == saved_steps + 256
+    assert rows[-1]["env_steps"] >= saved_steps + 2048
+
+
+def test_cli_train_writes_outputs_and_summary(tmp_path):
+    """`rlfabric train` with overrides runs end to end in a fresh process and prints a summary."""
+    run_dir = tmp_path / "cli"
+    out = subprocess.run(
+        [sys.executable, "-m", "rlfabric.cli", "train", "training.total_env_steps=3000", "--run-dir", str(run_dir)],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "rlfabric run summary" in out.stdout
+    assert "env steps" in out.stderr  # the progress line
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["env_steps"] >= 3000
+    rows = _rows(run_dir)
+    assert all("env_steps" in r and "episode_return_mean" in r for r in rows)
