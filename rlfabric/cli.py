@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 from rlfabric.config import ConfigError, load_config
+from rlfabric.runner_pool import RunAbortedError
 
 _ANSI_COLOR = re.compile(r"\x1b\[[0-9;]*m")
 
@@ -162,6 +163,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"rlfabric: config error: {exc}", file=sys.stderr)
         return 2
+    except RunAbortedError as exc:
+        print(f"rlfabric: run stopped: {exc}; the latest checkpoint is kept", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print(
             "\nrlfabric: interrupted; the latest checkpoint is kept (resume with --resume DIR)",

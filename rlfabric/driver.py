@@ -22,7 +22,7 @@ from rlfabric.actors.env_runner import EnvRunner
 from rlfabric.actors.learner import Learner
 from rlfabric.config import Config, ConfigError, load_config
 from rlfabric.run_log import CONFIG_FILE, RunLog, plot_learning_curve, write_summary
-from rlfabric.runner_pool import Completed, RunnerPool
+from rlfabric.runner_pool import Completed, RunAbortedError, RunnerPool
 
 CHECKPOINT_DIR = "checkpoints"
 # episode_return_mean is over the most recent episodes, as in Stable-Baselines3's ep_rew_mean.
@@ -223,9 +223,21 @@ class Trainer:
         return t.stop_return is not None and bool(p.recent_returns) and np.mean(p.recent_returns) >= t.stop_return
 
     def train(self) -> dict[str, Any]:
-        """Run until total_env_steps (or stop_return); return the summary."""
+        """Run until total_env_steps (or stop_return); return the summary.
+
+        If sampling has to stop (an env that fails every time), the trained state is checkpointed first.
+        """
         if self.pool is None:
             self.setup()
+        try:
+            self._loop()
+        except RunAbortedError:
+            self.save_checkpoint()
+            self.log.close()
+            raise
+        return self._finish()
+
+    def _loop(self) -> None:
         self.fragments_per_batch = self.cfg.runners.num_runners
         buffer: list[Completed] = []
         sampled_this_version: set[int] = set()
@@ -257,6 +269,8 @@ class Trainer:
                 if every and self.progress.iteration % every == 0:
                     self.save_checkpoint()
             completed, failed = self.pool.collect([r for r in ready if r is not update_ref])
+            for reason in self.pool.failures[len(self.pool.failures) - len(failed) :]:
+                self.log.note(f"{reason}; replaced it and asked again")
             for done in completed:
                 self._accept(done, buffer)
             sampled_this_version.difference_update(failed)  # lost work is asked for again
@@ -264,7 +278,6 @@ class Trainer:
                 batch_meta, buffer = buffer[: self.fragments_per_batch], buffer[self.fragments_per_batch :]
                 update_ref = self.learner.update_from_refs.remote([c.data_ref for c in batch_meta])
         self.progress.elapsed_s = start_elapsed + time.monotonic() - run_start
-        return self._finish()
 
     def _log_iteration(self, batch: list[Completed], stats: dict[str, float], seconds: float) -> None:
         p = self.progress

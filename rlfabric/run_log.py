@@ -67,6 +67,11 @@ class RunLog:
         )
         print(("\r" + line) if self.tty else line, end="" if self.tty else "\n", file=sys.stderr, flush=True)
 
+    def note(self, message: str) -> None:
+        """A one-off event (a replaced runner) on its own line, between progress lines."""
+        if not self.quiet:
+            print(("\n" if self.tty else "") + f"rlfabric: {message}", file=sys.stderr, flush=True)
+
     def close(self) -> None:
         if self.tty and not self.quiet:
             print(file=sys.stderr)

@@ -15,6 +15,11 @@ from typing import Any
 import ray
 from ray.exceptions import RayError
 
+
+class RunAbortedError(RuntimeError):
+    """Sampling cannot go on: a runner slot keeps failing with the same bug."""
+
+
 # A slot that keeps failing with nothing in between is a bug in the env, not bad luck: stop with its error.
 MAX_CONSECUTIVE_FAILURES = 5
 
@@ -85,6 +90,7 @@ class RunnerPool:
             try:
                 meta = ray.get(flight.meta_ref, timeout=0)
             except RayError as exc:  # the process died, or the env raised inside sample()
+                self._discard(flight.data_ref)
                 first_line = str(exc).strip().splitlines()[-1][:300] if str(exc).strip() else ""
                 self._replace(flight.runner, f"runner {flight.runner} failed: {exc.__class__.__name__}: {first_line}")
                 failed.append(flight.runner)
@@ -99,11 +105,19 @@ class RunnerPool:
                 failed.append(flight.runner)
         return done, failed
 
+    @staticmethod
+    def _discard(data_ref: ray.ObjectRef) -> None:
+        """Read a failed sample's fragment ref once, so Ray does not log its error again as unhandled."""
+        try:
+            ray.get(data_ref, timeout=0)
+        except RayError:
+            pass
+
     def _replace(self, index: int, reason: str) -> None:
         self.failures.append(reason)
         self.consecutive_failures[index] += 1
         if self.consecutive_failures[index] > MAX_CONSECUTIVE_FAILURES:
-            raise RuntimeError(
+            raise RunAbortedError(
                 f"runner {index} failed {self.consecutive_failures[index]} times in a row; last: {reason}"
             )
         ray.kill(self.runners[index], no_restart=True)

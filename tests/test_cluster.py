@@ -1,0 +1,71 @@
+"""A registration made in the driver's process reaches runners on another Ray node."""
+
+from __future__ import annotations
+
+import gymnasium as gym
+import numpy as np
+import pytest
+import ray
+from ray.cluster_utils import Cluster
+
+import rlfabric
+from rlfabric.config import config_from_dict
+from rlfabric.driver import Trainer
+
+
+class CorridorEnv(gym.Env):
+    """Defined only in this test file: walk right to the end of a corridor. Workers cannot import it."""
+
+    def __init__(self, length: int = 6) -> None:
+        self.length = length
+        self.observation_space = gym.spaces.Box(0.0, 1.0, shape=(1,), dtype=np.float32)
+        self.action_space = gym.spaces.Discrete(2)
+        self.pos = 0
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        self.pos = 0
+        return np.array([0.0], np.float32), {}
+
+    def step(self, action):
+        self.pos = max(0, self.pos + (1 if action == 1 else -1))
+        done = self.pos >= self.length
+        return np.array([self.pos / self.length], np.float32), (1.0 if done else -0.1), done, False, {}
+
+
+@pytest.fixture
+def two_node_cluster():
+    if ray.is_initialized():
+        ray.shutdown()
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
+    worker = cluster.add_node(num_cpus=2, resources={"rollout": 2})
+    ray.init(address=cluster.address, log_to_driver=False)
+    cluster.wait_for_nodes()
+    yield cluster, worker
+    ray.shutdown()
+    cluster.shutdown()
+
+
+def test_registered_env_runs_on_a_second_node(two_node_cluster, tmp_path):
+    cluster, worker = two_node_cluster
+    rlfabric.register_env("corridor", lambda **kw: CorridorEnv(**kw))
+    cfg = config_from_dict(
+        {
+            "env": {"id": "corridor", "kwargs": {"length": 6}},
+            "runners": {"num_runners": 2, "envs_per_runner": 2, "num_cpus": 0.5, "resources": {"rollout": 1}},
+            "learner": {"num_cpus": 0.5},
+            "ppo": {"train_batch_size": 256, "minibatch_size": 64, "num_epochs": 4},
+            "training": {"total_env_steps": 5_000, "eval_episodes": 3},
+        }
+    )
+    trainer = Trainer(cfg, tmp_path, quiet=True)
+    try:
+        trainer.setup()
+        runner_nodes = {trainer.pool.call(i, "node_id") for i in range(2)}
+        summary = trainer.train()
+    finally:
+        trainer.close()
+    assert runner_nodes == {worker.node_id}
+    assert worker.node_id != cluster.head_node.node_id
+    assert summary["env_steps"] >= 5_000 and summary["episodes"] > 0
+    assert summary["eval_return_mean"] == pytest.approx(1.0 - 0.1 * 5)  # learned to walk straight right

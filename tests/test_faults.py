@@ -1,0 +1,147 @@
+"""Faults: a runner process killed with SIGKILL, an env that hangs, an env that raises. Each is survived."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import gymnasium as gym
+import pytest
+import ray
+
+import rlfabric
+from rlfabric.config import config_from_dict
+from rlfabric.driver import Trainer
+
+
+class FailOnceEnv(gym.Wrapper):
+    """CartPole that, the first time any copy of it reaches step ``at_step``, hangs or raises.
+
+    "First time" is shared across processes through a marker file, so the replacement runner behaves.
+    """
+
+    def __init__(self, marker: str, mode: str, at_step: int = 20) -> None:
+        super().__init__(gym.make("CartPole-v1"))
+        self.marker, self.mode, self.at_step, self.steps = Path(marker), mode, at_step, 0
+
+    def step(self, action):
+        self.steps += 1
+        if self.steps == self.at_step:
+            try:
+                fd = os.open(self.marker, os.O_CREAT | os.O_EXCL)  # only one copy ever wins this
+            except FileExistsError:
+                pass
+            else:
+                os.close(fd)
+                if self.mode == "hang":
+                    time.sleep(3600)
+                raise RuntimeError("env exploded on purpose")
+        return self.env.step(action)
+
+
+def _config(tmp_path: Path, **training) -> rlfabric.Config:
+    return config_from_dict(
+        {
+            "env": {"id": "fail-once", "kwargs": {"marker": str(tmp_path / "marker"), "mode": "raise"}},
+            "runners": {"sample_timeout_s": 5.0},
+            "training": {"total_env_steps": 6_000, "eval_episodes": 0, **training},
+        }
+    )
+
+
+@pytest.fixture(autouse=True)
+def _register():
+    rlfabric.register_env("fail-once", FailOnceEnv)
+
+
+def _run(cfg: rlfabric.Config, run_dir: Path) -> tuple[dict, list[dict]]:
+    trainer = Trainer(cfg, run_dir, quiet=True)
+    try:
+        summary = trainer.train()
+    finally:
+        trainer.close()
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return summary, rows
+
+
+@pytest.mark.parametrize("mode", ["raise", "hang"])
+def test_failing_env_costs_one_fragment(local_ray, tmp_path, mode):
+    cfg = _config(tmp_path)
+    cfg.env.kwargs["mode"] = mode
+    start = time.monotonic()
+    summary, rows = _run(cfg, tmp_path / "run")
+    assert (tmp_path / "marker").exists()  # the failure really happened
+    assert summary["env_steps"] >= 6_000
+    assert summary["runner_restarts"] == 1 and summary["lost_fragments"] == 1
+    assert rows[-1]["runner_restarts"] == 1
+    reason = summary["runner_failures"][0]
+    assert ("exploded on purpose" in reason) if mode == "raise" else ("deadline" in reason)
+    assert time.monotonic() - start < 120  # the hang cost one deadline, not the run
+
+
+def test_killed_runner_is_replaced_and_its_fragment_recollected(local_ray, tmp_path):
+    """kill -9 of a runner's process mid-run: the run finishes, with the restart and lost fragment counted."""
+    cfg = config_from_dict(
+        {
+            "env": {"id": "gym:CartPole-v1"},
+            "ppo": {"train_batch_size": 8000, "minibatch_size": 1000, "num_epochs": 1},
+            "runners": {"sample_timeout_s": 60.0},
+            "training": {"total_env_steps": 80_000, "eval_episodes": 0},
+        }
+    )
+    run_dir = tmp_path / "run"
+    trainer = Trainer(cfg, run_dir, quiet=True)
+    killed: list[int] = []
+
+    def kill_a_runner() -> None:
+        metrics = run_dir / "metrics.jsonl"
+        while not (metrics.exists() and metrics.read_text().count("\n") >= 2):
+            time.sleep(0.05)
+        pid = ray.get(trainer.pool.runners[1].pid.remote())
+        os.kill(pid, signal.SIGKILL)
+        killed.append(pid)
+
+    try:
+        trainer.setup()
+        killer = threading.Thread(target=kill_a_runner, daemon=True)
+        killer.start()
+        summary = trainer.train()
+        killer.join(timeout=5)
+    finally:
+        trainer.close()
+    assert killed, "the runner was never killed"
+    assert summary["env_steps"] >= 80_000
+    assert summary["runner_restarts"] >= 1 and summary["lost_fragments"] >= 1
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert rows[-1]["runner_restarts"] >= 1
+    # Every iteration still trained on a full batch: the lost fragment was collected again.
+    assert all(b["env_steps"] - a["env_steps"] == 8000 for a, b in zip(rows, rows[1:], strict=False))
+
+
+def test_env_that_always_fails_stops_the_run_with_its_error(local_ray, tmp_path):
+    """A bug in the env is not retried forever: after repeated failures the run stops and names the error."""
+    from rlfabric.runner_pool import MAX_CONSECUTIVE_FAILURES, RunAbortedError
+
+    rlfabric.register_env("always-fails", lambda: _AlwaysFails())
+    cfg = config_from_dict({"env": {"id": "always-fails"}, "training": {"total_env_steps": 2_000}})
+    trainer = Trainer(cfg, tmp_path / "run", quiet=True)
+    try:
+        with pytest.raises(
+            RunAbortedError, match=f"failed {MAX_CONSECUTIVE_FAILURES + 1} times in a row.*always broken"
+        ):
+            trainer.train()
+    finally:
+        trainer.close()
+    assert list((tmp_path / "run" / "checkpoints").glob("iter_*.pt"))  # nothing done is lost
+
+
+class _AlwaysFails(gym.Wrapper):
+    def __init__(self) -> None:
+        super().__init__(gym.make("CartPole-v1"))
+
+    def step(self, action):
+        raise ValueError("always broken")
