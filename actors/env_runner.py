@@ -17,7 +17,7 @@ import ray
 from rlfabric import registry
 from rlfabric.models import ActionSpec, NumpyPolicy
 from rlfabric.models.mlp import obs_dim_of
-from rlfabric.normalization import RunningStats, discounted_returns, normalize
+from rlfabric.normalization import Normalizer, RunningStats, discounted_returns
 from rlfabric.vector import EnvVector
 
 
@@ -50,8 +50,7 @@ class EnvRunnerCore:
         self.return_carry = np.zeros(num_envs)
         self.policy: NumpyPolicy | None = None
         self.version = -1
-        self.obs_stats = RunningStats.empty((self.obs_dim,))
-        self.normalize_obs = False
+        self.normalizer: Normalizer | None = None  # None: the policy sees raw observations
 
     def spaces(self) -> dict[str, Any]:
         return {"obs_dim": self.obs_dim, "action": self.action}
@@ -60,13 +59,12 @@ class EnvRunnerCore:
         """Install a published policy version: actor arrays plus the observation statistics to normalize with."""
         self.policy = NumpyPolicy(weights["actor"])
         self.version = int(weights["version"])
-        self.normalize_obs = weights["obs_stats"] is not None
-        if self.normalize_obs:
-            self.obs_stats = RunningStats.from_dict(weights["obs_stats"])
+        stats = weights["obs_stats"]
+        self.normalizer = None if stats is None else Normalizer(RunningStats.from_dict(stats), self.obs_clip)
         return self.version
 
     def _policy_input(self, raw: np.ndarray) -> np.ndarray:
-        return normalize(raw, self.obs_stats, self.obs_clip) if self.normalize_obs else raw
+        return raw if self.normalizer is None else self.normalizer(raw)
 
     def sample(self) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
         """Step every env ``fragment_length`` times; return (small metadata, the fragment's arrays)."""
@@ -74,22 +72,24 @@ class EnvRunnerCore:
             raise RuntimeError("EnvRunner.sample called before set_weights")
         start = time.perf_counter()
         T, N, D = self.fragment_length, self.envs.num_envs, self.obs_dim
-        raw_obs = np.empty((T, N, D), np.float32)
+        raw_obs = np.empty((T, N, D), np.float32)  # for the observation statistics
+        obs = np.empty((T, N, D), np.float32)  # what the policy saw (normalized when normalizing)
         act_shape = (T, N) if self.action.kind == "discrete" else (T, N, self.action.n)
         actions = np.empty(act_shape, np.int64 if self.action.kind == "discrete" else np.float32)
         logp = np.empty((T, N), np.float32)
         rewards = np.empty((T, N), np.float32)
         terminated = np.empty((T, N), bool)
         truncated = np.empty((T, N), bool)
+        noise = self.policy.noise(self.rng, (T, N))  # one draw for the fragment, not one per step
         trunc_index, trunc_raw_obs = [], []
         ep_returns: list[float] = []
         ep_lengths: list[int] = []
-        obs = self.raw_obs
+        current = self.raw_obs
         for t in range(T):
-            raw_obs[t] = obs
-            a, lp = self.policy.act(self._policy_input(obs), self.rng)
-            actions[t], logp[t] = a, lp
-            step = self.envs.step(a)
+            raw_obs[t] = current
+            obs[t] = self._policy_input(current)
+            actions[t], logp[t] = self.policy.act_with_noise(obs[t], noise[t])
+            step = self.envs.step(actions[t])
             rewards[t], terminated[t], truncated[t] = step.rewards, step.terminated, step.truncated
             for i, final in step.final_obs.items():
                 if step.truncated[i] and not step.terminated[i]:
@@ -97,21 +97,21 @@ class EnvRunnerCore:
                     trunc_raw_obs.append(final)
             ep_returns += step.episode_returns
             ep_lengths += step.episode_lengths
-            obs = step.obs
-        self.raw_obs = obs
+            current = step.obs
+        self.raw_obs = current
         dones = np.logical_or(terminated, truncated)
         returns, self.return_carry = discounted_returns(rewards, dones, self.gamma, self.return_carry)
         trunc_raw = np.asarray(trunc_raw_obs, np.float32).reshape(-1, D)
         fragment = {
-            "obs": self._policy_input(raw_obs.reshape(T * N, D)).reshape(T, N, D),
+            "obs": obs,
             "actions": actions,
             "logp": logp,
             "rewards": rewards,
             "terminated": terminated,
             "truncated": truncated,
-            "last_obs": self._policy_input(obs),
+            "last_obs": self._policy_input(current),
             "truncated_index": np.asarray(trunc_index, np.int64).reshape(-1, 2),
-            "truncated_obs": self._policy_input(trunc_raw) if len(trunc_raw) else trunc_raw,
+            "truncated_obs": self._policy_input(trunc_raw),
             # What this fragment adds to the global statistics; the learner merges them.
             "obs_stats": RunningStats.of(raw_obs.reshape(T * N, D)).to_dict(),
             "return_stats": RunningStats.of(returns.reshape(-1, 1)).to_dict(),

@@ -61,8 +61,20 @@ class RunningStats:
 
 def normalize(x: np.ndarray, stats: RunningStats, clip: float, eps: float = 1e-8) -> np.ndarray:
     """(x - mean) / sqrt(var + eps), clipped to [-clip, clip], as float32."""
-    out = (x - stats.mean) / np.sqrt(stats.var + eps)
-    return np.clip(out, -clip, clip).astype(np.float32)
+    return Normalizer(stats, clip, eps)(x)
+
+
+class Normalizer:
+    """``normalize`` with the statistics frozen: the per-step cost is one subtract, multiply and clip."""
+
+    def __init__(self, stats: RunningStats, clip: float, eps: float = 1e-8) -> None:
+        self.mean = stats.mean
+        self.inv_std = 1.0 / np.sqrt(stats.var + eps)
+        self.clip = clip
+
+    def __call__(self, x: np.ndarray) -> np.ndarray:
+        out = (x - self.mean) * self.inv_std  # in float64: a small spread on a large offset keeps its digits
+        return np.clip(out, -self.clip, self.clip, out=out).astype(np.float32)
 
 
 def scale_rewards(rewards: np.ndarray, return_stats: RunningStats, clip: float, eps: float = 1e-8) -> np.ndarray:

@@ -127,8 +127,9 @@ class NumpyPolicy:
         self.act_fn = _NP_ACTIVATIONS[arrays["activation"]]
         self.action: ActionSpec = arrays["action"]
         if self.action.kind == "continuous":
-            self.log_std = arrays["log_std"].astype(np.float64)
-            self.std = np.exp(self.log_std)
+            log_std = arrays["log_std"].astype(np.float64)
+            self.std = np.exp(log_std).astype(np.float32)
+            self.logp_offset = float(-log_std.sum() - 0.5 * math.log(2 * math.pi) * len(log_std))
 
     def forward(self, obs: np.ndarray) -> np.ndarray:
         h = obs
@@ -136,19 +137,31 @@ class NumpyPolicy:
             h = self.act_fn(h @ w + b)
         return h @ self.weights[-1] + self.biases[-1]
 
-    def act(self, obs: np.ndarray, rng: np.random.Generator, deterministic: bool = False) -> tuple:
-        """Sample actions for a batch of observations; returns (actions, log-probabilities)."""
-        out = self.forward(obs).astype(np.float64)
+    def noise(self, rng: np.random.Generator, shape: tuple[int, ...]) -> np.ndarray:
+        """Exploration noise for ``shape`` observations, drawn in one call: Gumbel (discrete) or N(0, 1)."""
+        n = self.action.n
+        if self.action.kind == "discrete":
+            return rng.gumbel(size=(*shape, n)).astype(np.float32)
+        return rng.standard_normal((*shape, n), dtype=np.float32)
+
+    def act_with_noise(self, obs: np.ndarray, noise: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Actions and their log-probabilities for a batch, given pre-drawn noise (zeros: the greedy action).
+
+        Discrete: a = argmax(log_softmax(logits) + gumbel) (the Gumbel-max trick samples the softmax).
+        Gaussian: a = mean + std * eps, and log pi(a) = sum(-eps^2 / 2 - log std - log(2 pi) / 2).
+        """
+        out = self.forward(obs)
         if self.action.kind == "discrete":
             logits = out - out.max(axis=-1, keepdims=True)
             log_probs = logits - np.log(np.exp(logits).sum(axis=-1, keepdims=True))
-            if deterministic:
-                actions = log_probs.argmax(axis=-1)
-            else:  # Gumbel-max: one vectorized draw per row
-                actions = (log_probs + rng.gumbel(size=log_probs.shape)).argmax(axis=-1)
+            actions = (log_probs + noise).argmax(axis=-1)
             logp = np.take_along_axis(log_probs, actions[:, None], axis=-1)[:, 0]
             return actions.astype(np.int64), logp.astype(np.float32)
-        noise = np.zeros_like(out) if deterministic else rng.standard_normal(out.shape)
         actions = out + self.std * noise
-        logp = (-0.5 * noise**2 - self.log_std - 0.5 * math.log(2 * math.pi)).sum(axis=-1)
+        logp = (-0.5 * noise**2).sum(axis=-1) + self.logp_offset
         return actions.astype(np.float32), logp.astype(np.float32)
+
+    def act(self, obs: np.ndarray, rng: np.random.Generator, deterministic: bool = False) -> tuple:
+        """Sample actions for a batch of observations; returns (actions, log-probabilities)."""
+        noise = np.zeros((len(obs), self.action.n), np.float32) if deterministic else self.noise(rng, (len(obs),))
+        return self.act_with_noise(obs, noise)
