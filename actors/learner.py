@@ -35,7 +35,7 @@ class LearnerCore:
         self.device = self._device()
         m = self.cfg.model
         self.model = ActorCritic(obs_dim, action, m.hidden_sizes, m.activation, m.init_log_std).to(self.device)
-        self.optimizer = torch.optim.Adam(self.model.parameters(), lr=self.cfg.ppo.lr, eps=1e-5)
+        self.optimizer = torch.optim.Adam(self.model.parameters(), lr=self.cfg.ppo.lr, eps=1e-5, fused=True)
         self.version = 0
         self.updates_done = 0
         self.total_updates = math.ceil(self.cfg.training.total_env_steps / self.cfg.ppo.train_batch_size)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from rlfabric.models import ActionSpec, ActorCritic, NumpyPolicy
-from rlfabric.models.mlp import obs_dim_of
+from rlfabric.models.mlp import categorical_logp_entropy, gaussian_logp_entropy, obs_dim_of
 
 OBS_DIM = 5
 
@@ -141,3 +141,20 @@ def test_obs_dim_of():
     assert obs_dim_of(gym.spaces.Box(-1.0, 1.0, shape=(3, 4))) == 12
     with pytest.raises(ValueError, match=re.escape(str(gym.spaces.Discrete(5)))):
         obs_dim_of(gym.spaces.Discrete(5))
+
+
+def test_closed_form_logp_and_entropy_match_torch_distributions():
+    """The learner's closed-form log-probabilities and entropies equal torch.distributions' on the same inputs."""
+    gen = torch.Generator().manual_seed(0)
+    mean, log_std = torch.randn(5, 3, generator=gen), torch.randn(3, generator=gen)
+    actions = torch.randn(5, 3, generator=gen)
+    logp, entropy = gaussian_logp_entropy(mean, log_std, actions)
+    normal = torch.distributions.Normal(mean, log_std.exp().expand_as(mean))
+    torch.testing.assert_close(logp, normal.log_prob(actions).sum(-1))
+    torch.testing.assert_close(entropy, normal.entropy().sum(-1))
+
+    logits, picks = torch.randn(5, 4, generator=gen), torch.tensor([0, 3, 1, 2, 3])
+    logp, entropy = categorical_logp_entropy(logits, picks)
+    categorical = torch.distributions.Categorical(logits=logits)
+    torch.testing.assert_close(logp, categorical.log_prob(picks))
+    torch.testing.assert_close(entropy, categorical.entropy())

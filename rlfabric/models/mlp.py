@@ -14,7 +14,6 @@ import gymnasium as gym
 import numpy as np
 import torch
 from torch import nn
-from torch.distributions import Categorical, Normal
 
 
 @dataclass(frozen=True)
@@ -48,6 +47,30 @@ def obs_dim_of(space: gym.Space) -> int:
 
 
 _ACTIVATIONS = {"tanh": nn.Tanh, "relu": nn.ReLU}
+_HALF_LOG_2PI = 0.5 * math.log(2 * math.pi)
+
+
+def gaussian_logp_entropy(
+    mean: torch.Tensor, log_std: torch.Tensor, actions: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Diagonal Gaussian, summed over action dims (the formulas torch.distributions.Normal uses, without
+    building a distribution object per minibatch):
+    log p(a) = sum(-(a - mu)^2 / (2 sigma^2) - log sigma - log(2 pi) / 2);  H = sum(1/2 + log(2 pi) / 2 + log sigma).
+    """
+    z = (actions - mean) * torch.exp(-log_std)
+    logp = (-0.5 * z.pow(2) - log_std - _HALF_LOG_2PI).sum(-1)
+    entropy = (0.5 + _HALF_LOG_2PI + log_std).sum(-1).expand(mean.shape[0])
+    return logp, entropy
+
+
+def categorical_logp_entropy(logits: torch.Tensor, actions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """log softmax(logits)[a] and the entropy -sum(p log p) of each row."""
+    log_probs = torch.log_softmax(logits, dim=-1)
+    logp = log_probs.gather(-1, actions.long().unsqueeze(-1)).squeeze(-1)
+    entropy = -(log_probs.exp() * log_probs).sum(-1)
+    return logp, entropy
+
+
 _NP_ACTIVATIONS = {"tanh": np.tanh, "relu": lambda x: np.maximum(x, 0.0)}
 
 
@@ -86,22 +109,16 @@ class ActorCritic(nn.Module):
         if action.kind == "continuous":
             self.log_std = nn.Parameter(torch.full((action.n,), float(init_log_std)))
 
-    def distribution(self, obs: torch.Tensor) -> torch.distributions.Distribution:
-        out = self.actor(obs)
-        if self.action.kind == "discrete":
-            return Categorical(logits=out, validate_args=False)
-        return Normal(out, self.log_std.exp().expand_as(out), validate_args=False)
-
     def value(self, obs: torch.Tensor) -> torch.Tensor:
         return self.critic(obs).squeeze(-1)
 
     def evaluate(self, obs: torch.Tensor, actions: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """(log pi(a|s), entropy, V(s)) for a batch; Gaussian terms are summed over action dims."""
-        dist = self.distribution(obs)
-        logp = dist.log_prob(actions)
-        entropy = dist.entropy()
-        if self.action.kind == "continuous":
-            logp, entropy = logp.sum(-1), entropy.sum(-1)
+        out = self.actor(obs)
+        if self.action.kind == "discrete":
+            logp, entropy = categorical_logp_entropy(out, actions)
+        else:
+            logp, entropy = gaussian_logp_entropy(out, self.log_std, actions)
         return logp, entropy, self.value(obs)
 
     def actor_arrays(self) -> dict:
