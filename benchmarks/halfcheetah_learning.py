@@ -43,7 +43,6 @@ def run_seed(seed: int, steps: int) -> dict:
         "eval_return_mean": summary["eval_return_mean"],
         "train_time_s": summary["time_total_s"],
         "wall_clock_s": wall,
-        "run_dir": str(run_dir),
     }
 
 

@@ -109,7 +109,8 @@ def main() -> None:
     args = p.parse_args()
 
     ray.init(num_cpus=max(4, args.num_runners + 2), include_dashboard=False, log_to_driver=False)
-    result: dict = {"framework": "rlfabric", "settings": vars(args).copy()}
+    settings = {k: v for k, v in vars(args).items() if k != "json"}
+    result: dict = {"framework": "rlfabric", "settings": settings}
     if args.mode in ("both", "sampling"):
         result["sampling_steps_per_s"] = sampling_only(args)
     if args.mode in ("both", "training"):

@@ -10,8 +10,10 @@ import sys
 import time
 from pathlib import Path
 
+from ray.exceptions import RayError
+
 from rlfabric.config import ConfigError, load_config
-from rlfabric.runner_pool import RunAbortedError
+from rlfabric.runner_pool import RunAbortedError, error_summary
 
 _ANSI_COLOR = re.compile(r"\x1b\[[0-9;]*m")
 
@@ -98,8 +100,18 @@ def cmd_envs_check(args: argparse.Namespace) -> int:
     from rlfabric import registry
 
     _import_user_modules(args.import_modules)
-    kwargs = json.loads(args.kwargs) if args.kwargs else {}
-    env = registry.make_env(args.name, kwargs)
+    try:
+        kwargs = json.loads(args.kwargs) if args.kwargs else {}
+    except json.JSONDecodeError:
+        kwargs = None
+    if not isinstance(kwargs, dict):
+        raise ConfigError(f"--kwargs {args.kwargs!r} is not valid: expected a JSON object, e.g. '{{\"size\": 7}}'")
+    factory = registry.resolve(args.name, field="envs check NAME")
+    try:
+        env = factory(**kwargs)
+    except Exception as exc:  # the factory's own error is the report
+        print(f"FAIL {args.name}: building the env raised {exc.__class__.__name__}: {exc}")
+        return 1
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
@@ -165,6 +177,12 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except RunAbortedError as exc:
         print(f"rlfabric: run stopped: {exc}; the latest checkpoint is kept", file=sys.stderr)
+        return 1
+    except RayError as exc:  # e.g. the learner's process died: its last checkpoint is what is left
+        print(
+            f"rlfabric: run failed: {error_summary(exc)}; resume from the latest checkpoint with --resume DIR",
+            file=sys.stderr,
+        )
         return 1
     except KeyboardInterrupt:
         print(

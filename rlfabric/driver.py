@@ -8,6 +8,7 @@ weights -> every runner reads it. The driver reads only fragment metadata (versi
 from __future__ import annotations
 
 import math
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,7 +23,7 @@ from rlfabric.actors.env_runner import EnvRunner
 from rlfabric.actors.learner import Learner
 from rlfabric.config import Config, ConfigError, load_config
 from rlfabric.run_log import CONFIG_FILE, RunLog, plot_learning_curve, write_summary
-from rlfabric.runner_pool import Completed, RunAbortedError, RunnerPool
+from rlfabric.runner_pool import Completed, RunAbortedError, RunnerPool, error_summary
 
 CHECKPOINT_DIR = "checkpoints"
 # episode_return_mean is over the most recent episodes, as in Stable-Baselines3's ep_rew_mean.
@@ -57,8 +58,6 @@ def ensure_ray(cfg: Config) -> None:
     if cfg.ray.address is not None:
         ray.init(address=cfg.ray.address, log_to_driver=True)
         return
-    import os
-
     wanted = cfg.runners.num_runners * cfg.runners.num_cpus + cfg.learner.num_cpus
     num_cpus = cfg.ray.num_cpus or max(os.cpu_count() or 1, math.ceil(wanted))
     ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=True)
@@ -80,6 +79,8 @@ class Trainer:
         self.log: RunLog | None = None
         self.placement_group: Any = None
         self.version = 0
+        self._update_ref: ray.ObjectRef | None = None  # the learner's update in flight, if any
+        self._batch: list[Completed] = []  # the fragments it trains on
         # Restart and loss counts of earlier sessions of a resumed run; the pool counts this session's.
         self._restarts_before = 0
         self._lost_before = 0
@@ -151,7 +152,7 @@ class Trainer:
             spaces = self.pool.call(0, "spaces", timeout=self.cfg.runners.sample_timeout_s)
         except ray.exceptions.RayError as exc:
             raise ConfigError(
-                f"env.id = {self.cfg.env.id!r}: building the env on a runner failed: {_last_line(exc)}"
+                f"env.id = {self.cfg.env.id!r}: building the env on a runner failed: {error_summary(exc)}"
             ) from None
         lc = self.cfg.learner
         self.learner = Learner.options(**self._actor_options(lc.num_cpus, lc.num_gpus, lc.resources)).remote(
@@ -195,12 +196,12 @@ class Trainer:
 
     # -- the loop ---------------------------------------------------------------------------------------
 
-    def _may_sample(self, index: int, buffered: int, update_in_flight: bool, sampled_this_version: set[int]) -> bool:
+    def _may_sample(self, index: int, buffered: int) -> bool:
         if self.pool.busy(index):
             return False
         if self.cfg.training.max_policy_lag == 0:
             # Synchronous: one fragment per runner per policy version, none while the learner updates.
-            return not update_in_flight and index not in sampled_this_version
+            return self._update_ref is None and index not in self._sampled_this_version
         in_flight = len(self.pool.in_flight)
         return buffered + in_flight < self.fragments_per_batch
 
@@ -225,13 +226,15 @@ class Trainer:
     def train(self) -> dict[str, Any]:
         """Run until total_env_steps (or stop_return); return the summary.
 
-        If sampling has to stop (an env that fails every time), the trained state is checkpointed first.
+        Whatever stops the run early (Ctrl-C, an env that fails every time) first checkpoints what was trained.
         """
         if self.pool is None:
             self.setup()
         try:
             self._loop()
-        except RunAbortedError:
+        except (KeyboardInterrupt, RunAbortedError):
+            if self._update_ref is not None:
+                self._complete_update()  # an update in flight is worth keeping: it takes a second
             self.save_checkpoint()
             self.log.close()
             raise
@@ -240,44 +243,46 @@ class Trainer:
     def _loop(self) -> None:
         self.fragments_per_batch = self.cfg.runners.num_runners
         buffer: list[Completed] = []
-        sampled_this_version: set[int] = set()
-        update_ref = None
-        batch_meta: list[Completed] = []
-        iter_start = time.monotonic()
-        start_elapsed = self.progress.elapsed_s
-        run_start = time.monotonic()
-        while not (self._should_stop() and update_ref is None):
+        self._sampled_this_version: set[int] = set()
+        self._iter_start = time.monotonic()
+        self._start_elapsed, self._run_start = self.progress.elapsed_s, time.monotonic()
+        while not (self._should_stop() and self._update_ref is None):
             for i in range(len(self.pool)):
-                if not self._should_stop() and self._may_sample(
-                    i, len(buffer), update_ref is not None, sampled_this_version
-                ):
+                if not self._should_stop() and self._may_sample(i, len(buffer)):
                     self.pool.submit(i)
-                    sampled_this_version.add(i)
-            waiting = self.pool.pending_refs() + ([update_ref] if update_ref is not None else [])
+                    self._sampled_this_version.add(i)
+            waiting = self.pool.pending_refs() + ([self._update_ref] if self._update_ref is not None else [])
             if not waiting:
                 break
             ready, _ = ray.wait(waiting, num_returns=1, timeout=1.0)
-            if update_ref is not None and update_ref in ready:
-                update_stats = ray.get(update_ref)
-                update_ref = None
-                self._publish()
-                sampled_this_version.clear()
-                self.progress.elapsed_s = start_elapsed + time.monotonic() - run_start
-                self._log_iteration(batch_meta, update_stats, time.monotonic() - iter_start)
-                iter_start = time.monotonic()
-                every = self.cfg.training.checkpoint_every
-                if every and self.progress.iteration % every == 0:
-                    self.save_checkpoint()
-            completed, failed = self.pool.collect([r for r in ready if r is not update_ref])
+            if self._update_ref is not None and self._update_ref in ready:
+                self._complete_update()
+            completed, failed = self.pool.collect([r for r in ready if r is not self._update_ref])
             for reason in self.pool.failures[len(self.pool.failures) - len(failed) :]:
                 self.log.note(f"{reason}; replaced it and asked again")
             for done in completed:
                 self._accept(done, buffer)
-            sampled_this_version.difference_update(failed)  # lost work is asked for again
-            if update_ref is None and len(buffer) >= self.fragments_per_batch and not self._should_stop():
-                batch_meta, buffer = buffer[: self.fragments_per_batch], buffer[self.fragments_per_batch :]
-                update_ref = self.learner.update_from_refs.remote([c.data_ref for c in batch_meta])
-        self.progress.elapsed_s = start_elapsed + time.monotonic() - run_start
+            self._sampled_this_version.difference_update(failed)  # lost work is asked for again
+            if self._update_ref is None and len(buffer) >= self.fragments_per_batch and not self._should_stop():
+                self._batch, buffer = buffer[: self.fragments_per_batch], buffer[self.fragments_per_batch :]
+                self._update_ref = self.learner.update_from_refs.remote([c.data_ref for c in self._batch])
+        self._tick()
+
+    def _tick(self) -> None:
+        self.progress.elapsed_s = self._start_elapsed + time.monotonic() - self._run_start
+
+    def _complete_update(self) -> None:
+        """Take the finished update's statistics, publish the new version, log, checkpoint when due."""
+        stats = ray.get(self._update_ref)
+        self._update_ref = None
+        self._publish()
+        self._sampled_this_version.clear()
+        self._tick()
+        self._log_iteration(self._batch, stats, time.monotonic() - self._iter_start)
+        self._iter_start = time.monotonic()
+        every = self.cfg.training.checkpoint_every
+        if every and self.progress.iteration % every == 0:
+            self.save_checkpoint()
 
     def _log_iteration(self, batch: list[Completed], stats: dict[str, float], seconds: float) -> None:
         p = self.progress
@@ -342,8 +347,3 @@ class Trainer:
             ray.kill(self.learner)
         if self.placement_group is not None:
             ray.util.remove_placement_group(self.placement_group)
-
-
-def _last_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[-1] if text else exc.__class__.__name__

@@ -77,8 +77,8 @@ def _gym_factory(env_id: str) -> EnvFactory:
     return make
 
 
-def resolve(spec: str) -> EnvFactory:
-    """Return the factory ``spec`` names, or raise EnvNotFoundError naming what is available."""
+def resolve(spec: str, field: str = "env.id") -> EnvFactory:
+    """Return the factory ``spec`` names, or raise EnvNotFoundError naming ``field`` and what is available."""
     if spec in _REGISTRY:
         return _REGISTRY[spec]
     if spec.startswith("gym:"):
@@ -88,7 +88,7 @@ def resolve(spec: str) -> EnvFactory:
 
             close = difflib.get_close_matches(env_id, list(gym.registry), n=3)
             hint = f"; did you mean {', '.join('gym:' + c for c in close)}?" if close else ""
-            raise EnvNotFoundError(f"env.id = {spec!r} is not valid: no Gymnasium environment {env_id!r}{hint}")
+            raise EnvNotFoundError(f"{field} = {spec!r} is not valid: no Gymnasium environment {env_id!r}{hint}")
         return _gym_factory(env_id)
     eps = _entry_points()
     if spec in eps:
@@ -98,14 +98,14 @@ def resolve(spec: str) -> EnvFactory:
         return factory
     known = sorted(_REGISTRY) + sorted(eps)
     raise EnvNotFoundError(
-        f"env.id = {spec!r} is not valid: not a registered name"
+        f"{field} = {spec!r} is not valid: not a registered name"
         f"{' (' + ', '.join(known) + ')' if known else ''}, not 'gym:<id>', and not an importable "
         "'package.module:factory'; see `rlfabric envs list`"
     )
 
 
-def make_env(spec: str, kwargs: dict[str, Any] | None = None) -> gym.Env:
-    env = resolve(spec)(**(kwargs or {}))
+def make_env(spec: str, kwargs: dict[str, Any] | None = None, field: str = "env.id") -> gym.Env:
+    env = resolve(spec, field)(**(kwargs or {}))
     if not isinstance(env, gym.Env):
         raise TypeError(f"env factory for {spec!r} returned {type(env).__name__}, expected a gymnasium.Env")
     return env

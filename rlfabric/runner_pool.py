@@ -16,6 +16,12 @@ import ray
 from ray.exceptions import RayError
 
 
+def error_summary(exc: BaseException) -> str:
+    """The last line of an exception's text (for a remote error: the original exception), at most 300 chars."""
+    text = str(exc).strip()
+    return text.splitlines()[-1][:300] if text else exc.__class__.__name__
+
+
 class RunAbortedError(RuntimeError):
     """Sampling cannot go on: a runner slot keeps failing with the same bug."""
 
@@ -91,8 +97,9 @@ class RunnerPool:
                 meta = ray.get(flight.meta_ref, timeout=0)
             except RayError as exc:  # the process died, or the env raised inside sample()
                 self._discard(flight.data_ref)
-                first_line = str(exc).strip().splitlines()[-1][:300] if str(exc).strip() else ""
-                self._replace(flight.runner, f"runner {flight.runner} failed: {exc.__class__.__name__}: {first_line}")
+                self._replace(
+                    flight.runner, f"runner {flight.runner} failed: {exc.__class__.__name__}: {error_summary(exc)}"
+                )
                 failed.append(flight.runner)
                 continue
             self.consecutive_failures[flight.runner] = 0

@@ -165,3 +165,25 @@ def test_cli_train_writes_outputs_and_summary(tmp_path):
     assert summary["env_steps"] >= 3000
     rows = _rows(run_dir)
     assert all("env_steps" in r and "episode_return_mean" in r for r in rows)
+
+
+def test_placement_group_and_per_role_resources(local_ray, tmp_path):
+    """ray.placement_strategy reserves the learner and runners as one placement group; the run uses it."""
+    cfg = config_from_dict(
+        {
+            "runners": {"num_cpus": 0.5},
+            "learner": {"num_cpus": 0.5},
+            "ray": {"placement_strategy": "PACK"},
+            "training": {"total_env_steps": 2_000, "eval_episodes": 0},
+        }
+    )
+    trainer = Trainer(cfg, tmp_path, quiet=True)
+    try:
+        trainer.setup()
+        table = ray.util.placement_group_table(trainer.placement_group)
+        assert table["strategy"] == "PACK" and len(table["bundles"]) == 1 + 2
+        assert table["bundles"][0] == {"CPU": 0.5}
+        summary = trainer.train()
+    finally:
+        trainer.close()
+    assert summary["env_steps"] >= 2_000
