@@ -6,7 +6,6 @@ policy version with a single ``ray.put`` that every runner reads.
 
 from __future__ import annotations
 
-import io
 import math
 import random
 import time
@@ -194,19 +193,15 @@ class LearnerCore:
         return self.version
 
 
-def state_to_bytes(state: dict[str, Any]) -> bytes:
-    buf = io.BytesIO()
-    torch.save(state, buf)
-    return buf.getvalue()
-
-
 @ray.remote
 class Learner(LearnerCore):
     """The Ray actor: takes fragment refs, publishes weights as one object per version."""
 
-    def publish(self) -> list[ray.ObjectRef]:
-        # Wrapped in a list so the caller gets the ref itself, not its value.
-        return [ray.put(self.weights())]
+    def publish(self) -> tuple[ray.ObjectRef, int]:
+        """Put this version's weights into the object store once; (ref, version) for the driver to hand out.
+
+        The ref sits inside a tuple, so the caller receives the ref itself rather than the weights."""
+        return ray.put(self.weights()), self.version
 
     def update_from_refs(self, fragment_refs: list[ray.ObjectRef]) -> dict[str, float]:
         fetch_start = time.perf_counter()

@@ -192,14 +192,19 @@ def _coerce(value: Any, tp: Any, path: str) -> Any:
             return int(value)
         raise bad
     if tp is float:
+        number: float | None = None
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):  # YAML 1.1 reads "3e-4" as a string; accept the number meant
+            number = float(value)
+        elif isinstance(value, str):  # YAML 1.1 reads "3e-4" as a string; accept the number meant
             try:
-                return float(value)
+                number = float(value)
             except ValueError:
                 raise bad from None
-        raise bad
+        if number is None:
+            raise bad
+        if not math.isfinite(number):  # no setting means anything at inf or nan; they only poison the math
+            raise ConfigError(f"{path} = {value!r} is not valid: expected a finite number")
+        return number
     if tp is str:
         if isinstance(value, str):
             return value
@@ -245,6 +250,35 @@ def validate(cfg: Config) -> Config:
     _require(r.num_runners >= 1, "runners.num_runners", r.num_runners, "must be at least 1")
     _require(r.envs_per_runner >= 1, "runners.envs_per_runner", r.envs_per_runner, "must be at least 1")
     _require(r.sample_timeout_s > 0, "runners.sample_timeout_s", r.sample_timeout_s, "must be > 0")
+    lc = cfg.learner
+    for path, value in (
+        ("runners.num_cpus", r.num_cpus),
+        ("learner.num_cpus", lc.num_cpus),
+        ("learner.num_gpus", lc.num_gpus),
+    ):
+        _require(value >= 0, path, value, "must be >= 0")
+    for path, resources in (("runners.resources", r.resources), ("learner.resources", lc.resources)):
+        for name, amount in resources.items():
+            _require(
+                name not in ("CPU", "GPU", "memory"),
+                f"{path}.{name}",
+                amount,
+                "CPU, GPU and memory are set by num_cpus / num_gpus, not resources",
+            )
+            _require(amount >= 0, f"{path}.{name}", amount, "must be >= 0")
+    _require(
+        lc.device != "cuda" or lc.num_gpus > 0,
+        "learner.device",
+        lc.device,
+        "'cuda' needs learner.num_gpus > 0 (Ray hides GPUs from actors that did not ask for one)",
+    )
+    if cfg.ray.placement_strategy is not None:  # Ray rejects empty placement-group bundles
+        for path, role in (("runners", r), ("learner", lc)):
+            asks = role.num_cpus > 0 or getattr(role, "num_gpus", 0) > 0 or any(role.resources.values())
+            _require(asks, f"{path}.num_cpus", role.num_cpus, "must be > 0 when ray.placement_strategy is set")
+    _require(
+        cfg.ray.num_cpus is None or cfg.ray.num_cpus >= 1, "ray.num_cpus", cfg.ray.num_cpus, "must be >= 1 or null"
+    )
     envs = r.num_runners * r.envs_per_runner
     _require(
         p.train_batch_size >= envs and p.train_batch_size % envs == 0,
@@ -259,7 +293,7 @@ def validate(cfg: Config) -> Config:
         f"must be between 1 and ppo.train_batch_size ({p.train_batch_size})",
     )
     _require(p.num_epochs >= 1, "ppo.num_epochs", p.num_epochs, "must be at least 1")
-    _require(0 < p.lr < math.inf, "ppo.lr", p.lr, "must be a finite number > 0")
+    _require(p.lr > 0, "ppo.lr", p.lr, "must be > 0")
     _require(p.target_kl is None or p.target_kl > 0, "ppo.target_kl", p.target_kl, "must be > 0 or null")
     _require(0 <= p.gamma <= 1, "ppo.gamma", p.gamma, "must be in [0, 1]")
     _require(0 <= p.gae_lambda <= 1, "ppo.gae_lambda", p.gae_lambda, "must be in [0, 1]")
@@ -267,6 +301,7 @@ def validate(cfg: Config) -> Config:
     _require(p.max_grad_norm > 0, "ppo.max_grad_norm", p.max_grad_norm, "must be > 0")
     _require(p.obs_clip > 0, "ppo.obs_clip", p.obs_clip, "must be > 0")
     _require(p.reward_clip > 0, "ppo.reward_clip", p.reward_clip, "must be > 0")
+    _require(0 <= t.seed < 2**32, "training.seed", t.seed, "must be in [0, 2**32)")
     _require(t.total_env_steps >= 1, "training.total_env_steps", t.total_env_steps, "must be at least 1")
     _require(t.max_policy_lag >= 0, "training.max_policy_lag", t.max_policy_lag, "must be >= 0 (0 is sync)")
     _require(t.checkpoint_every >= 0, "training.checkpoint_every", t.checkpoint_every, "must be >= 0")

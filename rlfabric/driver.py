@@ -7,6 +7,7 @@ weights -> every runner reads it. The driver reads only fragment metadata (versi
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import time
@@ -26,6 +27,10 @@ from rlfabric.run_log import CONFIG_FILE, RunLog, plot_learning_curve, write_sum
 from rlfabric.runner_pool import Completed, RunAbortedError, RunnerPool, error_summary
 
 CHECKPOINT_DIR = "checkpoints"
+# How long setup waits for an actor to start before blaming the cluster's resources.
+SETUP_TIMEOUT_S = 120.0
+# What a checkpoint's weights and statistics depend on: a resumed run may not change these.
+FIXED_ON_RESUME = ("algo", "env.id", "env.kwargs", "model", "ppo.normalize_obs")
 # episode_return_mean is over the most recent episodes, as in Stable-Baselines3's ep_rew_mean.
 RETURN_WINDOW = 100
 
@@ -36,7 +41,7 @@ class Progress:
 
     iteration: int = 0
     env_steps: int = 0  # steps the learner trained on
-    env_steps_sampled: int = 0  # including dropped and lost work
+    env_steps_sampled: int = 0  # including fragments dropped as too stale (not those lost with a runner)
     episodes: int = 0
     dropped_fragments: int = 0
     runner_restarts: int = 0
@@ -44,6 +49,13 @@ class Progress:
     elapsed_s: float = 0.0
     recent_returns: list[float] = field(default_factory=list)
     recent_lengths: list[int] = field(default_factory=list)
+
+
+def _get_path(cfg: Config, dotted: str) -> Any:
+    node: Any = cfg
+    for part in dotted.split("."):
+        node = getattr(node, part)
+    return node
 
 
 def latest_checkpoint(run_dir: Path) -> Path | None:
@@ -71,16 +83,26 @@ class Trainer:
         self.run_dir = Path(run_dir)
         self.resume = resume
         self.quiet = quiet
-        # Fail on an unknown env before any actor starts.
+        # Fail on an unknown env, or on a run directory that already holds a run, before any actor starts.
         registry.resolve(cfg.env.id)
+        if not resume and latest_checkpoint(self.run_dir) is not None:
+            raise ConfigError(
+                f"--run-dir {str(self.run_dir)!r} already holds a run: continue it with --resume, "
+                "or choose another directory"
+            )
         self.progress = Progress()
         self.pool: RunnerPool | None = None
         self.learner: Any = None
         self.log: RunLog | None = None
         self.placement_group: Any = None
         self.version = 0
+        self.registry_blob = b""
+        self.fragments_per_batch = cfg.runners.num_runners  # one fragment per runner per train batch
         self._update_ref: ray.ObjectRef | None = None  # the learner's update in flight, if any
-        self._batch: list[Completed] = []  # the fragments it trains on
+        self._batch: list[dict[str, Any]] = []  # metadata of the fragments it trains on
+        self._sampled_this_version: set[int] = set()  # sync mode: runners that sampled for this version
+        self._iter_start = self._run_start = time.monotonic()
+        self._start_elapsed = 0.0
         # Restart and loss counts of earlier sessions of a resumed run; the pool counts this session's.
         self._restarts_before = 0
         self._lost_before = 0
@@ -96,17 +118,40 @@ class Trainer:
             raise ConfigError(f"--resume {str(run_dir)!r}: not a run directory (no {CONFIG_FILE})")
         if latest_checkpoint(run_dir) is None:
             raise ConfigError(f"--resume {str(run_dir)!r}: no checkpoint found under {CHECKPOINT_DIR}/")
+        saved = load_config(run_dir / CONFIG_FILE)
         cfg = load_config(run_dir / CONFIG_FILE, overrides)
+        for path in FIXED_ON_RESUME:
+            before, after = _get_path(saved, path), _get_path(cfg, path)
+            if dataclasses.is_dataclass(before):  # name the changed field itself, e.g. model.hidden_sizes
+                changed = (
+                    next(
+                        f.name for f in dataclasses.fields(before) if getattr(before, f.name) != getattr(after, f.name)
+                    )
+                    if before != after
+                    else None
+                )
+                if changed is not None:
+                    path, before, after = f"{path}.{changed}", getattr(before, changed), getattr(after, changed)
+            if before != after:
+                raise ConfigError(
+                    f"{path} = {after!r} is not valid with --resume: the checkpoint was trained with {before!r}"
+                )
         return cls(cfg, run_dir, resume=True, quiet=quiet)
 
     # -- setup ------------------------------------------------------------------------------------------
 
-    def _actor_options(self, num_cpus: float, num_gpus: float, resources: dict[str, float]) -> dict[str, Any]:
+    def _actor_options(
+        self, num_cpus: float, num_gpus: float, resources: dict[str, float], bundle: int
+    ) -> dict[str, Any]:
+        """Ray options for one actor; with a placement group, ``bundle`` pins it to its own reservation
+        (0: the learner, 1 + i: runner i), so a runner can never take the learner's GPU bundle."""
         opts: dict[str, Any] = {"num_cpus": num_cpus, "num_gpus": num_gpus, "resources": resources or None}
         if self.placement_group is not None:
             from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-            opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(self.placement_group)
+            opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
+                self.placement_group, placement_group_bundle_index=bundle
+            )
         return opts
 
     def _make_placement_group(self) -> None:
@@ -120,18 +165,19 @@ class Trainer:
         runner_bundles = [{"CPU": r.num_cpus, **r.resources} for _ in range(r.num_runners)]
         pg = placement_group([learner_bundle, *runner_bundles], strategy=strategy)
         try:
-            ray.get(pg.ready(), timeout=120)
+            ray.get(pg.ready(), timeout=SETUP_TIMEOUT_S)
         except ray.exceptions.GetTimeoutError:
+            ray.util.remove_placement_group(pg)
             raise ConfigError(
                 f"ray.placement_strategy = {strategy!r}: the cluster cannot place 1 learner and "
-                f"{r.num_runners} runners with the requested resources within 120 s"
+                f"{r.num_runners} runners with the requested resources within {SETUP_TIMEOUT_S:g} s"
             ) from None
         self.placement_group = pg
 
     def _make_runner(self, index: int, generation: int) -> Any:
         r, t = self.cfg.runners, self.cfg.training
         seed = t.seed + 10_007 * index + 1_000_003 * generation + 7_919 * self.progress.iteration
-        return EnvRunner.options(**self._actor_options(r.num_cpus, 0, r.resources)).remote(
+        return EnvRunner.options(**self._actor_options(r.num_cpus, 0, r.resources, bundle=1 + index)).remote(
             self.cfg.env.id,
             self.cfg.env.kwargs,
             r.envs_per_runner,
@@ -148,16 +194,27 @@ class Trainer:
         self.registry_blob = registry.snapshot()
         self._make_placement_group()
         self.pool = RunnerPool(self._make_runner, self.cfg.runners.num_runners, self.cfg.runners.sample_timeout_s)
+        r, lc = self.cfg.runners, self.cfg.learner
         try:
-            spaces = self.pool.call(0, "spaces", timeout=self.cfg.runners.sample_timeout_s)
+            spaces = self.pool.call(0, "spaces", timeout=SETUP_TIMEOUT_S)
+        except ray.exceptions.GetTimeoutError:
+            raise ConfigError(
+                f"runners.resources = {r.resources!r} / runners.num_cpus = {r.num_cpus!r}: no runner started "
+                f"within {SETUP_TIMEOUT_S:g} s; the cluster may not have these resources free"
+            ) from None
         except ray.exceptions.RayError as exc:
             raise ConfigError(
                 f"env.id = {self.cfg.env.id!r}: building the env on a runner failed: {error_summary(exc)}"
             ) from None
-        lc = self.cfg.learner
-        self.learner = Learner.options(**self._actor_options(lc.num_cpus, lc.num_gpus, lc.resources)).remote(
-            self.cfg.to_dict(), spaces["obs_dim"], spaces["action"]
-        )
+        options = self._actor_options(lc.num_cpus, lc.num_gpus, lc.resources, bundle=0)
+        self.learner = Learner.options(**options).remote(self.cfg.to_dict(), spaces["obs_dim"], spaces["action"])
+        try:
+            ray.get(self.learner.get_version.remote(), timeout=SETUP_TIMEOUT_S)
+        except ray.exceptions.GetTimeoutError:
+            raise ConfigError(
+                f"learner.num_gpus = {lc.num_gpus!r} / learner.resources = {lc.resources!r}: the learner did not "
+                f"start within {SETUP_TIMEOUT_S:g} s; the cluster may not have these resources free"
+            ) from None
         if checkpoint is not None:
             ray.get(self.learner.load_state.remote(checkpoint["learner"]))
             self._restarts_before = self.progress.runner_restarts
@@ -168,13 +225,17 @@ class Trainer:
         self._publish()
 
     def _publish(self) -> None:
-        (weights_ref,) = ray.get(self.learner.publish.remote())
-        self.version = ray.get(self.learner.get_version.remote())
+        weights_ref, self.version = ray.get(self.learner.publish.remote())
         self.pool.broadcast(weights_ref)
 
     # -- checkpoints ------------------------------------------------------------------------------------
 
+    def _sync_fault_counts(self) -> None:
+        self.progress.runner_restarts = self.pool.restarts + self._restarts_before
+        self.progress.lost_fragments = self.pool.lost_fragments + self._lost_before
+
     def save_checkpoint(self) -> Path:
+        self._sync_fault_counts()
         state = {
             "learner": ray.get(self.learner.state.remote()),
             "progress": self.progress.__dict__,
@@ -202,8 +263,9 @@ class Trainer:
         if self.cfg.training.max_policy_lag == 0:
             # Synchronous: one fragment per runner per policy version, none while the learner updates.
             return self._update_ref is None and index not in self._sampled_this_version
+        # Async: keep sampling up to max_policy_lag batches ahead of the learner.
         in_flight = len(self.pool.in_flight)
-        return buffered + in_flight < self.fragments_per_batch
+        return buffered + in_flight < self.fragments_per_batch * self.cfg.training.max_policy_lag
 
     def _accept(self, done: Completed, buffer: list[Completed]) -> None:
         p = self.progress
@@ -214,6 +276,7 @@ class Trainer:
         p.recent_lengths = (p.recent_lengths + meta["episode_lengths"])[-RETURN_WINDOW:]
         if meta["version"] < self.version - self.cfg.training.max_policy_lag:
             p.dropped_fragments += 1
+            self._sampled_this_version.discard(done.runner)  # sync mode: that runner owes a fresh one
             return
         buffer.append(done)
 
@@ -241,57 +304,57 @@ class Trainer:
         return self._finish()
 
     def _loop(self) -> None:
-        self.fragments_per_batch = self.cfg.runners.num_runners
         buffer: list[Completed] = []
-        self._sampled_this_version: set[int] = set()
-        self._iter_start = time.monotonic()
-        self._start_elapsed, self._run_start = self.progress.elapsed_s, time.monotonic()
+        self._iter_start = self._run_start = time.monotonic()
+        self._start_elapsed = self.progress.elapsed_s
         while not (self._should_stop() and self._update_ref is None):
             for i in range(len(self.pool)):
                 if not self._should_stop() and self._may_sample(i, len(buffer)):
                     self.pool.submit(i)
                     self._sampled_this_version.add(i)
-            waiting = self.pool.pending_refs() + ([self._update_ref] if self._update_ref is not None else [])
-            if not waiting:
-                break
+            update_ref = self._update_ref
+            waiting = self.pool.pending_refs() + ([update_ref] if update_ref is not None else [])
+            if not waiting:  # nothing in flight and nothing allowed to start: a scheduling bug, not an end
+                raise RuntimeError(f"driver stalled with {len(buffer)} fragments buffered; please report this")
             ready, _ = ray.wait(waiting, num_returns=1, timeout=1.0)
-            if self._update_ref is not None and self._update_ref in ready:
+            if update_ref is not None and update_ref in ready:
                 self._complete_update()
-            completed, failed = self.pool.collect([r for r in ready if r is not self._update_ref])
+            completed, failed = self.pool.collect([r for r in ready if r is not update_ref])
             for reason in self.pool.failures[len(self.pool.failures) - len(failed) :]:
                 self.log.note(f"{reason}; replaced it and asked again")
             for done in completed:
                 self._accept(done, buffer)
             self._sampled_this_version.difference_update(failed)  # lost work is asked for again
             if self._update_ref is None and len(buffer) >= self.fragments_per_batch and not self._should_stop():
-                self._batch, buffer = buffer[: self.fragments_per_batch], buffer[self.fragments_per_batch :]
-                self._update_ref = self.learner.update_from_refs.remote([c.data_ref for c in self._batch])
+                batch, buffer = buffer[: self.fragments_per_batch], buffer[self.fragments_per_batch :]
+                self._batch = [c.meta for c in batch]
+                self._update_ref = self.learner.update_from_refs.remote([c.data_ref for c in batch])
         self._tick()
 
     def _tick(self) -> None:
         self.progress.elapsed_s = self._start_elapsed + time.monotonic() - self._run_start
 
     def _complete_update(self) -> None:
-        """Take the finished update's statistics, publish the new version, log, checkpoint when due."""
+        """Take the finished update's statistics, count it, publish the new version, log, checkpoint when due."""
         stats = ray.get(self._update_ref)
         self._update_ref = None
+        p = self.progress
+        p.iteration += 1  # counted before anything else, so a checkpoint never lags the learner
+        p.env_steps += sum(m["env_steps"] for m in self._batch)
         self._publish()
         self._sampled_this_version.clear()
         self._tick()
         self._log_iteration(self._batch, stats, time.monotonic() - self._iter_start)
         self._iter_start = time.monotonic()
         every = self.cfg.training.checkpoint_every
-        if every and self.progress.iteration % every == 0:
+        if every and p.iteration % every == 0:
             self.save_checkpoint()
 
-    def _log_iteration(self, batch: list[Completed], stats: dict[str, float], seconds: float) -> None:
+    def _log_iteration(self, batch: list[dict[str, Any]], stats: dict[str, float], seconds: float) -> None:
         p = self.progress
-        steps = sum(c.meta["env_steps"] for c in batch)
-        p.iteration += 1
-        p.env_steps += steps
-        p.runner_restarts = self.pool.restarts + self._restarts_before
-        p.lost_fragments = self.pool.lost_fragments + self._lost_before
-        lags = [self.version - 1 - c.meta["version"] for c in batch]
+        steps = sum(m["env_steps"] for m in batch)
+        self._sync_fault_counts()
+        lags = [self.version - 1 - m["version"] for m in batch]  # the update trained version - 1
         row = {
             "iteration": p.iteration,
             "env_steps": p.env_steps,
@@ -306,18 +369,14 @@ class Trainer:
             "dropped_fragments": p.dropped_fragments,
             "lost_fragments": p.lost_fragments,
             "runner_restarts": p.runner_restarts,
-            "sample_time_s": float(np.mean([c.meta["sample_time_s"] for c in batch])),
+            "sample_time_s": float(np.mean([m["sample_time_s"] for m in batch])),
             **stats,
         }
         self.log.log(row)
 
     def _finish(self) -> dict[str, Any]:
         ckpt = self.save_checkpoint()
-        eval_returns: list[float] = []
-        if self.cfg.training.eval_episodes:
-            eval_returns = self.pool.call(
-                0, "evaluate", self.cfg.training.eval_episodes, self.cfg.training.seed + 12345
-            )
+        eval_returns = self._evaluate()
         p = self.progress
         summary = {
             "env": self.cfg.env.id,
@@ -339,6 +398,19 @@ class Trainer:
         summary["plot"] = plot_learning_curve(self.run_dir, f"PPO on {self.cfg.env.id}")
         self.log.close()
         return summary
+
+    def _evaluate(self) -> list[float]:
+        """Deterministic episodes of the final policy on runner 0; skipped (with a note) if that fails."""
+        t = self.cfg.training
+        if not t.eval_episodes:
+            return []
+        try:
+            return self.pool.call(
+                0, "evaluate", t.eval_episodes, t.seed + 12345, timeout=self.cfg.runners.sample_timeout_s
+            )
+        except ray.exceptions.RayError as exc:
+            self.log.note(f"evaluation skipped: {exc.__class__.__name__}: {error_summary(exc)}")
+            return []
 
     def close(self) -> None:
         if self.pool is not None:

@@ -19,6 +19,7 @@ import sys
 import sysconfig
 from collections.abc import Callable
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import gymnasium as gym
@@ -45,10 +46,6 @@ def register_env(name: str, factory: EnvFactory) -> None:
     _REGISTRY[name] = factory
 
 
-def registered_envs() -> dict[str, EnvFactory]:
-    return dict(_REGISTRY)
-
-
 def _entry_points() -> dict[str, importlib.metadata.EntryPoint]:
     return {ep.name: ep for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP)}
 
@@ -59,8 +56,10 @@ def _import_factory(spec: str) -> EnvFactory | None:
         return None
     try:
         module = importlib.import_module(module_name)
-    except ImportError:
-        return None
+    except ImportError as exc:
+        if exc.name is not None and module_name.startswith(exc.name):
+            return None  # no such module: the spec is not a module path
+        raise  # the module exists but its own imports fail: that error is the one to see
     obj: Any = module
     for part in attr.split("."):
         obj = getattr(obj, part, None)
@@ -141,13 +140,36 @@ def _is_installed(module_name: str) -> bool:
     return any(root in resolved.parents for root in _installed_roots())
 
 
+def _callables_inside(factory: Any) -> list[Any]:
+    """The factory plus what a partial or bound method wraps, whose modules must travel too."""
+    out = [factory]
+    while True:
+        inner = getattr(out[-1], "func", None) or getattr(out[-1], "__func__", None)
+        if inner is None or inner in out:
+            return out
+        out.append(inner)
+
+
+def _user_modules(factories: list[Any]) -> dict[str, ModuleType]:
+    """Modules that remote workers may be unable to import: the factories' own, and every not-installed module
+    those reach through their globals (a helper module holding the env class), transitively."""
+    found: dict[str, ModuleType] = {}
+    queue = [getattr(obj, "__module__", None) for f in factories for obj in _callables_inside(f)]
+    while queue:
+        name = queue.pop()
+        if not name or name in found or name not in sys.modules or _is_installed(name):
+            continue
+        module = sys.modules[name]
+        found[name] = module  # __main__ is scanned for what it imports; cloudpickle ships it by value anyway
+        for value in vars(module).values():
+            queue.append(value.__name__ if isinstance(value, ModuleType) else getattr(value, "__module__", None))
+    found.pop("__main__", None)
+    return found
+
+
 def snapshot() -> bytes:
     """Serialize this process's registrations; modules that are not installed travel by value."""
-    by_value = {
-        module_name: sys.modules[module_name]
-        for module_name in (getattr(f, "__module__", None) for f in _REGISTRY.values())
-        if module_name and module_name != "__main__" and not _is_installed(module_name)
-    }.values()
+    by_value = _user_modules(list(_REGISTRY.values())).values()
     for module in by_value:
         cloudpickle.register_pickle_by_value(module)
     try:

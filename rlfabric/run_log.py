@@ -35,7 +35,9 @@ class RunLog:
         self.metrics_file = open(run_dir / METRICS_FILE, "a")  # noqa: SIM115 - kept open for the run
         from torch.utils.tensorboard import SummaryWriter
 
-        self.tb = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
+        # TensorBoard's steps are env steps; on resume, purge the events written after the checkpoint.
+        purge_step = (kept[-1]["env_steps"] if kept else 0) + 1 if resume_at is not None else None
+        self.tb = SummaryWriter(log_dir=str(run_dir / "tensorboard"), purge_step=purge_step)
         self.quiet = quiet
         self.tty = sys.stderr.isatty()
         self.last_print = 0.0
@@ -83,7 +85,13 @@ def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
     path = run_dir / METRICS_FILE
     if not path.exists():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:  # a run killed mid-write leaves a partial last line
+            continue
+    return rows
 
 
 def plot_learning_curve(run_dir: Path, title: str) -> Path | None:

@@ -106,19 +106,21 @@ class RunnerPool:
             done.append(Completed(flight.runner, meta, flight.data_ref))
         now = time.monotonic()
         for ref, flight in list(self.in_flight.items()):
-            if now > flight.deadline:
+            if now > flight.deadline and not ray.wait([ref], timeout=0)[0]:  # finished in time but not yet read
                 del self.in_flight[ref]
+                self._discard(flight.data_ref)
                 self._replace(flight.runner, f"runner {flight.runner} missed its {self.sample_timeout_s:g}s deadline")
                 failed.append(flight.runner)
         return done, failed
 
     @staticmethod
     def _discard(data_ref: ray.ObjectRef) -> None:
-        """Read a failed sample's fragment ref once, so Ray does not log its error again as unhandled."""
-        try:
-            ray.get(data_ref, timeout=0)
-        except RayError:
-            pass
+        """Give up on a sample's fragment; a failed one is read once so Ray does not log its error as unhandled."""
+        if ray.wait([data_ref], timeout=0)[0]:
+            try:
+                ray.get(data_ref, timeout=0)
+            except RayError:
+                pass
 
     def _replace(self, index: int, reason: str) -> None:
         self.failures.append(reason)
@@ -138,3 +140,11 @@ class RunnerPool:
     def shutdown(self) -> None:
         for runner in self.runners:
             ray.kill(runner, no_restart=True)
+        # Samples still running when the run ended now fail; read them so Ray does not report them as unhandled.
+        refs = [r for f in self.in_flight.values() for r in (f.meta_ref, f.data_ref)]
+        for ref in ray.wait(refs, num_returns=len(refs), timeout=5)[0] if refs else []:
+            try:
+                ray.get(ref, timeout=0)
+            except RayError:
+                pass
+        self.in_flight.clear()

@@ -30,13 +30,14 @@ class VectorStep:
 class EnvVector:
     """N envs stepped in lockstep; flat float32 observations."""
 
-    def __init__(self, envs: Sequence[gym.Env], clip_actions: bool = True) -> None:
+    def __init__(self, envs: Sequence[gym.Env]) -> None:
         self.envs = list(envs)
         space = self.envs[0].action_space
-        self.box_actions = isinstance(space, gym.spaces.Box)
-        self.clip_actions = clip_actions and self.box_actions
+        # The policy's actions are 0..n-1 (discrete) or unbounded (Gaussian); map them onto the env's space.
+        self.clip_actions = isinstance(space, gym.spaces.Box)
         if self.clip_actions:
             self.low, self.high = space.low, space.high
+        self.action_offset = int(space.start) if isinstance(space, gym.spaces.Discrete) else 0
         self.returns = np.zeros(len(self.envs))
         self.lengths = np.zeros(len(self.envs), dtype=np.int64)
 
@@ -56,6 +57,8 @@ class EnvVector:
     def step(self, actions: np.ndarray) -> VectorStep:
         if self.clip_actions:
             actions = np.clip(actions, self.low, self.high)
+        elif self.action_offset:
+            actions = actions + self.action_offset
         n = len(self.envs)
         obs = [None] * n
         rewards = np.empty(n, dtype=np.float32)

@@ -314,3 +314,33 @@ def test_cli_config_error_is_one_line_exit_2_before_ray(cli_runs, case):
     # it failed before anything started: no Ray session logged, no run directory written, and quickly
     assert not (folder / "runs").exists()
     assert elapsed < 60
+
+
+@pytest.mark.parametrize(
+    "data, field",
+    [
+        ({"training": {"seed": -1}}, "training.seed"),
+        ({"runners": {"sample_timeout_s": float("inf")}}, "runners.sample_timeout_s"),
+        ({"ppo": {"ent_coef": "nan"}}, "ppo.ent_coef"),
+        ({"runners": {"num_cpus": -1}}, "runners.num_cpus"),
+        ({"runners": {"resources": {"CPU": 2}}}, "runners.resources.CPU"),
+        ({"learner": {"device": "cuda"}}, "learner.device"),
+        ({"learner": {"num_cpus": 0}, "ray": {"placement_strategy": "PACK"}}, "learner.num_cpus"),
+    ],
+)
+def test_values_that_would_fail_later_are_rejected_up_front(data, field):
+    assert _error(data).startswith(f"{field} = ")
+
+
+def test_resume_refuses_changes_the_checkpoint_depends_on(tmp_path):
+    from rlfabric.config import Config, dump_config
+    from rlfabric.driver import Trainer
+
+    (tmp_path / "config.yaml").write_text(dump_config(Config()))
+    (tmp_path / "checkpoints").mkdir()
+    (tmp_path / "checkpoints" / "iter_000003.pt").write_bytes(b"")
+    with pytest.raises(ConfigError, match=r"^model.hidden_sizes = \[32\] is not valid with --resume"):
+        Trainer.from_run_dir(tmp_path, ["model.hidden_sizes=[32]"])
+    assert Trainer.from_run_dir(tmp_path, ["training.total_env_steps=500000"]).cfg.training.total_env_steps == 500000
+    with pytest.raises(ConfigError, match="already holds a run"):
+        Trainer(Config(), tmp_path)  # a fresh run must not mix with an old one's checkpoints

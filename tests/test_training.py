@@ -168,11 +168,12 @@ def test_cli_train_writes_outputs_and_summary(tmp_path):
 
 
 def test_placement_group_and_per_role_resources(local_ray, tmp_path):
-    """ray.placement_strategy reserves the learner and runners as one placement group; the run uses it."""
+    """ray.placement_strategy reserves the learner and runners as one placement group; each actor takes its own
+    bundle (with unequal bundles, a runner landing in the learner's would leave the learner unplaceable)."""
     cfg = config_from_dict(
         {
             "runners": {"num_cpus": 0.5},
-            "learner": {"num_cpus": 0.5},
+            "learner": {"num_cpus": 1.0},
             "ray": {"placement_strategy": "PACK"},
             "training": {"total_env_steps": 2_000, "eval_episodes": 0},
         }
@@ -182,7 +183,7 @@ def test_placement_group_and_per_role_resources(local_ray, tmp_path):
         trainer.setup()
         table = ray.util.placement_group_table(trainer.placement_group)
         assert table["strategy"] == "PACK" and len(table["bundles"]) == 1 + 2
-        assert table["bundles"][0] == {"CPU": 0.5}
+        assert table["bundles"][0] == {"CPU": 1.0} and table["bundles"][1] == {"CPU": 0.5}
         summary = trainer.train()
     finally:
         trainer.close()

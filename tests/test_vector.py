@@ -322,3 +322,22 @@ def test_runner_logp_matches_learner_before_and_after_an_update(normalize_obs):
     if normalize_obs:
         assert learner.obs_stats.count == 2 * T * N
         np.testing.assert_allclose(runner.normalizer.mean, learner.obs_stats.mean, rtol=1e-6)
+
+
+def test_discrete_actions_are_shifted_onto_a_space_with_a_start():
+    """Discrete(3, start=-1): the policy's 0, 1, 2 reach the env as -1, 0, 1."""
+
+    class Shifted(Env):
+        observation_space = spaces.Box(-1.0, 1.0, (1,), np.float32)
+        action_space = spaces.Discrete(3, start=-1)
+
+        def reset(self, *, seed=None, options=None):
+            return np.zeros(1, np.float32), {}
+
+        def step(self, action):
+            assert self.action_space.contains(action), action
+            return np.array([action], np.float32), 0.0, False, False, {}
+
+    vec = EnvVector([Shifted()])
+    vec.reset([0])
+    assert [float(vec.step(np.array([a])).obs[0, 0]) for a in (0, 1, 2)] == [-1.0, 0.0, 1.0]

@@ -1,0 +1,78 @@
+"""The env registry: spec resolution and shipping registrations to processes that cannot import user code."""
+
+from __future__ import annotations
+
+import functools
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+import rlfabric
+from rlfabric import registry
+from rlfabric.registry import EnvNotFoundError
+
+HELPERS = """
+import gymnasium as gym
+import numpy as np
+
+class LineEnv(gym.Env):
+    def __init__(self, length=3):
+        self.length = length
+        self.observation_space = gym.spaces.Box(0.0, 1.0, (1,), np.float32)
+        self.action_space = gym.spaces.Discrete(2)
+"""
+
+FACTORIES = """
+from rl_helpers_mod import LineEnv
+
+def make_line(length=3, scale=1):
+    return LineEnv(length * scale)
+"""
+
+
+def test_snapshot_ships_user_modules_a_fresh_process_cannot_import(tmp_path, monkeypatch):
+    """A factory in one user module, its env class in another, and a functools.partial of it all arrive."""
+    (tmp_path / "rl_helpers_mod.py").write_text(HELPERS)
+    (tmp_path / "rl_factories_mod.py").write_text(FACTORIES)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import rl_factories_mod
+
+    rlfabric.register_env("line", rl_factories_mod.make_line)
+    rlfabric.register_env("line-x2", functools.partial(rl_factories_mod.make_line, scale=2))
+    blob = registry.snapshot()
+    (tmp_path / "blob.bin").write_bytes(blob)
+    check = textwrap.dedent(
+        f"""
+        import sys
+        from rlfabric import registry
+        assert not any("{tmp_path}" in p for p in sys.path)
+        registry.load_snapshot(open("{tmp_path / "blob.bin"}", "rb").read())
+        print(registry.make_env("line", {{"length": 4}}).length, registry.make_env("line-x2", {{}}).length)
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, cwd="/", timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["4", "6"]
+
+
+def test_import_error_inside_a_user_module_is_not_hidden(tmp_path, monkeypatch):
+    (tmp_path / "rl_broken_mod.py").write_text("import rl_module_that_does_not_exist\n\ndef make():\n    pass\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ModuleNotFoundError, match="rl_module_that_does_not_exist"):
+        registry.resolve("rl_broken_mod:make")
+    with pytest.raises(EnvNotFoundError, match="not an importable"):
+        registry.resolve("rl_no_such_mod:make")
+
+
+def test_specs_resolve_in_order():
+    rlfabric.register_env("gym-alias", lambda: None)
+    assert registry.resolve("gym-alias")() is None
+    env = registry.make_env("gym:CartPole-v1", {"max_episode_steps": 7})
+    assert env.spec.max_episode_steps == 7
+    assert registry.resolve("rlfabric/PointMass-v0").__name__ == "PointMassEnv"  # entry point
+    with pytest.raises(EnvNotFoundError, match="did you mean gym:CartPole-v1"):
+        registry.resolve("gym:CartPole-v9")
+    with pytest.raises(ValueError, match="must not start with 'gym:'|not starting with 'gym:'"):
+        rlfabric.register_env("gym:Mine-v0", lambda: None)
