@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import os
+from pathlib import Path
 
 import pytest
 import ray
@@ -19,3 +21,22 @@ def local_ray():
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
     yield
     ray.shutdown()
+
+
+def run_training(cfg, run_dir: Path) -> tuple[dict, list[dict]]:
+    """Train to the end with a Trainer (actors always cleaned up); return (summary, metrics.jsonl rows)."""
+    from rlfabric.driver import Trainer
+
+    trainer = Trainer(cfg, run_dir, quiet=True)
+    try:
+        summary = trainer.train()
+    finally:
+        trainer.close()
+    rows = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+    return summary, rows
+
+
+@pytest.fixture
+def train():
+    """``train(cfg, run_dir) -> (summary, rows)``."""
+    return run_training

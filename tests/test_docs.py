@@ -33,3 +33,21 @@ def test_readme_quickstart_is_what_ci_runs():
     ci = (ROOT / ".ci" / "run").read_text()
     test_command = next(line for line in readme.splitlines() if "pytest" in line and line.startswith("pip install"))
     assert test_command.split("#")[0].strip() in ci
+
+
+def test_every_example_config_is_valid():
+    from rlfabric.config import load_config
+    from rlfabric.registry import resolve
+
+    examples = sorted((ROOT / "examples").glob("*.yaml"))
+    assert {p.name for p in examples} >= {"cartpole_ppo.yaml", "halfcheetah_ppo.yaml"}
+    for path in examples:
+        cfg = load_config(path)
+        resolve(cfg.env.id)
+
+
+def test_cartpole_example_spells_out_the_embedded_default():
+    """`rlfabric train` with no config and examples/cartpole_ppo.yaml train the same thing."""
+    from rlfabric.config import Config, load_config
+
+    assert load_config(ROOT / "examples" / "cartpole_ppo.yaml") == Config()

@@ -58,22 +58,12 @@ def _register():
     rlfabric.register_env("fail-once", FailOnceEnv)
 
 
-def _run(cfg: rlfabric.Config, run_dir: Path) -> tuple[dict, list[dict]]:
-    trainer = Trainer(cfg, run_dir, quiet=True)
-    try:
-        summary = trainer.train()
-    finally:
-        trainer.close()
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return summary, rows
-
-
 @pytest.mark.parametrize("mode", ["raise", "hang"])
-def test_failing_env_costs_one_fragment(local_ray, tmp_path, mode):
+def test_failing_env_costs_one_fragment(local_ray, tmp_path, mode, train):
     cfg = _config(tmp_path)
     cfg.env.kwargs["mode"] = mode
     start = time.monotonic()
-    summary, rows = _run(cfg, tmp_path / "run")
+    summary, rows = train(cfg, tmp_path / "run")
     assert (tmp_path / "marker").exists()  # the failure really happened
     assert summary["env_steps"] >= 6_000
     assert summary["runner_restarts"] == 1 and summary["lost_fragments"] == 1

@@ -23,18 +23,13 @@ def _rows(run_dir: Path) -> list[dict]:
 
 
 @pytest.mark.slow
-def test_cartpole_learns_to_475(local_ray, tmp_path):
+def test_cartpole_learns_to_475(local_ray, tmp_path, train):
     """The default PPO config reaches a 100-episode mean return of 475 on CartPole-v1 (seeded)."""
     cfg = config_from_dict({"training": {"seed": 0, "stop_return": 475.0, "total_env_steps": 250_000}})
-    trainer = Trainer(cfg, tmp_path, quiet=True)
-    try:
-        summary = trainer.train()
-    finally:
-        trainer.close()
+    summary, rows = train(cfg, tmp_path)
     assert summary["episode_return_mean"] >= 475, summary
     assert summary["env_steps"] < 250_000  # stopped by stop_return, not by the budget
     assert summary["eval_return_mean"] >= 475, summary
-    rows = _rows(tmp_path)
     assert [r["iteration"] for r in rows] == list(range(1, len(rows) + 1))
     assert all(r["policy_lag_mean"] == 0 for r in rows)  # max_policy_lag 0 is synchronous
     assert rows[0]["episode_return_mean"] < 100  # it really learned
@@ -44,7 +39,7 @@ def test_cartpole_learns_to_475(local_ray, tmp_path):
     assert latest_checkpoint(tmp_path) is not None
 
 
-def test_gaussian_policy_improves_on_point_mass(local_ray, tmp_path):
+def test_gaussian_policy_improves_on_point_mass(local_ray, tmp_path, train):
     """The continuous path (Gaussian policy, obs and reward normalization) learns on the shipped PointMass env."""
     cfg = config_from_dict(
         {
@@ -63,25 +58,15 @@ def test_gaussian_policy_improves_on_point_mass(local_ray, tmp_path):
             "training": {"total_env_steps": 60_000, "seed": 3, "eval_episodes": 20},
         }
     )
-    trainer = Trainer(cfg, tmp_path, quiet=True)
-    try:
-        trainer.train()
-    finally:
-        trainer.close()
-    rows = _rows(tmp_path)
+    _, rows = train(cfg, tmp_path)
     first, last = rows[0]["episode_return_mean"], rows[-1]["episode_return_mean"]
     assert last > first + 10, (first, last)
 
 
-def test_async_mode_bounds_policy_lag(local_ray, tmp_path):
+def test_async_mode_bounds_policy_lag(local_ray, tmp_path, train):
     """max_policy_lag=1: runners sample during updates; no trained fragment is more than one version old."""
     cfg = config_from_dict({"training": {"max_policy_lag": 1, "total_env_steps": 20_000, "eval_episodes": 0}})
-    trainer = Trainer(cfg, tmp_path, quiet=True)
-    try:
-        trainer.train()
-    finally:
-        trainer.close()
-    rows = _rows(tmp_path)
+    _, rows = train(cfg, tmp_path)
     lags = [r["policy_lag_mean"] for r in rows]
     assert max(lags) <= 1.0
     assert max(lags) > 0  # some fragments really were sampled during an update
