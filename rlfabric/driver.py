@@ -335,43 +335,43 @@ class Trainer:
         self.progress.elapsed_s = self._start_elapsed + time.monotonic() - self._run_start
 
     def _complete_update(self) -> None:
-        """Take the finished update's statistics, count it, publish the new version, log, checkpoint when due."""
+        """Take the finished update's statistics, log it, publish the new version, checkpoint when due."""
         stats = ray.get(self._update_ref)
         self._update_ref = None
-        p = self.progress
-        p.iteration += 1  # counted before anything else, so a checkpoint never lags the learner
-        p.env_steps += sum(m["env_steps"] for m in self._batch)
-        self._publish()
-        self._sampled_this_version.clear()
         self._tick()
+        # Counted and logged before anything that blocks, so an interrupt never leaves a checkpoint whose
+        # iteration has no metrics row.
         self._log_iteration(self._batch, stats, time.monotonic() - self._iter_start)
         self._iter_start = time.monotonic()
+        self._publish()
+        self._sampled_this_version.clear()
         every = self.cfg.training.checkpoint_every
-        if every and p.iteration % every == 0:
+        if every and self.progress.iteration % every == 0:
             self.save_checkpoint()
 
     def _log_iteration(self, batch: list[dict[str, Any]], stats: dict[str, float], seconds: float) -> None:
+        """Count one update (trained on policy version ``self.version``, producing ``self.version + 1``)."""
         p = self.progress
         steps = sum(m["env_steps"] for m in batch)
         self._sync_fault_counts()
-        lags = [self.version - 1 - m["version"] for m in batch]  # the update trained version - 1
         row = {
-            "iteration": p.iteration,
-            "env_steps": p.env_steps,
+            "iteration": p.iteration + 1,
+            "env_steps": p.env_steps + steps,
             "env_steps_sampled": p.env_steps_sampled,
             "episodes": p.episodes,
             "episode_return_mean": float(np.mean(p.recent_returns)) if p.recent_returns else None,
             "episode_len_mean": float(np.mean(p.recent_lengths)) if p.recent_lengths else None,
             "env_steps_per_s": steps / max(seconds, 1e-9),
             "time_total_s": p.elapsed_s,
-            "policy_version": self.version,
-            "policy_lag_mean": float(np.mean(lags)),
+            "policy_version": self.version + 1,
+            "policy_lag_mean": float(np.mean([self.version - m["version"] for m in batch])),
             "dropped_fragments": p.dropped_fragments,
             "lost_fragments": p.lost_fragments,
             "runner_restarts": p.runner_restarts,
             "sample_time_s": float(np.mean([m["sample_time_s"] for m in batch])),
             **stats,
         }
+        p.iteration, p.env_steps = row["iteration"], row["env_steps"]
         self.log.log(row)
 
     def _finish(self) -> dict[str, Any]:

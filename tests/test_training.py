@@ -173,3 +173,30 @@ def test_placement_group_and_per_role_resources(local_ray, tmp_path):
     finally:
         trainer.close()
     assert summary["env_steps"] >= 2_000
+
+
+def test_interrupt_while_publishing_keeps_checkpoint_and_metrics_in_step(local_ray, tmp_path):
+    """Ctrl-C landing between an update and its weight broadcast: the checkpoint, the learner's version and
+    metrics.jsonl all agree on the iteration, so a resumed run neither skips nor repeats one."""
+    cfg = config_from_dict({"training": {"total_env_steps": 100_000, "checkpoint_every": 0}})
+    trainer = Trainer(cfg, tmp_path, quiet=True)
+    publish = trainer._publish
+    calls = []
+
+    def interrupted_publish() -> None:
+        calls.append(1)
+        if len(calls) == 5:  # one publish per iteration once training runs: this is right after update 5
+            raise KeyboardInterrupt
+        publish()
+
+    try:
+        trainer.setup()
+        trainer._publish = interrupted_publish
+        with pytest.raises(KeyboardInterrupt):
+            trainer.train()
+    finally:
+        trainer.close()
+    ckpt = torch.load(latest_checkpoint(tmp_path), weights_only=False)
+    rows = _rows(tmp_path)
+    assert ckpt["progress"]["iteration"] == rows[-1]["iteration"] == ckpt["learner"]["version"] == 5
+    assert ckpt["progress"]["env_steps"] == rows[-1]["env_steps"] == 5 * 256
