@@ -327,6 +327,7 @@ class Trainer:
             self._sampled_this_version.difference_update(failed)  # lost work is asked for again
             if self._update_ref is None and len(buffer) >= self.fragments_per_batch and not self._should_stop():
                 batch, buffer = buffer[: self.fragments_per_batch], buffer[self.fragments_per_batch :]
+                batch.sort(key=lambda c: c.runner)  # arrival order varies; a fixed order keeps seeded runs repeatable
                 self._batch = [c.meta for c in batch]
                 self._update_ref = self.learner.update_from_refs.remote([c.data_ref for c in batch])
         self._tick()

@@ -200,3 +200,10 @@ def test_interrupt_while_publishing_keeps_checkpoint_and_metrics_in_step(local_r
     rows = _rows(tmp_path)
     assert ckpt["progress"]["iteration"] == rows[-1]["iteration"] == ckpt["learner"]["version"] == 5
     assert ckpt["progress"]["env_steps"] == rows[-1]["env_steps"] == 5 * 256
+
+
+def test_seeded_sync_runs_are_repeatable(local_ray, tmp_path, train):
+    """Same seed, same config, sync mode: the same losses, iteration by iteration."""
+    cfg = config_from_dict({"training": {"seed": 7, "total_env_steps": 5_000, "eval_episodes": 0}})
+    losses = [[r["policy_loss"] for r in train(cfg, tmp_path / str(k))[1]] for k in range(2)]
+    assert losses[0] == losses[1] and len(losses[0]) >= 19
