@@ -91,6 +91,8 @@ class TrainingConfig:
     seed: int = 0
     # Save a checkpoint every this many iterations (and always at the end); 0: only at the end.
     checkpoint_every: int = 10
+    # Checkpoints kept on disk (the newest ones); 0 keeps every one.
+    keep_checkpoints: int = 3
     # Stop early once episode_return_mean reaches this (null: run to total_env_steps).
     stop_return: float | None = None
     # Episodes the final policy is evaluated on (deterministic actions); 0 skips evaluation.
@@ -305,6 +307,7 @@ def validate(cfg: Config) -> Config:
     _require(t.total_env_steps >= 1, "training.total_env_steps", t.total_env_steps, "must be at least 1")
     _require(t.max_policy_lag >= 0, "training.max_policy_lag", t.max_policy_lag, "must be >= 0 (0 is sync)")
     _require(t.checkpoint_every >= 0, "training.checkpoint_every", t.checkpoint_every, "must be >= 0")
+    _require(t.keep_checkpoints >= 0, "training.keep_checkpoints", t.keep_checkpoints, "must be >= 0 (0 keeps all)")
     _require(t.eval_episodes >= 0, "training.eval_episodes", t.eval_episodes, "must be >= 0")
     _require(
         len(cfg.model.hidden_sizes) >= 1 and all(h >= 1 for h in cfg.model.hidden_sizes),

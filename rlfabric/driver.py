@@ -247,6 +247,9 @@ class Trainer:
         tmp = path.with_suffix(".tmp")
         torch.save(state, tmp)
         tmp.replace(path)  # never leave a half-written checkpoint behind
+        keep = self.cfg.training.keep_checkpoints
+        for old in sorted(folder.glob("iter_*.pt"))[:-keep] if keep else []:
+            old.unlink()
         return path
 
     def _read_checkpoint(self) -> dict[str, Any]:

@@ -37,6 +37,7 @@ def test_cartpole_learns_to_475(local_ray, tmp_path, train):
         assert (tmp_path / name).is_file(), name
     assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
     assert latest_checkpoint(tmp_path) is not None
+    assert len(list((tmp_path / "checkpoints").glob("iter_*.pt"))) == 3  # training.keep_checkpoints
 
 
 def test_gaussian_policy_improves_on_point_mass(local_ray, tmp_path, train):
