@@ -15,4 +15,12 @@ from rlfabric.registry import make_env, register_env  # noqa: E402
 
 __version__ = "0.1.0"
 
-__all__ = ["Config", "ConfigError", "load_config", "make_env", "register_env", "__version__"]
+__all__ = ["Config", "ConfigError", "Trainer", "load_config", "make_env", "register_env", "train", "__version__"]
+
+
+def __getattr__(name: str):  # the driver pulls in torch and Ray: import it only when asked for
+    if name in ("Trainer", "train"):
+        from rlfabric import driver
+
+        return getattr(driver, name)
+    raise AttributeError(f"module 'rlfabric' has no attribute {name!r}")

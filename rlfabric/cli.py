@@ -50,6 +50,7 @@ def _print_summary(summary: dict) -> None:
 def cmd_train(args: argparse.Namespace) -> int:
     from rlfabric.driver import Trainer
 
+    _import_user_modules(args.import_modules)
     if args.resume:
         if args.config:
             raise ConfigError("--resume DIR uses the run's saved config; pass only key=value overrides, not a file")
@@ -132,7 +133,10 @@ def _import_user_modules(names: list[str] | None) -> None:
     import importlib
 
     for name in names or []:
-        importlib.import_module(name)
+        try:
+            importlib.import_module(name)
+        except ImportError as exc:
+            raise ConfigError(f"--import {name!r}: {exc}") from None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -145,6 +149,9 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--run-dir", help="where outputs go (default: runs/<env>-<time>)")
     train.add_argument("--resume", metavar="DIR", help="continue the run in DIR from its latest checkpoint")
     train.add_argument("--quiet", action="store_true", help="no progress line")
+    train.add_argument(
+        "--import", dest="import_modules", action="append", help="module to import first (one that calls register_env)"
+    )
     train.set_defaults(func=cmd_train)
 
     envs = sub.add_parser("envs", help="list or check environments").add_subparsers(dest="envs_command", required=True)
@@ -184,6 +191,9 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 1
+    except BrokenPipeError:  # output piped into `head` and friends
+        sys.stderr.close()
+        return 0
     except KeyboardInterrupt:
         print(
             "\nrlfabric: interrupted; the latest checkpoint is kept (resume with --resume DIR)",

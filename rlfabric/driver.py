@@ -423,3 +423,12 @@ class Trainer:
             ray.kill(self.learner)
         if self.placement_group is not None:
             ray.util.remove_placement_group(self.placement_group)
+
+
+def train(cfg: Config, run_dir: str | Path, quiet: bool = False) -> dict[str, Any]:
+    """Train ``cfg`` into ``run_dir`` from Python (the CLI's ``rlfabric train``); returns the run summary."""
+    trainer = Trainer(cfg, run_dir, quiet=quiet)
+    try:
+        return trainer.train()
+    finally:
+        trainer.close()

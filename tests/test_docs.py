@@ -51,3 +51,11 @@ def test_cartpole_example_spells_out_the_embedded_default():
     from rlfabric.config import Config, load_config
 
     assert load_config(ROOT / "examples" / "cartpole_ppo.yaml") == Config()
+
+
+def test_readme_python_api_names_exist():
+    import rlfabric
+    from rlfabric import driver
+
+    assert rlfabric.train is driver.train and rlfabric.Trainer is driver.Trainer
+    assert callable(rlfabric.load_config) and callable(rlfabric.register_env)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -138,17 +139,23 @@ def test_resume_continues_at_the_same_step_and_statistics(local_ray, tmp_path):
 
 
 def test_cli_train_writes_outputs_and_summary(tmp_path):
-    """`rlfabric train` with overrides runs end to end in a fresh process and prints a summary."""
+    """`rlfabric train --import MODULE` trains on an env that module registers, in a fresh process."""
+    (tmp_path / "my_cli_envs.py").write_text(
+        "import gymnasium as gym\nimport rlfabric\n\n"
+        "rlfabric.register_env('short-pole', lambda steps=50: gym.make('CartPole-v1', max_episode_steps=steps))\n"
+    )
     run_dir = tmp_path / "cli"
     out = subprocess.run(
-        [sys.executable, "-m", "rlfabric.cli", "train", "training.total_env_steps=3000", "--run-dir", str(run_dir)],
-        capture_output=True, text=True, timeout=300,
+        [sys.executable, "-m", "rlfabric.cli", "train", "env.id=short-pole", "env.kwargs={steps: 20}",
+         "training.total_env_steps=3000", "--import", "my_cli_envs", "--run-dir", str(run_dir)],
+        capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(tmp_path)},
     )  # fmt: skip
     assert out.returncode == 0, out.stderr[-2000:]
     assert "rlfabric run summary" in out.stdout
     assert "env steps" in out.stderr  # the progress line
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["env_steps"] >= 3000
+    assert summary["eval_return_mean"] <= 20  # the registered env with its kwargs, not plain CartPole
     rows = _rows(run_dir)
     assert all("env_steps" in r and "episode_return_mean" in r for r in rows)
 
