@@ -42,13 +42,14 @@ def test_cartpole_learns_to_475(local_ray, tmp_path, train):
 
 
 def test_gaussian_policy_improves_on_point_mass(local_ray, tmp_path, train):
-    """The continuous path (Gaussian policy, obs and reward normalization) learns on the shipped PointMass env."""
+    """The continuous path (Gaussian policy, obs and reward normalization) learns on the shipped PointMass env:
+    a random policy scores about -110 there, one that reaches the goal about -5."""
     cfg = config_from_dict(
         {
             "env": {"id": "rlfabric/PointMass-v0"},
             "ppo": {
-                "train_batch_size": 2048,
-                "minibatch_size": 256,
+                "train_batch_size": 1024,
+                "minibatch_size": 128,
                 "num_epochs": 10,
                 "lr": 3e-4,
                 "gamma": 0.99,
@@ -57,12 +58,13 @@ def test_gaussian_policy_improves_on_point_mass(local_ray, tmp_path, train):
                 "normalize_reward": True,
                 "clip_value_loss": True,
             },
-            "training": {"total_env_steps": 60_000, "seed": 3, "eval_episodes": 20},
+            "training": {"total_env_steps": 60_000, "seed": 0, "eval_episodes": 20},
         }
     )
-    _, rows = train(cfg, tmp_path)
+    summary, rows = train(cfg, tmp_path)
     first, last = rows[0]["episode_return_mean"], rows[-1]["episode_return_mean"]
-    assert last > first + 10, (first, last)
+    assert last > first + 30, (first, last)
+    assert summary["eval_return_mean"] > -40, summary
 
 
 def test_async_mode_bounds_policy_lag(local_ray, tmp_path, train):
