@@ -103,7 +103,8 @@ class LearnerCore:
         p = self.cfg.ppo
         self._merge_stats(fragments)
         parts = [self._advantages(f) for f in fragments]
-        batch = {k: torch.as_tensor(np.concatenate([part[k] for part in parts]), device=self.device) for k in parts[0]}
+        flat = {k: np.concatenate([part[k] for part in parts]) for k in parts[0]}
+        batch = {k: torch.as_tensor(v, device=self.device) for k, v in flat.items()}
         lr = ppo.linear_lr(p.lr, self.updates_done, self.total_updates) if p.anneal_lr else p.lr
         for group in self.optimizer.param_groups:
             group["lr"] = lr
@@ -149,15 +150,11 @@ class LearnerCore:
                 break
         self.updates_done += 1
         self.version += 1
-        returns, values = batch["returns"].cpu().numpy(), batch["values"].cpu().numpy()
-        var_returns = float(np.var(returns))
         out = {k: float(np.mean(v)) for k, v in stats.items()}
         out.update(
             lr=lr,
             epochs_run=float(epochs_run),
-            explained_variance=float("nan")
-            if var_returns == 0
-            else 1.0 - float(np.var(returns - values)) / var_returns,
+            explained_variance=ppo.explained_variance(flat["values"], flat["returns"]),
             learn_time_s=time.perf_counter() - start,
         )
         return out

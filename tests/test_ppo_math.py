@@ -248,3 +248,12 @@ def test_normalize_advantages_single_and_constant():
 )
 def test_linear_lr(index, total, expected):
     assert ppo.linear_lr(1e-3, index, total) == pytest.approx(expected)
+
+
+def test_explained_variance():
+    returns = np.array([1.0, 2.0, 3.0, 4.0])
+    assert ppo.explained_variance(returns, returns) == 1.0
+    assert ppo.explained_variance(np.full(4, 2.5), returns) == 0.0  # the mean is no better than a constant
+    # Var(R - V) = Var([1, 0, 1, 0]) = 0.25; Var(R) = 1.25 -> 1 - 0.2
+    assert ppo.explained_variance(np.array([0.0, 2.0, 2.0, 4.0]), returns) == pytest.approx(0.8)
+    assert np.isnan(ppo.explained_variance(returns, np.ones(4)))

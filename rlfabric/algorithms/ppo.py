@@ -111,6 +111,12 @@ def normalize_advantages(advantages: torch.Tensor, eps: float = 1e-8) -> torch.T
     return (advantages - advantages.mean()) / (advantages.std() + eps)
 
 
+def explained_variance(values: np.ndarray, returns: np.ndarray) -> float:
+    """1 - Var(R - V) / Var(R): 1 is a perfect critic, 0 no better than a constant, nan when Var(R) = 0."""
+    var_returns = float(np.var(returns))
+    return float("nan") if var_returns == 0 else 1.0 - float(np.var(returns - values)) / var_returns
+
+
 def linear_lr(base_lr: float, update_index: int, total_updates: int) -> float:
     """Learning rate annealed linearly from base_lr at update 0 to base_lr / total_updates at the last one."""
     frac = 1.0 - update_index / max(total_updates, 1)
