@@ -114,11 +114,11 @@ class RunnerPool:
         return done, failed
 
     @staticmethod
-    def _discard(data_ref: ray.ObjectRef) -> None:
-        """Give up on a sample's fragment; a failed one is read once so Ray does not log its error as unhandled."""
-        if ray.wait([data_ref], timeout=0)[0]:
+    def _discard(ref: ray.ObjectRef) -> None:
+        """Give up on a sample's result; a failed one is read once so Ray does not log its error as unhandled."""
+        if ray.wait([ref], timeout=0)[0]:
             try:
-                ray.get(data_ref, timeout=0)
+                ray.get(ref, timeout=0)
             except RayError:
                 pass
 
@@ -142,9 +142,8 @@ class RunnerPool:
             ray.kill(runner, no_restart=True)
         # Samples still running when the run ended now fail; read them so Ray does not report them as unhandled.
         refs = [r for f in self.in_flight.values() for r in (f.meta_ref, f.data_ref)]
-        for ref in ray.wait(refs, num_returns=len(refs), timeout=5)[0] if refs else []:
-            try:
-                ray.get(ref, timeout=0)
-            except RayError:
-                pass
+        if refs:
+            ray.wait(refs, num_returns=len(refs), timeout=5)
+        for ref in refs:
+            self._discard(ref)
         self.in_flight.clear()
