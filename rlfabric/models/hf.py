@@ -1,0 +1,102 @@
+"""Hugging Face causal language models: load by path or hub id, save in HF format, and build small ones locally.
+
+Tests, benchmarks and the quickstart never download weights: they build a character-level tokenizer and a small
+randomly initialised Qwen2-style model here, save both in Hugging Face format (safetensors + config + tokenizer),
+and from then on load them exactly as they would load a real model.
+"""
+
+from __future__ import annotations
+
+import string
+from pathlib import Path
+from typing import Any
+
+import torch
+
+# Characters the built-in tokenizer knows: enough for arithmetic, countdown and short English prompts.
+DEFAULT_ALPHABET = string.digits + "+-*/=()., :?<>\n" + string.ascii_letters
+SPECIAL_TOKENS = ("<pad>", "<eos>", "<bos>")
+
+
+def build_char_tokenizer(alphabet: str = DEFAULT_ALPHABET) -> Any:
+    """A character-level ``PreTrainedTokenizerFast``: one token per character, plus <pad>, <eos> and <bos>.
+
+    It saves with ``save_pretrained`` and loads with ``AutoTokenizer`` like any hub tokenizer.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    chars = list(dict.fromkeys(alphabet))  # keep order, drop repeats
+    vocab = {token: i for i, token in enumerate([*SPECIAL_TOKENS, *chars])}
+    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token=None))
+    backend.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")  # every character is a token
+    backend.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend, pad_token="<pad>", eos_token="<eos>", bos_token="<bos>", padding_side="left"
+    )
+
+
+def build_small_qwen2(
+    tokenizer: Any,
+    num_layers: int = 4,
+    hidden_size: int = 256,
+    num_heads: int = 4,
+    intermediate_size: int | None = None,
+    max_positions: int = 512,
+    seed: int = 0,
+) -> Any:
+    """A randomly initialised Qwen2-style causal LM sized for CPU work (4 x 256: about 4M parameters)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size or 4 * hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_heads,
+        max_position_embeddings=max_positions,
+        tie_word_embeddings=True,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = Qwen2ForCausalLM(config)
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    return model.eval()
+
+
+def load_causal_lm(path: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu") -> Any:
+    """Any Hugging Face causal LM by local path or hub id (``AutoModelForCausalLM``)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
+    return model.to(device).eval()
+
+
+def load_tokenizer(path: str | Path) -> Any:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(path))
+    if tokenizer.pad_token_id is None:  # many causal LMs ship without one; generation and batching need it
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def save_pretrained(model: Any, tokenizer: Any, path: str | Path) -> Path:
+    """Save model (safetensors + config) and tokenizer in Hugging Face format; transformers and vLLM load it."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(path, safe_serialization=True)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def build_small_model_dir(path: str | Path, seed: int = 0, **model_kwargs: Any) -> Path:
+    """Build the character tokenizer and a small Qwen2 model and save both at ``path`` (HF format)."""
+    tokenizer = build_char_tokenizer()
+    model = build_small_qwen2(tokenizer, seed=seed, **model_kwargs)
+    return save_pretrained(model, tokenizer, path)
