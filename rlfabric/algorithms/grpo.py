@@ -1,0 +1,343 @@
+"""The GRPO family's math, top to bottom: group advantages, ratios, clipped loss, aggregation, penalties, filters.
+
+Shapes: N sequences of T response tokens, right-padded. ``mask`` is a bool or float ``[N, T]`` loss mask (1 = a
+model token that is trained on; float weights are allowed). Values at masked positions may be garbage (NaN, inf):
+every function here selects them away with ``torch.where`` before any arithmetic that could turn them into NaN
+values or NaN gradients.
+
+Micro-batching: an aggregated loss is numerator / denominator. Both are sums over sequences, so to get the
+full-batch loss from micro-batches, compute ``D = sum(aggregate_denominator(mb.mask, mode, norm_length))`` over
+the whole batch first, then call ``aggregate_loss(..., denominator=D)`` (or ``policy_objective(...,
+denominator=D)``) on each micro-batch and backpropagate each; the sum of those losses (and of their gradients)
+equals the full-batch value. With several data-parallel ranks, all-reduce D as a sum first.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+ADVANTAGE_ESTIMATORS = ("grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline")
+RATIO_LEVELS = ("token", "sequence")
+AGGREGATION_MODES = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
+KL_ESTIMATORS = ("k1", "k3")
+LOG_RATIO_CLAMP = 20.0  # |log ratio| beyond this would overflow exp in float32 long before it means anything
+
+
+def _allowed(kind: str, name: str, allowed: tuple[str, ...]) -> ValueError:
+    return ValueError(f"unknown {kind} {name!r}; allowed: {', '.join(allowed)}")
+
+
+# -- masked reductions ----------------------------------------------------------------------------------------
+
+
+def masked_sum(x: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
+    """sum(x * mask) over ``dim`` (all elements when None); masked positions count as 0 even if x is NaN there."""
+    weights = mask.to(x.dtype)
+    picked = torch.where(weights != 0, x * weights, torch.zeros_like(x))
+    return picked.sum() if dim is None else picked.sum(dim)
+
+
+def masked_mean(x: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
+    """sum(x * mask) / sum(mask) over ``dim``; 0 where the mask is empty (not NaN)."""
+    weight = mask.to(x.dtype)
+    total = weight.sum() if dim is None else weight.sum(dim)
+    return masked_sum(x, mask, dim) / torch.where(total > 0, total, torch.ones_like(total))
+
+
+def _zero_masked(x: Tensor, mask: Tensor) -> Tensor:
+    return torch.where(mask.bool(), x, torch.zeros_like(x))
+
+
+# -- advantages ---------------------------------------------------------------------------------------------
+
+
+def _as_float(rewards: Tensor) -> Tensor:
+    return rewards if rewards.is_floating_point() else rewards.to(torch.get_default_dtype())
+
+
+def _group_stats(rewards: Tensor, group_ids: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Per sample: r - group mean, group size, and the group's unbiased variance (0 for a group of one)."""
+    if rewards.dim() != 1 or rewards.shape != group_ids.shape:
+        raise ValueError(f"rewards and group_ids must be [N]; got {tuple(rewards.shape)}, {tuple(group_ids.shape)}")
+    _, inverse, counts = torch.unique(group_ids, return_inverse=True, return_counts=True)
+    counts = counts.to(rewards.dtype)
+    sums = torch.zeros_like(counts).index_add_(0, inverse, rewards)
+    centered = rewards - (sums / counts)[inverse]
+    squares = torch.zeros_like(counts).index_add_(0, inverse, centered**2)
+    variance = squares / (counts - 1).clamp_min(1)
+    return centered, counts[inverse], variance[inverse]
+
+
+def grpo_advantages(rewards: Tensor, group_ids: Tensor, scale_by_std: bool = True, eps: float = 1e-6) -> Tensor:
+    """GRPO (Shao et al. 2024, DeepSeekMath): A_i = (r_i - mean_g) / (std_g + eps), std_g unbiased (as TRL).
+
+    ``scale_by_std=False`` is Dr. GRPO (Liu et al. 2025): A_i = r_i - mean_g. Groups (samples sharing a group id,
+    any order, any size) are reduced with index_add; a group of one, or of equal rewards, gets advantage 0.
+    """
+    centered, _, variance = _group_stats(_as_float(rewards), group_ids)
+    return centered / (variance.sqrt() + eps) if scale_by_std else centered
+
+
+def rloo_advantages(rewards: Tensor, group_ids: Tensor) -> Tensor:
+    """RLOO (Ahmadian et al. 2024): A_i = r_i - mean_{j != i in g} r_j = n/(n-1) * (r_i - mean_g); 0 when n = 1."""
+    centered, size, _ = _group_stats(_as_float(rewards), group_ids)
+    return centered * size / (size - 1).clamp_min(1)
+
+
+def reinforce_pp_advantages(
+    rewards: Tensor, group_ids: Tensor | None = None, subtract_group_mean: bool = False, eps: float = 1e-6
+) -> Tensor:
+    """REINFORCE++ (Hu 2025): A_i = (a_i - mean_batch a) / (std_batch a + eps), std unbiased, over the whole batch.
+
+    a = r (REINFORCE++), or a = r - mean_g with ``subtract_group_mean`` (REINFORCE++-baseline). Outcome rewards
+    only: one advantage per sequence. A batch of one sample gets advantage 0.
+    """
+    rewards = _as_float(rewards)
+    if subtract_group_mean:
+        if group_ids is None:
+            raise ValueError("reinforce_pp_advantages: subtract_group_mean=True needs group_ids")
+        rewards = _group_stats(rewards, group_ids)[0]
+    centered = rewards - rewards.mean()
+    std = rewards.std() if rewards.numel() > 1 else torch.zeros_like(rewards.mean())
+    return centered / (std + eps)
+
+
+def compute_advantages(estimator: str, rewards: Tensor, group_ids: Tensor, *, scale_by_std: bool = True) -> Tensor:
+    """Advantages by name: "grpo" | "rloo" | "reinforce_pp" | "reinforce_pp_baseline".
+
+    ``scale_by_std`` applies to "grpo" only (False = Dr. GRPO); the others ignore it.
+    """
+    if estimator == "grpo":
+        return grpo_advantages(rewards, group_ids, scale_by_std=scale_by_std)
+    if estimator == "rloo":
+        return rloo_advantages(rewards, group_ids)
+    if estimator in ("reinforce_pp", "reinforce_pp_baseline"):
+        return reinforce_pp_advantages(rewards, group_ids, subtract_group_mean=estimator == "reinforce_pp_baseline")
+    raise _allowed("advantage estimator", estimator, ADVANTAGE_ESTIMATORS)
+
+
+# -- ratios and the clipped surrogate -------------------------------------------------------------------------
+
+
+def log_ratio(new_logp: Tensor, old_logp: Tensor, mask: Tensor, level: str = "token") -> Tensor:
+    """log r_{i,t}, 0 at masked positions.
+
+    token:    log r_{i,t} = new_{i,t} - old_{i,t}                                       (PPO / GRPO)
+    sequence: log r_{i,t} = sg[log s_i] + new_{i,t} - sg[new_{i,t}],  log s_i = masked mean_t (new - old)
+              (GSPO-token, Zheng et al. 2025): the value is the sequence's length-normalized log ratio at every
+              token, while the gradient is that of new_{i,t} alone. With A constant over a sequence and
+              "seq_mean_token_mean" aggregation this is exactly GSPO's sequence-level gradient.
+    """
+    diff = _zero_masked(new_logp - old_logp, mask)
+    if level == "token":
+        return diff
+    if level != "sequence":
+        raise _allowed("ratio level", level, RATIO_LEVELS)
+    seq = masked_mean(diff, mask, dim=-1).detach().unsqueeze(-1)
+    return _zero_masked(seq + new_logp - new_logp.detach(), mask)
+
+
+def clipped_policy_loss(
+    new_logp: Tensor,
+    old_logp: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    clip_low: float,
+    clip_high: float,
+    ratio_level: str = "token",
+) -> tuple[Tensor, Tensor]:
+    """PPO-clip per token with an asymmetric range (DAPO's clip-higher, Yu et al. 2025).
+
+    loss_{i,t} = -min(r A_i, clip(r, 1 - clip_low, 1 + clip_high) A_i),  r = exp(clamp(log r, -20, 20))
+    Returns ([N, T] loss, 0 at masked positions; clip fraction = masked share of tokens where the clipped term
+    wins, i.e. whose gradient is zero). ``advantages`` is [N] (or [N, T] for per-token advantages).
+    """
+    if advantages.dim() == 1:
+        advantages = advantages.unsqueeze(-1)
+    ratio = log_ratio(new_logp, old_logp, mask, ratio_level).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()
+    unclipped = -advantages * ratio
+    clipped = -advantages * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
+    loss = _zero_masked(torch.maximum(unclipped, clipped), mask)
+    clip_fraction = masked_mean((clipped > unclipped).to(loss.dtype), mask).detach()
+    return loss, clip_fraction
+
+
+# -- aggregation ---------------------------------------------------------------------------------------------
+
+
+def _check_aggregation(mode: str, norm_length: int | None) -> None:
+    if mode not in AGGREGATION_MODES:
+        raise _allowed("loss aggregation mode", mode, AGGREGATION_MODES)
+    if mode == "seq_mean_token_sum_norm" and (norm_length is None or norm_length <= 0):
+        raise ValueError(f"aggregation 'seq_mean_token_sum_norm' needs norm_length > 0; got {norm_length!r}")
+
+
+def aggregate_denominator(mask: Tensor, mode: str, norm_length: int | None = None) -> float:
+    """The denominator of ``aggregate_loss``: sum(mask) for "token_mean", else the number of sequences with at
+    least one loss token (an all-masked sequence, e.g. overlong-filtered, is not counted). Additive over
+    micro-batches."""
+    _check_aggregation(mode, norm_length)
+    weight = mask.to(torch.float64)
+    return float(weight.sum()) if mode == "token_mean" else float((weight.sum(-1) > 0).sum())
+
+
+def aggregate_loss_sum(
+    loss_per_token: Tensor, mask: Tensor, mode: str, norm_length: int | None = None
+) -> tuple[Tensor, float]:
+    """(numerator, denominator) with aggregate_loss = numerator / denominator; both add up over micro-batches.
+
+    token_mean:              sum_{i,t} m l / sum_{i,t} m                               (DAPO)
+    seq_mean_token_mean:     sum_i [sum_t m l / sum_t m] / #sequences                  (original GRPO)
+    seq_mean_token_sum_norm: sum_i [sum_t m l / norm_length] / #sequences              (Dr. GRPO)
+    """
+    denominator = aggregate_denominator(mask, mode, norm_length)
+    if mode == "token_mean":
+        return masked_sum(loss_per_token, mask), denominator
+    if mode == "seq_mean_token_mean":
+        return masked_mean(loss_per_token, mask, dim=-1).sum(), denominator
+    return masked_sum(loss_per_token, mask) / norm_length, denominator
+
+
+def aggregate_loss(
+    loss_per_token: Tensor,
+    mask: Tensor,
+    mode: str,
+    norm_length: int | None = None,
+    denominator: float | None = None,
+) -> Tensor:
+    """Scalar loss: numerator / denominator of ``aggregate_loss_sum`` (0 when nothing is trained on).
+
+    Pass the whole batch's ``denominator`` (summed ``aggregate_denominator`` of every micro-batch) so that the
+    micro-batch losses add up to the full-batch loss.
+    """
+    numerator, local = aggregate_loss_sum(loss_per_token, mask, mode, norm_length)
+    denominator = local if denominator is None else denominator
+    return numerator / (denominator if denominator > 0 else 1.0)
+
+
+# -- penalties and distributions --------------------------------------------------------------------------------
+
+
+def kl_penalty(logp: Tensor, ref_logp: Tensor, estimator: str = "k3") -> Tensor:
+    """Per-token estimate of KL(pi || pi_ref) from samples of pi (Schulman 2020, "Approximating KL divergence").
+
+    k1 = logp - ref_logp                                      (unbiased, can be negative)
+    k3 = exp(d) - d - 1,  d = clamp(ref_logp - logp, -20, 20) (unbiased, nonnegative, lower variance)
+    """
+    if estimator == "k1":
+        return logp - ref_logp
+    if estimator != "k3":
+        raise _allowed("KL estimator", estimator, KL_ESTIMATORS)
+    d = (ref_logp - logp).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    return torch.expm1(d) - d
+
+
+def entropy_from_logits(logits: Tensor) -> Tensor:
+    """H = -sum_v p_v log p_v = logsumexp(z) - sum_v p_v z_v, p = softmax(z); [N, T, V] -> [N, T]."""
+    return torch.logsumexp(logits, dim=-1) - (torch.softmax(logits, dim=-1) * logits).sum(-1)
+
+
+def token_logprobs_from_logits(logits: Tensor, tokens: Tensor, temperature: float = 1.0) -> Tensor:
+    """log softmax(z / tau)[y] = z_y / tau - logsumexp(z / tau); gathers instead of keeping a [N, T, V] log_softmax.
+
+    Sampling at temperature tau means the behaviour policy is softmax(z / tau), so the learner must use the same tau.
+    """
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0; got {temperature}")
+    if temperature != 1.0:
+        logits = logits / temperature
+    picked = logits.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    return picked - torch.logsumexp(logits, dim=-1)
+
+
+# -- the whole objective --------------------------------------------------------------------------------------
+
+
+def _ratio_metrics(new_logp: Tensor, old_logp: Tensor, mask: Tensor, ratio_level: str) -> dict[str, float]:
+    """ratio_mean: masked mean of the ratio the loss used; approx_kl: masked mean of (r - 1) - log r per token."""
+    with torch.no_grad():
+        level_ratio = log_ratio(new_logp, old_logp, mask, ratio_level).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+        token = log_ratio(new_logp, old_logp, mask, "token").clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+        return {
+            "ratio_mean": masked_mean(level_ratio.exp(), mask).item(),
+            "approx_kl": masked_mean(torch.expm1(token) - token, mask).item(),
+        }
+
+
+def policy_objective(
+    new_logp: Tensor,
+    old_logp: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    *,
+    clip_low: float = 0.2,
+    clip_high: float = 0.2,
+    ratio_level: str = "token",
+    aggregation: str = "token_mean",
+    norm_length: int | None = None,
+    ref_logp: Tensor | None = None,
+    kl_coef: float = 0.0,
+    kl_estimator: str = "k3",
+    entropy: Tensor | None = None,
+    entropy_coef: float = 0.0,
+    denominator: float | None = None,
+) -> tuple[Tensor, dict[str, float]]:
+    """loss = agg(clipped pg loss) + kl_coef * agg(kl(new || ref)) - entropy_coef * agg(entropy), one aggregation.
+
+    Metrics (python floats): pg_loss, kl (with ref_logp), entropy (with entropy) are aggregated like the loss, so
+    with a shared ``denominator`` they add up over micro-batches; clip_fraction, ratio_mean, approx_kl are token
+    means over this call's mask.
+    """
+    if kl_coef != 0 and ref_logp is None:
+        raise ValueError(f"kl_coef={kl_coef} needs ref_logp")
+    if entropy_coef != 0 and entropy is None:
+        raise ValueError(f"entropy_coef={entropy_coef} needs entropy")
+    if denominator is None:
+        denominator = aggregate_denominator(mask, aggregation, norm_length)
+
+    def agg(per_token: Tensor) -> Tensor:
+        return aggregate_loss(per_token, mask, aggregation, norm_length, denominator)
+
+    pg, clip_fraction = clipped_policy_loss(new_logp, old_logp, advantages, mask, clip_low, clip_high, ratio_level)
+    loss = agg(pg)
+    metrics = {"pg_loss": loss.item(), "clip_fraction": clip_fraction.item()}
+    metrics.update(_ratio_metrics(new_logp, old_logp, mask, ratio_level))
+    if ref_logp is not None:
+        kl = agg(kl_penalty(new_logp, ref_logp, kl_estimator))
+        loss, metrics["kl"] = loss + kl_coef * kl, kl.item()
+    if entropy is not None:
+        ent = agg(entropy)
+        loss, metrics["entropy"] = loss - entropy_coef * ent, ent.item()
+    return loss, metrics
+
+
+# -- sample filters and reward shaping (DAPO) -------------------------------------------------------------------
+
+
+def group_has_signal(rewards: Tensor, group_ids: Tensor) -> Tensor:
+    """Dynamic sampling (DAPO): True for samples whose group's rewards are not all equal (max_g != min_g).
+
+    A group whose rewards are all equal has all-zero advantages and teaches nothing; a group of one never has signal.
+    """
+    groups, inverse = torch.unique(group_ids, return_inverse=True)
+    rewards = _as_float(rewards)
+    highest = rewards.new_full(groups.shape, float("-inf")).scatter_reduce(0, inverse, rewards, "amax")
+    lowest = rewards.new_full(groups.shape, float("inf")).scatter_reduce(0, inverse, rewards, "amin")
+    return (highest != lowest)[inverse]
+
+
+def overlong_mask(truncated: Tensor) -> Tensor:
+    """Overlong filtering (DAPO): a float [N] weight, 0 for sequences cut off at the length limit, else 1."""
+    return (~truncated.bool()).to(torch.get_default_dtype())
+
+
+def soft_overlong_penalty(lengths: Tensor, max_length: int, buffer: int) -> Tensor:
+    """Soft overlong punishment (DAPO), added to the reward; L = max_length, B = buffer:
+
+    0 for len <= L - B;  (L - B - len) / B for L - B < len <= L;  -1 for len > L.
+    """
+    if not 0 < buffer <= max_length:
+        raise ValueError(f"soft_overlong_penalty needs 0 < buffer <= max_length; got buffer={buffer}, {max_length=}")
+    excess = (max_length - buffer) - lengths.to(torch.get_default_dtype())
+    return (excess / buffer).clamp(-1.0, 0.0)
