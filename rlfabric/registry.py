@@ -13,18 +13,13 @@ never needs to import the user's script.
 
 from __future__ import annotations
 
-import importlib
 import importlib.metadata
-import sys
-import sysconfig
 from collections.abc import Callable
-from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import gymnasium as gym
-from ray import cloudpickle
 
+from rlfabric import shipping
 from rlfabric.config import ConfigError
 
 EnvFactory = Callable[..., gym.Env]
@@ -48,24 +43,6 @@ def register_env(name: str, factory: EnvFactory) -> None:
 
 def _entry_points() -> dict[str, importlib.metadata.EntryPoint]:
     return {ep.name: ep for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP)}
-
-
-def _import_factory(spec: str) -> EnvFactory | None:
-    module_name, _, attr = spec.partition(":")
-    if not module_name or not attr:
-        return None
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        if exc.name is not None and module_name.startswith(exc.name):
-            return None  # no such module: the spec is not a module path
-        raise  # the module exists but its own imports fail: that error is the one to see
-    obj: Any = module
-    for part in attr.split("."):
-        obj = getattr(obj, part, None)
-        if obj is None:
-            return None
-    return obj if callable(obj) else None
 
 
 def _gym_factory(env_id: str) -> EnvFactory:
@@ -92,7 +69,7 @@ def resolve(spec: str, field: str = "env.id") -> EnvFactory:
     eps = _entry_points()
     if spec in eps:
         return eps[spec].load()
-    factory = _import_factory(spec)
+    factory = shipping.import_callable(spec)
     if factory is not None:
         return factory
     known = sorted(_REGISTRY) + sorted(eps)
@@ -123,62 +100,11 @@ def list_envs() -> dict[str, str]:
 # Shipping registrations to remote workers
 
 
-def _installed_roots() -> list[Path]:
-    roots = {sysconfig.get_paths()[k] for k in ("purelib", "platlib", "stdlib", "platstdlib")}
-    return [Path(r).resolve() for r in roots]
-
-
-def _is_installed(module_name: str) -> bool:
-    """True when remote workers can import the module by name: stdlib, site-packages, or rlfabric itself."""
-    if module_name.split(".")[0] == "rlfabric":
-        return True
-    module = sys.modules.get(module_name)
-    path = getattr(module, "__file__", None)
-    if module is None or path is None:
-        return module_name in sys.builtin_module_names
-    resolved = Path(path).resolve()
-    return any(root in resolved.parents for root in _installed_roots())
-
-
-def _callables_inside(factory: Any) -> list[Any]:
-    """The factory plus what a partial or bound method wraps, whose modules must travel too."""
-    out = [factory]
-    while True:
-        inner = getattr(out[-1], "func", None) or getattr(out[-1], "__func__", None)
-        if inner is None or inner in out:
-            return out
-        out.append(inner)
-
-
-def _user_modules(factories: list[Any]) -> dict[str, ModuleType]:
-    """Modules that remote workers may be unable to import: the factories' own, and every not-installed module
-    those reach through their globals (a helper module holding the env class), transitively."""
-    found: dict[str, ModuleType] = {}
-    queue = [getattr(obj, "__module__", None) for f in factories for obj in _callables_inside(f)]
-    while queue:
-        name = queue.pop()
-        if not name or name in found or name not in sys.modules or _is_installed(name):
-            continue
-        module = sys.modules[name]
-        found[name] = module  # __main__ is scanned for what it imports; cloudpickle ships it by value anyway
-        for value in vars(module).values():
-            queue.append(value.__name__ if isinstance(value, ModuleType) else getattr(value, "__module__", None))
-    found.pop("__main__", None)
-    return found
-
-
 def snapshot() -> bytes:
     """Serialize this process's registrations; modules that are not installed travel by value."""
-    by_value = _user_modules(list(_REGISTRY.values())).values()
-    for module in by_value:
-        cloudpickle.register_pickle_by_value(module)
-    try:
-        return cloudpickle.dumps(dict(_REGISTRY))
-    finally:
-        for module in by_value:
-            cloudpickle.unregister_pickle_by_value(module)
+    return shipping.dumps_with_user_code(_REGISTRY)
 
 
 def load_snapshot(blob: bytes) -> None:
     """Install registrations shipped from the driver (on a runner)."""
-    _REGISTRY.update(cloudpickle.loads(blob))
+    _REGISTRY.update(shipping.loads(blob))

@@ -1,0 +1,135 @@
+"""RewardService: runs the configured reward functions on groups of completions, with a deadline per group.
+
+Every configured function scores each group; their component dicts merge into one per completion. Failures stay
+as small as they can be:
+
+* a function that raises (or returns something malformed) fails only that group: its samples get the error and
+  no components, and the other groups of the call are still scored;
+* a group that overruns ``group_timeout_s`` fails with "timed out after Xs" and the call goes on with the next
+  group. The stuck thread cannot be killed, so the service then reports itself poisoned and the pool replaces
+  it once the call has returned; the groups it finished are kept.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import os
+import threading
+from collections.abc import Mapping
+from typing import Any
+
+import ray
+
+from rlfabric import rewards
+from rlfabric.rewards import RewardFn, RewardInput, RewardResult, RewardSpec
+
+
+class GroupFailed(Exception):
+    """Scoring one group failed; the message is the one-line error its samples carry."""
+
+
+def one_line(exc: BaseException) -> str:
+    """``"ExcType: message"`` on one line, at most 300 characters."""
+    message = " ".join(str(exc).split())
+    return f"{exc.__class__.__name__}: {message}"[:300] if message else exc.__class__.__name__
+
+
+class _GroupRun:
+    """One group's evaluation on its own daemon thread, so the caller can stop waiting for it."""
+
+    def __init__(self, functions: list[tuple[str, RewardFn]], group: list[RewardInput]) -> None:
+        self.functions, self.group = functions, group
+        self.current = ""  # the function running now: named in the timeout error
+        self.components: list[dict[str, float]] | None = None
+        self.error: str | None = None
+        self.thread = threading.Thread(target=self._run, name="reward-group", daemon=True)
+
+    def _run(self) -> None:
+        try:
+            self.components = self._evaluate()
+        except GroupFailed as exc:
+            self.error = str(exc)
+        except BaseException as exc:  # any failure of user code costs this group only
+            self.error = f"{self.current}: {one_line(exc)}"
+
+    def _evaluate(self) -> list[dict[str, float]]:
+        """Every function on the group, components merged per sample; GroupFailed on a malformed result."""
+        merged: list[dict[str, float]] = [{} for _ in self.group]
+        source: dict[str, str] = {}  # component -> the function that produced it
+        for name, fn in self.functions:
+            self.current = name
+            out = fn(self.group)
+            if not isinstance(out, list) or len(out) != len(self.group):
+                got = f"{len(out)} results" if isinstance(out, list) else f"a {type(out).__name__}"
+                raise GroupFailed(f"{name}: returned {got} for a group of {len(self.group)}; expected a list of dicts")
+            for i, components in enumerate(out):
+                if not isinstance(components, Mapping):
+                    raise GroupFailed(f"{name}: sample {i} got a {type(components).__name__}, expected a dict")
+                for key, value in components.items():
+                    if source.setdefault(key, name) != name:
+                        raise GroupFailed(f"component {key!r} comes from both {source[key]!r} and {name!r}")
+                    if not isinstance(value, numbers.Real) or not math.isfinite(value):
+                        raise GroupFailed(f"{name}: component {key!r} is {value!r}, expected a finite number")
+                    merged[i][key] = float(value)
+        return merged
+
+
+class RewardServiceCore:
+    """The service's logic without Ray, so it can be used and tested in-process."""
+
+    def __init__(
+        self,
+        specs: list[str | Mapping[str, Any] | RewardSpec],
+        group_timeout_s: float,
+        registry_blob: bytes | None = None,
+    ) -> None:
+        if registry_blob is not None:
+            rewards.load_snapshot(registry_blob)
+        if not group_timeout_s > 0:
+            raise ValueError(f"group_timeout_s = {group_timeout_s!r}: must be > 0")
+        parsed = [RewardSpec.parse(s, f"rewards.functions[{i}]") for i, s in enumerate(specs)]
+        if not parsed:
+            raise ValueError("RewardService needs at least one reward function, got none")
+        self.functions = [
+            (spec.name, rewards.resolve_reward(spec, f"rewards.functions[{i}]")) for i, spec in enumerate(parsed)
+        ]
+        self.group_timeout_s = group_timeout_s
+        self.poisoned = False  # a group's thread is stuck: this process should be replaced
+
+    def score(self, groups: list[list[RewardInput]]) -> list[list[RewardResult]]:
+        """Results per group, per completion; a failed group's samples carry its error and no components."""
+        return [self._score_group(group) for group in groups]
+
+    def _score_group(self, group: list[RewardInput]) -> list[RewardResult]:
+        if not group:
+            return []
+        run = _GroupRun(self.functions, group)
+        run.thread.start()
+        run.thread.join(self.group_timeout_s)
+        if run.thread.is_alive():
+            self.poisoned = True
+            return failed(group, f"timed out after {self.group_timeout_s:g}s in reward {run.current!r}")
+        if run.components is None:
+            return failed(group, run.error or "no result")
+        return [RewardResult(components) for components in run.components]
+
+
+def failed(group: list[RewardInput], error: str) -> list[RewardResult]:
+    return [RewardResult({}, error) for _ in group]
+
+
+@ray.remote
+class RewardService:
+    """The Ray actor. ``score`` returns two objects: the results, and whether this process is now poisoned."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
+        self.core = RewardServiceCore(*args, **kwargs)
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    @ray.method(num_returns=2)
+    def score(self, groups: list[list[RewardInput]]) -> tuple[list[list[RewardResult]], bool]:
+        return self.core.score(groups), self.core.poisoned

@@ -1,0 +1,189 @@
+"""Prompt datasets: generated tasks and user files, as lists of row dicts.
+
+A data spec (``data.train``, ``data.eval``) is one of:
+
+* ``task:<name>`` or ``task:<name>?key=value&key=value``: a task from ``rlfabric.envs.text_tasks.TASKS`` that
+  generates its rows from the seed; the options are passed to its generator, values read as int, float,
+  ``true``/``false``, or else kept as strings. Example: ``task:arithmetic?max_operand=20&ops=+-*``.
+* a path to a ``.jsonl``, ``.json`` (a list of objects) or ``.parquet`` file, read with ``datasets.load_dataset``
+  (local files only). File rows keep their order; ``num_rows`` takes the first rows and the seed is not used.
+
+Every row must hold a string under the prompt key; every other column is per-sample metadata that the reward
+functions receive (``row_metadata``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from rlfabric.config import ConfigError
+
+TASK_PREFIX = "task:"
+FILE_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
+# Held-out rows from a generated task are drawn in rounds of fresh seeds until enough new prompts turn up.
+HELDOUT_ROUNDS = 50
+
+
+def load_prompts(
+    spec: str, *, num_rows: int | None = None, seed: int = 0, prompt_key: str = "prompt", field: str = "data.train"
+) -> list[dict[str, Any]]:
+    """The rows ``spec`` names; ``num_rows`` is required for generated tasks and optional (all rows) for files."""
+    if num_rows is not None and (not isinstance(num_rows, int) or num_rows < 0):
+        raise ConfigError(f"{field} = {spec!r}: number of rows {num_rows!r} must be an integer >= 0")
+    if spec.startswith(TASK_PREFIX):
+        generate, options = _task(spec, field)
+        if num_rows is None:
+            raise ConfigError(f"{field} = {spec!r}: a generated task needs a number of rows, got none")
+        rows = _generate(generate, options, num_rows, seed, spec, field)
+    else:
+        rows = _read_file(spec, field)
+        if num_rows is not None:
+            if len(rows) < num_rows:
+                raise ConfigError(f"{field} = {spec!r}: has {len(rows)} rows, fewer than the {num_rows} asked for")
+            rows = rows[:num_rows]
+    _check_rows(rows, spec, prompt_key, field)
+    return rows
+
+
+def load_heldout(
+    spec: str,
+    *,
+    train_rows: list[dict[str, Any]],
+    num_rows: int | None = None,
+    seed: int = 0,
+    prompt_key: str = "prompt",
+    field: str = "data.eval",
+) -> list[dict[str, Any]]:
+    """Evaluation rows whose prompts appear neither in ``train_rows`` nor twice among themselves.
+
+    A generated task draws them with seeds derived from ``seed`` (so the same spec as training gives other rows),
+    round after round until ``num_rows`` new prompts turn up; a file keeps its rows whose prompt is new.
+    """
+    seen = {row[prompt_key] for row in train_rows}
+    if not spec.startswith(TASK_PREFIX):
+        rows = _new_rows(load_prompts(spec, prompt_key=prompt_key, field=field), seen, prompt_key, num_rows)
+        if num_rows is not None and len(rows) < num_rows:
+            raise ConfigError(
+                f"{field} = {spec!r}: has {len(rows)} rows whose prompt is not a training prompt, "
+                f"fewer than the {num_rows} asked for"
+            )
+        return rows
+    if num_rows is None:
+        raise ConfigError(f"{field} = {spec!r}: a generated task needs a number of rows, got none")
+    generate, options = _task(spec, field)
+    rows: list[dict[str, Any]] = []
+    for round_ in range(HELDOUT_ROUNDS):
+        batch = _generate(generate, options, 2 * num_rows + 16, derive_seed(seed, f"heldout/{round_}"), spec, field)
+        _check_rows(batch, spec, prompt_key, field)
+        rows += _new_rows(batch, seen, prompt_key, num_rows - len(rows))
+        if len(rows) == num_rows:
+            return rows
+    raise ConfigError(
+        f"{field} = {spec!r}: found only {len(rows)} prompts that are not among the {len(train_rows)} training "
+        f"prompts, {num_rows} asked for; ask for fewer rows or widen the task's options"
+    )
+
+
+def row_metadata(row: dict[str, Any], prompt_key: str = "prompt") -> dict[str, Any]:
+    """What the reward functions see of a row: every column except the prompt."""
+    return {k: v for k, v in row.items() if k != prompt_key}
+
+
+def derive_seed(seed: int, purpose: str) -> int:
+    """A seed for ``purpose`` that does not collide with ``seed`` itself or other purposes (a 63-bit hash)."""
+    digest = hashlib.sha256(f"{seed}/{purpose}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") >> 1
+
+
+def parse_task_spec(spec: str, field: str = "data.train") -> tuple[str, dict[str, Any]]:
+    """``"task:name?a=1&b=x"`` -> ``("name", {"a": 1, "b": "x"})``."""
+    name, _, query = spec[len(TASK_PREFIX) :].partition("?")
+    options: dict[str, Any] = {}
+    for item in query.split("&") if query else []:
+        key, eq, value = item.partition("=")
+        if not key or not eq:
+            raise ConfigError(f"{field} = {spec!r}: option {item!r} is not key=value (options look like ?a=1&b=2)")
+        options[key] = _parse_value(value)
+    return name, options
+
+
+def _parse_value(text: str) -> Any:
+    if text in ("true", "false"):
+        return text == "true"
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
+
+
+def _task(spec: str, field: str) -> tuple[Callable[..., list[dict[str, Any]]], dict[str, Any]]:
+    from rlfabric.envs.text_tasks import TASKS
+
+    name, options = parse_task_spec(spec, field)
+    if name not in TASKS:
+        raise ConfigError(f"{field} = {spec!r}: no task {name!r}; tasks are {', '.join(sorted(TASKS))}")
+    generate = TASKS[name]
+    allowed = [p for p in inspect.signature(generate).parameters if p not in ("n", "seed")]
+    for key in options:
+        if key not in allowed:
+            raise ConfigError(f"{field} = {spec!r}: {key!r} is not an option of task {name!r} ({', '.join(allowed)})")
+    return generate, options
+
+
+def _generate(
+    generate: Callable[..., list[dict[str, Any]]], options: dict[str, Any], n: int, seed: int, spec: str, field: str
+) -> list[dict[str, Any]]:
+    try:
+        return generate(n, seed, **options)
+    except (ValueError, TypeError) as exc:  # a bad option value: say which spec it came from
+        raise ConfigError(f"{field} = {spec!r}: {exc}") from exc
+
+
+def _read_file(spec: str, field: str) -> list[dict[str, Any]]:
+    path = Path(spec).expanduser()
+    if path.suffix not in FILE_FORMATS:
+        raise ConfigError(f"{field} = {spec!r}: not 'task:<name>' and not a {', '.join(FILE_FORMATS)} file")
+    if not path.is_file():
+        raise ConfigError(f"{field} = {spec!r}: file does not exist")
+    import datasets
+
+    bars_were_on = datasets.is_progress_bar_enabled()
+    datasets.disable_progress_bars()  # a bar per small file only clutters the run's output
+    try:
+        table = datasets.load_dataset(FILE_FORMATS[path.suffix], data_files=str(path.resolve()), split="train")
+    except Exception as exc:  # malformed JSON or parquet: one line naming the file, not a long arrow trace
+        raise ConfigError(f"{field} = {spec!r}: could not be read: {exc.__class__.__name__}: {exc}") from exc
+    finally:
+        if bars_were_on:
+            datasets.enable_progress_bars()
+    return table.to_list()
+
+
+def _check_rows(rows: list[dict[str, Any]], spec: str, prompt_key: str, field: str) -> None:
+    for i, row in enumerate(rows):
+        prompt = row.get(prompt_key)
+        if prompt is None:
+            raise ConfigError(
+                f"{field} = {spec!r}: row {i} has no {prompt_key!r} (its keys: {', '.join(map(str, row))}); "
+                "every row needs a string prompt under the prompt key"
+            )
+        if not isinstance(prompt, str):
+            raise ConfigError(f"{field} = {spec!r}: row {i}: {prompt_key!r} is a {type(prompt).__name__}, not a string")
+
+
+def _new_rows(rows: list[dict[str, Any]], seen: set[str], prompt_key: str, limit: int | None) -> list[dict[str, Any]]:
+    """Rows whose prompt is not in ``seen`` (which grows as they are taken), at most ``limit`` of them."""
+    out = []
+    for row in rows:
+        if limit is not None and len(out) >= limit:
+            break
+        if row[prompt_key] not in seen:
+            seen.add(row[prompt_key])
+            out.append(row)
+    return out

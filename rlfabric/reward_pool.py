@@ -1,0 +1,197 @@
+"""The driver's view of its reward services: split groups across them, wait with deadlines, replace the broken.
+
+One remote call per worker per batch of groups, never one per sample. Failures cost as little as possible:
+
+* a reward function that raises or overruns its per-group deadline fails only that group; the service handles
+  both itself and its call returns in time, so groups it finished are kept. A service with a timed-out group
+  says it is poisoned (a stuck thread cannot be killed) and is replaced once its call returns;
+* a service that dies (its process killed) or is stuck as a whole misses the driver's backstop deadline
+  (``timeout_s`` per group of the call plus ``grace_s``): it is killed and replaced, and that call's groups are
+  recorded as failed.
+
+Every wait has a deadline, so scoring never hangs. ``submit``/``collect`` let the driver overlap scoring with
+other work; ``score`` is the two in a row.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import ray
+from ray.exceptions import RayError, RayTaskError
+
+from rlfabric import rewards
+from rlfabric.rewards import RewardInput, RewardResult, RewardSpec
+from rlfabric.runner_pool import RunAbortedError, error_summary
+
+# A worker slot replaced this many times in a row, with no clean call in between, is a bug, not bad luck.
+MAX_CONSECUTIVE_RESTARTS = 5
+KEEP_ERRORS = 5
+
+
+@dataclass
+class _Call:
+    """One remote ``score`` call: a worker's share of a ticket's groups."""
+
+    worker: int
+    generation: int  # the slot's generation when the call was made: a replaced worker is not replaced twice
+    group_indices: list[int]
+    group_sizes: list[int]
+    results_ref: ray.ObjectRef
+    poisoned_ref: ray.ObjectRef
+    deadline: float
+    budget_s: float
+
+
+@dataclass
+class RewardTicket:
+    """Groups submitted for scoring; ``RewardPool.collect`` turns it into results."""
+
+    num_groups: int
+    calls: list[_Call] = field(default_factory=list)
+
+
+class RewardPool:
+    def __init__(
+        self,
+        specs: list[str | Mapping[str, Any] | RewardSpec],
+        num_workers: int,
+        timeout_s: float,
+        num_cpus_per_worker: float = 1.0,
+        snapshot: bytes | None = None,
+        grace_s: float = 30.0,
+    ) -> None:
+        """``specs``: the reward functions (names or {name, kwargs}); ``timeout_s``: the deadline for one group.
+
+        ``snapshot`` is the reward registry to ship (default: this process's registrations, taken now).
+        ``grace_s`` is added to each call's backstop deadline, for starting a replacement worker and transfers.
+        """
+        if not isinstance(num_workers, int) or num_workers < 1:
+            raise ValueError(f"num_workers = {num_workers!r}: must be an integer >= 1")
+        if not timeout_s > 0:
+            raise ValueError(f"timeout_s = {timeout_s!r}: must be > 0")
+        self.specs = [RewardSpec.parse(s, f"rewards.functions[{i}]") for i, s in enumerate(specs)]
+        if not self.specs:
+            raise ValueError("RewardPool needs at least one reward function, got none")
+        for i, spec in enumerate(self.specs):  # fail on the driver, before any actor starts
+            rewards.resolve_reward(spec, f"rewards.functions[{i}]")
+        self.timeout_s, self.grace_s = timeout_s, grace_s
+        self.num_cpus_per_worker = num_cpus_per_worker
+        self.snapshot = rewards.snapshot() if snapshot is None else snapshot
+        self.generations = [0] * num_workers
+        self.workers = [self._start_worker() for _ in range(num_workers)]
+        self.busy_until = [0.0] * num_workers  # when each worker's queued calls must be done, at the latest
+        self.consecutive_restarts = [0] * num_workers
+        self.failed_samples = 0
+        self.worker_restarts = 0
+        self.last_errors: list[str] = []  # the most recent distinct errors, newest last
+
+    def __len__(self) -> int:
+        return len(self.workers)
+
+    def _start_worker(self) -> Any:
+        from rlfabric.actors.reward_service import RewardService
+
+        specs = [spec.to_dict() for spec in self.specs]
+        return RewardService.options(num_cpus=self.num_cpus_per_worker).remote(specs, self.timeout_s, self.snapshot)
+
+    def pids(self, timeout_s: float = 60.0) -> list[int]:
+        """Each worker's process id (waits for workers still starting)."""
+        return ray.get([w.pid.remote() for w in self.workers], timeout=timeout_s)
+
+    def submit(self, groups: list[list[RewardInput]]) -> RewardTicket:
+        """Start scoring ``groups``: one call per worker on a contiguous share of them; returns at once."""
+        ticket = RewardTicket(len(groups))
+        shares = min(len(self.workers), len(groups))
+        # The least busy workers take the shares, so a backlog on one worker does not delay the rest.
+        order = sorted(range(len(self.workers)), key=lambda w: self.busy_until[w])[:shares]
+        start = 0
+        for k, worker in enumerate(order):
+            count = len(groups) // shares + (k < len(groups) % shares)
+            indices = list(range(start, start + count))
+            start += count
+            ticket.calls.append(self._call(worker, [groups[i] for i in indices], indices))
+        return ticket
+
+    def _call(self, worker: int, groups: list[list[RewardInput]], indices: list[int]) -> _Call:
+        results_ref, poisoned_ref = self.workers[worker].score.remote(groups)
+        budget = self.timeout_s * len(groups) + self.grace_s
+        # A call queued behind others on the same worker can start only when they are done.
+        deadline = max(time.monotonic(), self.busy_until[worker]) + budget
+        self.busy_until[worker] = deadline
+        sizes = [len(g) for g in groups]
+        return _Call(worker, self.generations[worker], indices, sizes, results_ref, poisoned_ref, deadline, budget)
+
+    def collect(self, ticket: RewardTicket) -> list[list[RewardResult]]:
+        """Results for every group of the ticket, in submission order; waits until the calls' deadlines at most."""
+        results: list[list[RewardResult]] = [[] for _ in range(ticket.num_groups)]
+        for call in ticket.calls:
+            for index, group_results in zip(call.group_indices, self._finish(call), strict=True):
+                results[index] = group_results
+        for group_results in results:
+            for result in group_results:
+                if result.error is not None:
+                    self.failed_samples += 1
+                    self._note_error(result.error)
+        return results
+
+    def score(self, groups: list[list[RewardInput]]) -> list[list[RewardResult]]:
+        return self.collect(self.submit(groups))
+
+    def _finish(self, call: _Call) -> list[list[RewardResult]]:
+        """One call's results, or its groups failed with the reason the call did not deliver."""
+        ready, _ = ray.wait([call.results_ref], timeout=max(0.0, call.deadline - time.monotonic()))
+        if not ready:
+            error = f"reward worker {call.worker} missed its {call.budget_s:g}s deadline and was replaced"
+            self._replace(call, error)
+            return _failed(call, error)
+        try:
+            results, poisoned = ray.get([call.results_ref, call.poisoned_ref], timeout=self.grace_s)
+        except RayTaskError as exc:  # score() itself raised: the process is fine, this call's groups are not
+            return _failed(call, f"reward worker {call.worker} failed: {error_summary(exc)}")
+        except RayError as exc:  # the process died (or was replaced while this call waited)
+            error = f"reward worker {call.worker} died: {exc.__class__.__name__}: {error_summary(exc)}"
+            self._replace(call, error)
+            return _failed(call, error)
+        if poisoned:  # its results are complete; only the process is unusable
+            self._replace(call, f"reward worker {call.worker} was poisoned by a timed-out group")
+        elif call.generation == self.generations[call.worker]:
+            self.consecutive_restarts[call.worker] = 0
+        return results
+
+    def _replace(self, call: _Call, reason: str) -> None:
+        """Kill the worker that made ``call`` and start a fresh one in its slot (unless that already happened).
+
+        Calls of other tickets still queued on the killed worker fail when they are collected.
+        """
+        w = call.worker
+        if call.generation != self.generations[w]:
+            return
+        self.consecutive_restarts[w] += 1
+        if self.consecutive_restarts[w] > MAX_CONSECUTIVE_RESTARTS:
+            raise RunAbortedError(
+                f"reward worker {w} was replaced {self.consecutive_restarts[w]} times in a row; last: {reason}"
+            )
+        ray.kill(self.workers[w], no_restart=True)
+        self.generations[w] += 1
+        self.workers[w] = self._start_worker()
+        self.busy_until[w] = time.monotonic()
+        self.worker_restarts += 1
+
+    def _note_error(self, error: str) -> None:
+        if error in self.last_errors:
+            self.last_errors.remove(error)
+        self.last_errors.append(error)
+        del self.last_errors[:-KEEP_ERRORS]
+
+    def shutdown(self) -> None:
+        for worker in self.workers:
+            ray.kill(worker, no_restart=True)
+        self.workers = []
+
+
+def _failed(call: _Call, error: str) -> list[list[RewardResult]]:
+    return [[RewardResult({}, error) for _ in range(size)] for size in call.group_sizes]

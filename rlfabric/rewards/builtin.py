@@ -1,0 +1,160 @@
+"""Built-in reward functions, registered under their names when ``rlfabric.rewards`` is imported.
+
+Each scores a group and returns, per completion, named components in [0, 1] (``length`` in [-scale, 0]):
+
+* ``math``: ``correct`` (the extracted answer matches ``metadata["answer"]``), ``format`` (the answer was given in
+  ``\\boxed{}`` or after an ``answer:`` / ``####`` marker, not just as the last number in the text).
+* ``arithmetic``: for the ``task:arithmetic`` rows and the small character model: ``correct`` (the completion's
+  first line, stripped, is exactly the answer), ``format`` (that line is an integer literal).
+* ``countdown``: for ``task:countdown`` rows: ``correct`` (the first line is an expression of the given numbers,
+  each used at most once, that equals the target), ``format`` (that line is an expression of integers with
+  ``+ - * /`` and parentheses). Expressions are parsed with ``ast`` and evaluated on exact fractions; nothing is
+  ever ``eval``-ed.
+* ``length``: ``length_penalty``, DAPO's soft overlong punishment (kwargs ``max_tokens``, ``cache_tokens``).
+"""
+
+from __future__ import annotations
+
+import ast
+import operator
+import re
+from collections import Counter
+from fractions import Fraction
+from typing import Any
+
+from rlfabric.rewards.math_verify import answers_match, find_answer
+from rlfabric.rewards.registry import RewardInput, register_reward
+
+
+def _meta(sample: RewardInput, key: str, reward: str) -> Any:
+    if key not in sample.metadata:
+        raise KeyError(
+            f"reward {reward!r} needs metadata[{key!r}]; this sample's metadata has {sorted(sample.metadata)}"
+        )
+    return sample.metadata[key]
+
+
+def _first_line(text: str) -> str:
+    return text.split("\n", 1)[0].strip()
+
+
+def math_reward(inputs: list[RewardInput], *, answer_key: str = "answer") -> list[dict[str, float]]:
+    out = []
+    for sample in inputs:
+        truth = _meta(sample, answer_key, "math")
+        answer, form = find_answer(sample.completion)
+        out.append({"correct": float(answers_match(answer, truth)), "format": float(form in ("boxed", "marker"))})
+    return out
+
+
+_INTEGER_RE = re.compile(r"-?\d+")
+
+
+def arithmetic_reward(inputs: list[RewardInput], *, answer_key: str = "answer") -> list[dict[str, float]]:
+    out = []
+    for sample in inputs:
+        line = _first_line(sample.completion)
+        truth = str(_meta(sample, answer_key, "arithmetic")).strip()
+        out.append({"correct": float(line == truth), "format": float(_INTEGER_RE.fullmatch(line) is not None)})
+    return out
+
+
+# Longer lines are not read as expressions: nothing the task needs is this long, and ast's recursion is bounded.
+MAX_EXPRESSION_CHARS = 200
+_EXPRESSION_CHARS_RE = re.compile(r"[\d\s+\-*/()]+")
+_BINARY_OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv}
+
+
+def parse_expression(text: str) -> ast.expr | None:
+    """The syntax tree of ``text`` if it is only non-negative integers, ``+ - * /`` and parentheses, else None.
+
+    Only the listed characters pass the first check and only these node types the second, so a name, a call,
+    an attribute or a unary minus never reaches the evaluator.
+    """
+    if len(text) > MAX_EXPRESSION_CHARS or not _EXPRESSION_CHARS_RE.fullmatch(text):
+        return None
+    try:
+        tree = ast.parse(text, mode="eval").body
+    except (SyntaxError, RecursionError, MemoryError):
+        return None
+    for node in ast.walk(tree):
+        if isinstance(node, ast.BinOp) and type(node.op) in _BINARY_OPS:
+            continue
+        if isinstance(node, ast.Constant) and type(node.value) is int:
+            continue
+        if isinstance(node, ast.operator) and type(node) in _BINARY_OPS:
+            continue
+        return None
+    return tree
+
+
+def expression_numbers(tree: ast.expr) -> list[int]:
+    """The integer literals of an expression, in order."""
+    return [node.value for node in ast.walk(tree) if isinstance(node, ast.Constant)]
+
+
+def evaluate_expression(tree: ast.expr) -> Fraction | None:
+    """The exact value of a tree from ``parse_expression``; None on division by zero."""
+    if isinstance(tree, ast.Constant):
+        return Fraction(tree.value)
+    assert isinstance(tree, ast.BinOp)  # parse_expression lets nothing else through
+    left, right = evaluate_expression(tree.left), evaluate_expression(tree.right)
+    if left is None or right is None or (isinstance(tree.op, ast.Div) and right == 0):
+        return None
+    return _BINARY_OPS[type(tree.op)](left, right)
+
+
+def countdown_reward(
+    inputs: list[RewardInput], *, numbers_key: str = "numbers", target_key: str = "target"
+) -> list[dict[str, float]]:
+    out = []
+    for sample in inputs:
+        numbers = Counter(int(x) for x in _meta(sample, numbers_key, "countdown"))
+        target = Fraction(_meta(sample, target_key, "countdown"))
+        tree = parse_expression(_first_line(sample.completion))
+        correct = False
+        if tree is not None:
+            used = Counter(expression_numbers(tree))
+            correct = used <= numbers and evaluate_expression(tree) == target  # each number at most once
+        out.append({"correct": float(correct), "format": float(tree is not None)})
+    return out
+
+
+def length_reward(
+    inputs: list[RewardInput], *, max_tokens: int, cache_tokens: int, scale: float = 1.0
+) -> list[dict[str, float]]:
+    """DAPO's soft overlong punishment (Yu et al. 2025, eq. 13), for a completion of L = num_tokens tokens:
+
+        length_penalty = 0                                              if L <= max_tokens - cache_tokens
+                       = scale * ((max_tokens - cache_tokens) - L) / cache_tokens   if L <= max_tokens
+                       = -scale                                         otherwise
+
+    so the penalty grows linearly from 0 to -scale over the last ``cache_tokens`` tokens of the budget.
+    """
+    if not isinstance(max_tokens, int) or max_tokens < 1:
+        raise ValueError(f"max_tokens = {max_tokens!r}: must be an integer >= 1")
+    if not isinstance(cache_tokens, int) or not 1 <= cache_tokens <= max_tokens:
+        raise ValueError(f"cache_tokens = {cache_tokens!r}: must be an integer in [1, max_tokens = {max_tokens}]")
+    free = max_tokens - cache_tokens
+    out = []
+    for sample in inputs:
+        length = sample.num_tokens
+        if length <= free:
+            penalty = 0.0
+        elif length <= max_tokens:
+            penalty = (free - length) / cache_tokens
+        else:
+            penalty = -1.0
+        out.append({"length_penalty": scale * penalty})
+    return out
+
+
+BUILTIN_REWARDS = {
+    "math": math_reward,
+    "arithmetic": arithmetic_reward,
+    "countdown": countdown_reward,
+    "length": length_reward,
+}
+
+for _name, _fn in BUILTIN_REWARDS.items():
+    register_reward(_name, _fn)

@@ -1,0 +1,158 @@
+"""The reward contract and the reward registry: names and spec strings -> reward functions.
+
+A reward function scores one GROUP (the n completions of one prompt) at a time, so listwise judges and
+leave-one-out rewards fit the same contract as per-sample verifiers:
+
+    fn(inputs: list[RewardInput], **kwargs) -> list[dict[str, float]]   # one dict of named components per input
+
+Specs, tried in this order: a name given to ``register_reward`` (or shipped with a registry snapshot), a name from
+the ``rlfabric.rewards`` entry-point group of installed packages, then ``package.module:function``. A spec in the
+config is a name or ``{"name": ..., "kwargs": {...}}``; ``resolve_reward`` binds the kwargs (checked against the
+function's signature) with ``functools.partial``.
+
+Reward actors get the driver's registrations through ``snapshot()``, exactly like env runners get envs.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.metadata
+import inspect
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from rlfabric import shipping
+from rlfabric.config import ConfigError
+
+
+@dataclass
+class RewardInput:
+    """One completion to score."""
+
+    prompt: str
+    completion: str  # decoded text of the generated tokens (no special tokens)
+    metadata: dict[str, Any]  # the dataset row minus the prompt (e.g. {"answer": "47"})
+    finish_reason: str  # "stop" | "length"
+    num_tokens: int
+
+
+RewardFn = Callable[[list[RewardInput]], list[dict[str, float]]]
+
+
+@dataclass
+class RewardResult:
+    """The score of one completion: named components, or the error that kept it from being scored."""
+
+    components: dict[str, float]  # empty when failed
+    error: str | None = None  # one line: "ExcType: message" or "timed out after Xs" when scoring failed
+
+
+@dataclass(frozen=True)
+class RewardSpec:
+    """One configured reward function: ``{"name": "length", "kwargs": {"max_tokens": 64, "cache_tokens": 16}}``."""
+
+    name: str
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def parse(cls, value: str | Mapping[str, Any] | RewardSpec, field: str = "rewards.functions") -> RewardSpec:
+        if isinstance(value, RewardSpec):
+            return value
+        if isinstance(value, str):
+            return cls(value)
+        if not isinstance(value, Mapping):
+            raise ConfigError(f"{field} = {value!r}: expected a reward name or {{name: ..., kwargs: {{...}}}}")
+        unknown = sorted(set(value) - {"name", "kwargs"})
+        if unknown:
+            raise ConfigError(f"{field}: unknown key(s) {', '.join(unknown)}; a reward spec has 'name' and 'kwargs'")
+        name, kwargs = value.get("name"), value.get("kwargs") or {}
+        if not isinstance(name, str) or not name:
+            raise ConfigError(f"{field}.name = {name!r}: must be a reward name or 'package.module:function'")
+        if not isinstance(kwargs, Mapping) or not all(isinstance(k, str) for k in kwargs):
+            raise ConfigError(f"{field}.kwargs = {kwargs!r}: must be a mapping of argument names to values")
+        return cls(name, dict(kwargs))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "kwargs": dict(self.kwargs)}
+
+
+ENTRY_POINT_GROUP = "rlfabric.rewards"
+
+_REGISTRY: dict[str, RewardFn] = {}
+
+
+class RewardNotFoundError(ConfigError):
+    """A reward spec that names nothing this process can import."""
+
+
+def register_reward(name: str, fn: Callable[..., list[dict[str, float]]]) -> None:
+    """Register ``fn(inputs, **kwargs) -> list[dict[str, float]]`` under ``name`` for the driver and reward actors."""
+    if not isinstance(name, str) or not name or ":" in name:
+        raise ValueError(f"register_reward: name {name!r} is not valid: a non-empty string without ':'")
+    if not callable(fn):
+        raise TypeError(f"register_reward({name!r}, ...): fn must be callable, got {type(fn).__name__}")
+    _REGISTRY[name] = fn
+
+
+def _entry_points() -> dict[str, importlib.metadata.EntryPoint]:
+    return {ep.name: ep for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP)}
+
+
+def _lookup(name: str, field: str) -> Callable[..., Any]:
+    if name in _REGISTRY:
+        return _REGISTRY[name]
+    eps = _entry_points()
+    if name in eps:
+        return eps[name].load()
+    fn = shipping.import_callable(name)
+    if fn is not None:
+        return fn
+    known = sorted(_REGISTRY) + sorted(eps)
+    raise RewardNotFoundError(
+        f"{field} = {name!r} is not valid: not a registered reward ({', '.join(known) or 'none registered'}) "
+        "and not an importable 'package.module:function'"
+    )
+
+
+def _bind(fn: Callable[..., Any], spec: RewardSpec, field: str) -> RewardFn:
+    """``fn`` with the spec's kwargs bound, after checking them against its signature."""
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):  # some builtins and C callables have none: the first call will tell
+        signature = None
+    if signature is not None:
+        try:
+            signature.bind([], **spec.kwargs)  # the group goes first; kwargs must fill the rest
+        except TypeError as exc:
+            params = list(signature.parameters)[1:]
+            raise ConfigError(
+                f"{field}.kwargs = {spec.kwargs!r}: reward {spec.name!r} cannot take them ({exc}); "
+                f"its parameters: {', '.join(params) or 'none'}"
+            ) from exc
+    return functools.partial(fn, **spec.kwargs) if spec.kwargs else fn
+
+
+def resolve_reward(spec: str | Mapping[str, Any] | RewardSpec, field: str = "rewards.functions") -> RewardFn:
+    """The reward function ``spec`` names, with its kwargs bound; ConfigError naming ``field`` if there is none."""
+    parsed = RewardSpec.parse(spec, field)
+    return _bind(_lookup(parsed.name, field), parsed, field)
+
+
+def list_rewards() -> dict[str, str]:
+    """Name -> where it comes from."""
+    out = {name: f"registered ({getattr(fn, '__module__', '?')})" for name, fn in _REGISTRY.items()}
+    for name, ep in _entry_points().items():
+        dist = ep.dist.name if ep.dist is not None else "?"
+        out.setdefault(name, f"entry point {ep.value} (package {dist})")
+    return out
+
+
+def snapshot() -> bytes:
+    """Serialize this process's registrations; modules that are not installed travel by value."""
+    return shipping.dumps_with_user_code(_REGISTRY)
+
+
+def load_snapshot(blob: bytes) -> None:
+    """Install registrations shipped from the driver (in a reward actor)."""
+    _REGISTRY.update(shipping.loads(blob))

@@ -1,0 +1,157 @@
+"""Reward services on a real local Ray cluster: user rewards shipped by value, and every kind of failure isolated.
+
+The reward functions live in this test file, which the actor processes cannot import: they arrive through the
+registry snapshot.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+
+from rlfabric.actors.reward_service import RewardServiceCore
+from rlfabric.reward_pool import RewardPool
+from rlfabric.rewards import RewardInput, register_reward
+
+
+def tagged(inputs: list[RewardInput]) -> list[dict[str, float]]:
+    """Behaves as the group's tag says; otherwise scores 1 and reports which process it ran in."""
+    tag = inputs[0].metadata["tag"]
+    if tag == "raise":
+        raise ValueError("cannot score the group tagged 'raise'\n(second line)")
+    if tag == "hang":
+        time.sleep(1000)
+    if tag == "freeze":  # stop the whole process, as a reward stuck in C code holding the GIL would
+        os.kill(os.getpid(), signal.SIGSTOP)
+    return [{"ok": 1.0, "pid": float(os.getpid())} for _ in inputs]
+
+
+def clashing(inputs: list[RewardInput]) -> list[dict[str, float]]:
+    return [{"ok": 0.5} for _ in inputs]
+
+
+def short_by_one(inputs: list[RewardInput]) -> list[dict[str, float]]:
+    return [{"x": 1.0} for _ in inputs[1:]]
+
+
+register_reward("tagged", tagged)
+register_reward("clashing", clashing)
+
+
+def group(tag: str, size: int = 2) -> list[RewardInput]:
+    return [RewardInput("1+1=", "2", {"tag": tag, "answer": "2"}, "stop", 2) for _ in range(size)]
+
+
+def make_pool(timeout_s: float = 5.0, grace_s: float = 10.0, specs=("tagged",)) -> RewardPool:
+    return RewardPool(list(specs), num_workers=2, timeout_s=timeout_s, num_cpus_per_worker=0.5, grace_s=grace_s)
+
+
+def scored(results) -> list[bool]:
+    return [all(r.error is None and r.components for r in g) for g in results]
+
+
+def test_user_reward_reaches_the_actors_and_components_merge(local_ray):
+    pool = make_pool(specs=("tagged", "arithmetic"))
+    try:
+        results = pool.score([group("a", 3), group("b"), group("c"), []])
+        assert [len(g) for g in results] == [3, 2, 2, 0]
+        assert scored(results) == [True, True, True, True]
+        assert results[0][0].components.keys() == {"ok", "pid", "correct", "format"}
+        pids = {r.components["pid"] for g in results for r in g}
+        assert os.getpid() not in pids and pids <= set(pool.pids())
+        assert len(pids) == 2  # both workers took a share: one call each
+        assert pool.failed_samples == 0 and pool.worker_restarts == 0
+    finally:
+        pool.shutdown()
+
+
+def test_a_raising_reward_costs_only_its_group(local_ray):
+    pool = make_pool()
+    try:
+        results = pool.score([group("a"), group("raise"), group("b"), group("c")])
+        assert scored(results) == [True, False, True, True]
+        error = "tagged: ValueError: cannot score the group tagged 'raise' (second line)"
+        assert [r.error for r in results[1]] == [error, error] and results[1][0].components == {}
+        assert pool.failed_samples == 2 and pool.worker_restarts == 0 and pool.last_errors == [error]
+    finally:
+        pool.shutdown()
+
+
+def test_a_hanging_group_times_out_and_its_poisoned_worker_is_replaced(local_ray):
+    pool = make_pool(timeout_s=2.0)
+    try:
+        pool.pids()  # workers started, so the time below is the scoring alone
+        start = time.monotonic()
+        results = pool.score([group("a"), group("hang"), group("b"), group("c")])
+        assert time.monotonic() - start < 6.0
+        assert scored(results) == [True, False, True, True]  # group "a" shared the call with "hang": kept
+        assert results[1][0].error == "timed out after 2s in reward 'tagged'"
+        assert pool.worker_restarts == 1 and pool.failed_samples == 2
+        assert scored(pool.score([group("d"), group("e"), group("f")])) == [True, True, True]
+        assert pool.worker_restarts == 1
+    finally:
+        pool.shutdown()
+
+
+def test_a_killed_worker_fails_its_groups_and_is_replaced(local_ray):
+    pool = make_pool()
+    try:
+        victim = pool.pids()[0]
+        os.kill(victim, signal.SIGKILL)
+        results = pool.score([group("a"), group("b"), group("c"), group("d")])
+        ok = scored(results)
+        assert sorted(ok) == [False, False, True, True]  # one worker's share failed, the other's did not
+        failed = [r for g, good in zip(results, ok, strict=True) if not good for r in g]
+        assert all(r.error.startswith("reward worker ") and " died: " in r.error for r in failed)
+        assert all(r.components["pid"] != victim for g, good in zip(results, ok, strict=True) if good for r in g)
+        assert pool.worker_restarts == 1 and pool.failed_samples == 4
+        assert scored(pool.score([group("e"), group("f")])) == [True, True]
+        assert victim not in pool.pids()
+    finally:
+        pool.shutdown()
+
+
+def test_a_stuck_process_hits_the_driver_deadline(local_ray):
+    pool = make_pool(timeout_s=1.0, grace_s=3.0)
+    frozen = None
+    try:
+        pids = pool.pids()
+        start = time.monotonic()
+        ticket = pool.submit([group("freeze"), group("a"), group("b"), group("c")])
+        results = pool.collect(ticket)
+        assert time.monotonic() - start < 8.0  # the backstop: 1s per group of the call + 3s grace
+        assert scored(results) == [False, False, True, True]
+        assert results[0][0].error == "reward worker 0 missed its 5s deadline and was replaced"
+        frozen = pids[0]
+        assert pool.worker_restarts == 1
+        assert scored(pool.score([group("d"), group("e")])) == [True, True]
+    finally:
+        pool.shutdown()
+        if frozen is not None:
+            _kill_if_alive(frozen)
+
+
+def _kill_if_alive(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def test_malformed_results_and_component_clashes_fail_the_group_in_process():
+    service = RewardServiceCore(["tagged", "clashing"], group_timeout_s=5.0)
+    results = service.score([group("a")])
+    assert results[0][0].error == "component 'ok' comes from both 'tagged' and 'clashing'"
+    register_reward("short_by_one", short_by_one)
+    service = RewardServiceCore(["short_by_one"], group_timeout_s=5.0)
+    results = service.score([group("a", 3)])
+    assert results[0][0].error == "short_by_one: returned 2 results for a group of 3; expected a list of dicts"
+    assert not service.poisoned
+
+
+def test_pool_validates_specs_before_starting_actors():
+    with pytest.raises(ValueError, match="not a registered reward"):
+        RewardPool(["no-such-reward"], num_workers=1, timeout_s=1.0)
