@@ -22,7 +22,8 @@ from pathlib import Path
 
 import ray
 
-from rlfabric.config import Config, config_from_dict
+from rlfabric.config import Config
+from rlfabric.config import ppo_config_from_dict as config_from_dict
 from rlfabric.driver import Trainer
 
 

@@ -47,16 +47,62 @@ def _print_summary(summary: dict) -> None:
         print(f"  {'learning curve':<20} {summary['plot']}")
 
 
+def _print_llm_summary(summary: dict) -> None:
+    def pct(v: object) -> str:
+        return "n/a" if v is None else f"{100 * float(v):.1f}%"
+
+    print("\n== rlfabric run summary ==")
+    print(f"  {'task':<26} {summary['task']}")
+    print(f"  {'GRPO steps':<26} {summary['steps']}")
+    print(f"  {'held-out accuracy':<26} before {pct(summary['eval_accuracy_initial'])}", end="")
+    if summary.get("eval_accuracy_after_sft") is not None:
+        print(f" | after SFT {pct(summary['eval_accuracy_after_sft'])}", end="")
+    print(f" | after GRPO {pct(summary['eval_accuracy_final'])}")
+    print(f"  {'time':<26} {summary['time_total_s']:.0f}s ({summary['samples_per_s']:.1f} samples/s)")
+    print(f"  {'failed / stale samples':<26} {summary['failed_samples']} / {summary['stale_samples']}")
+    print(f"  {'final model (HF format)':<26} {summary['final_model']}")
+    print(f"  {'run dir':<26} {summary['run_dir']}")
+    if summary.get("plot"):
+        print(f"  {'learning curve':<26} {summary['plot']}")
+    if summary.get("sample_completions"):
+        print("  sample completions (held-out, greedy):")
+        for s in summary["sample_completions"]:
+            mark = "ok " if s["components"].get("correct") else "err" if s["error"] else "-- "
+            expected = s["metadata"].get("answer", "")
+            print(f"    [{mark}] {s['prompt']!r} -> {s['completion']!r}  (expected {expected!r})")
+
+
+def cmd_train_llm(args: argparse.Namespace, cfg: object) -> int:
+    from rlfabric.llm_driver import GRPOTrainer
+
+    if args.resume:
+        raise ConfigError("--resume is not supported for algo grpo yet; start a new run (checkpoints hold HF models)")
+    name = cfg.data.train.replace("task:", "").split("?")[0].replace("/", "_")  # type: ignore[attr-defined]
+    run_dir = Path(args.run_dir) if args.run_dir else _default_run_dir(f"grpo-{Path(name).stem}")
+    trainer = GRPOTrainer(cfg, run_dir, quiet=args.quiet)  # type: ignore[arg-type]
+    print(f"rlfabric: GRPO on {cfg.data.train} -> {trainer.run_dir}", file=sys.stderr)  # type: ignore[attr-defined]
+    try:
+        summary = trainer.train()
+    finally:
+        trainer.close()
+    summary["run_dir"] = str(trainer.run_dir)
+    _print_llm_summary(summary)
+    return 0
+
+
 def cmd_train(args: argparse.Namespace) -> int:
     from rlfabric.driver import Trainer
 
     _import_user_modules(args.import_modules)
+    if not args.resume:
+        cfg = load_config(args.config, args.overrides)
+        if cfg.algo == "grpo":
+            return cmd_train_llm(args, cfg)
     if args.resume:
         if args.config:
             raise ConfigError("--resume DIR uses the run's saved config; pass only key=value overrides, not a file")
         trainer = Trainer.from_run_dir(args.resume, args.overrides, quiet=args.quiet)
     else:
-        cfg = load_config(args.config, args.overrides)
         run_dir = Path(args.run_dir) if args.run_dir else _default_run_dir(cfg.env.id)
         trainer = Trainer(cfg, run_dir, quiet=args.quiet)
     print(f"rlfabric: training {trainer.cfg.env.id} -> {trainer.run_dir}", file=sys.stderr)
@@ -143,14 +189,19 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rlfabric", description="Distributed RL on Ray.")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    train = sub.add_parser("train", help="train a policy (no config: PPO on CartPole-v1 with a local Ray)")
+    train = sub.add_parser(
+        "train", help="train (no config: GRPO post-training of a small LM on arithmetic, on a local Ray)"
+    )
     train.add_argument("config", nargs="?", help="YAML config file (defaults apply to anything missing)")
     train.add_argument("overrides", nargs="*", help="dotted overrides, e.g. ppo.lr=1e-3 runners.num_runners=4")
-    train.add_argument("--run-dir", help="where outputs go (default: runs/<env>-<time>)")
+    train.add_argument("--run-dir", help="where outputs go (default: runs/<env or task>-<time>)")
     train.add_argument("--resume", metavar="DIR", help="continue the run in DIR from its latest checkpoint")
     train.add_argument("--quiet", action="store_true", help="no progress line")
     train.add_argument(
-        "--import", dest="import_modules", action="append", help="module to import first (one that calls register_env)"
+        "--import",
+        dest="import_modules",
+        action="append",
+        help="module to import first (one that calls register_env or register_reward)",
     )
     train.set_defaults(func=cmd_train)
 

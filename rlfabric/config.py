@@ -352,16 +352,36 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
     return out
 
 
-def config_from_dict(data: dict[str, Any] | None) -> Config:
-    """Build and validate a Config from nested plain data (missing keys take defaults)."""
+DEFAULT_ALGO = "grpo"
+ALGOS = ("grpo", "ppo")
+
+
+def config_from_dict(data: dict[str, Any] | None) -> Any:
+    """Build and validate a config from nested plain data (missing keys take defaults).
+
+    ``algo`` picks the schema: "grpo" (LLM post-training, the default) -> ``LLMConfig``; "ppo" -> ``Config``.
+    """
     if data is None:
         data = {}
     if not isinstance(data, dict):
         raise ConfigError(f"config must be a mapping at the top level, got {type(data).__name__}")
-    return validate(_build(Config, data))
+    algo = data.get("algo", DEFAULT_ALGO)
+    if algo not in ALGOS:
+        raise ConfigError(f"algo = {algo!r} is not valid: expected one of {', '.join(map(repr, ALGOS))}")
+    if algo == "ppo":
+        return validate(_build(Config, data))
+    from rlfabric.grpo_config import LLMConfig, validate_llm
+
+    ppo_keys = sorted({"env", "runners", "ppo"} & data.keys())  # sections only a PPO config has
+    if "algo" not in data and ppo_keys:
+        raise ConfigError(
+            f"config key {ppo_keys[0]!r} belongs to a PPO config: add 'algo: ppo' "
+            f"(without it, algo is {DEFAULT_ALGO!r})"
+        )
+    return validate_llm(_build(LLMConfig, data))
 
 
-def load_config(path: str | Path | None, overrides: list[str] | None = None) -> Config:
+def load_config(path: str | Path | None, overrides: list[str] | None = None) -> Any:
     """Read a YAML config (or the defaults when ``path`` is None), apply overrides, validate."""
     data: dict[str, Any] = {}
     if path is not None:
@@ -377,5 +397,12 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
     return config_from_dict(apply_overrides(data, overrides or []))
 
 
-def dump_config(cfg: Config) -> str:
+def dump_config(cfg: Any) -> str:
     return yaml.safe_dump(cfg.to_dict(), sort_keys=False)
+
+
+def ppo_config_from_dict(data: dict[str, Any] | None) -> Config:
+    """``config_from_dict`` for a PPO config whose data may leave out ``algo: ppo``."""
+    if isinstance(data, dict) or data is None:
+        data = {"algo": "ppo", **(data or {})}
+    return config_from_dict(data)

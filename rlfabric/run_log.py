@@ -6,10 +6,11 @@ import json
 import math
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from rlfabric.config import Config, dump_config
+from rlfabric.config import dump_config
 
 METRICS_FILE = "metrics.jsonl"
 CONFIG_FILE = "config.yaml"
@@ -24,8 +25,20 @@ def _jsonable(value: Any) -> Any:
 
 
 class RunLog:
-    def __init__(self, run_dir: Path, cfg: Config, resume_at: int | None = None, quiet: bool = False) -> None:
-        """Start a run's outputs; ``resume_at`` (a checkpoint's iteration) keeps the metrics up to it."""
+    def __init__(
+        self,
+        run_dir: Path,
+        cfg: Any,
+        resume_at: int | None = None,
+        quiet: bool = False,
+        step_key: str = "env_steps",
+        progress_line: Callable[[dict[str, Any]], str] | None = None,
+    ) -> None:
+        """Start a run's outputs; ``resume_at`` (a checkpoint's iteration) keeps the metrics up to it.
+
+        ``step_key`` is the row field TensorBoard uses as its x axis; ``progress_line`` formats a row for the
+        terminal (default: the PPO line).
+        """
         self.run_dir = run_dir
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / CONFIG_FILE).write_text(dump_config(cfg))
@@ -35,23 +48,35 @@ class RunLog:
         self.metrics_file = open(run_dir / METRICS_FILE, "a")  # noqa: SIM115 - kept open for the run
         from torch.utils.tensorboard import SummaryWriter
 
-        # TensorBoard's steps are env steps; on resume, purge the events written after the checkpoint.
-        purge_step = (kept[-1]["env_steps"] if kept else 0) + 1 if resume_at is not None else None
+        # On resume, purge the TensorBoard events written after the checkpoint.
+        self.step_key = step_key
+        purge_step = (kept[-1][step_key] if kept else 0) + 1 if resume_at is not None else None
         self.tb = SummaryWriter(log_dir=str(run_dir / "tensorboard"), purge_step=purge_step)
         self.quiet = quiet
         self.tty = sys.stderr.isatty()
         self.last_print = 0.0
-        self.total_env_steps = cfg.training.total_env_steps
+        self.total_env_steps = getattr(cfg.training, "total_env_steps", 0)
+        self.progress_line = progress_line or self._ppo_line
 
-    def log(self, row: dict[str, Any]) -> None:
+    def log(self, row: dict[str, Any], show: bool = True) -> None:
         clean = {k: _jsonable(v) for k, v in row.items()}
         self.metrics_file.write(json.dumps(clean) + "\n")
         self.metrics_file.flush()
-        step = int(row["env_steps"])
+        step = int(row[self.step_key])
         for key, value in row.items():
-            if isinstance(value, (int, float)) and not isinstance(value, bool) and key != "env_steps":
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and key != self.step_key:
                 self.tb.add_scalar(key, value, step)
-        self.progress(row)
+        if show:
+            self.progress(row)
+
+    def _ppo_line(self, row: dict[str, Any]) -> str:
+        ret = row.get("episode_return_mean")
+        pct = 100.0 * row["env_steps"] / self.total_env_steps
+        return (
+            f"iter {row['iteration']:>4} | env steps {row['env_steps']:>10,} ({pct:5.1f}%) | "
+            f"{row['env_steps_per_s']:>8,.0f} steps/s | return {'   n/a' if ret is None else f'{ret:9.2f}'} | "
+            f"v{row['policy_version']} dropped {row['dropped_fragments']} restarts {row['runner_restarts']}"
+        )
 
     def progress(self, row: dict[str, Any]) -> None:
         if self.quiet:
@@ -60,13 +85,7 @@ class RunLog:
         if not self.tty and now - self.last_print < 2.0:  # a log file gets a line every 2 s at most
             return
         self.last_print = now
-        ret = row.get("episode_return_mean")
-        pct = 100.0 * row["env_steps"] / self.total_env_steps
-        line = (
-            f"iter {row['iteration']:>4} | env steps {row['env_steps']:>10,} ({pct:5.1f}%) | "
-            f"{row['env_steps_per_s']:>8,.0f} steps/s | return {'   n/a' if ret is None else f'{ret:9.2f}'} | "
-            f"v{row['policy_version']} dropped {row['dropped_fragments']} restarts {row['runner_restarts']}"
-        )
+        line = self.progress_line(row)
         print(("\r" + line) if self.tty else line, end="" if self.tty else "\n", file=sys.stderr, flush=True)
 
     def note(self, message: str) -> None:

@@ -9,7 +9,7 @@ import ray
 from ray.cluster_utils import Cluster
 
 import rlfabric
-from rlfabric.config import config_from_dict
+from rlfabric.config import ppo_config_from_dict as config_from_dict
 from rlfabric.driver import Trainer
 
 

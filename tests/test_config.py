@@ -6,7 +6,9 @@ import time
 
 import pytest
 
-from rlfabric.config import Config, ConfigError, apply_overrides, config_from_dict, load_config, parse_override
+from rlfabric.config import Config, ConfigError, apply_overrides, load_config, parse_override
+from rlfabric.config import ppo_config_from_dict as config_from_dict
+from rlfabric.grpo_config import LLMConfig
 
 
 def _error(data) -> str:
@@ -26,7 +28,7 @@ def test_defaults():
     envs = cfg.runners.num_runners * cfg.runners.envs_per_runner
     assert cfg.fragment_length * envs == cfg.ppo.train_batch_size
     assert config_from_dict({}) == cfg
-    assert load_config(None) == cfg
+    assert load_config(None, ["algo=ppo"]) == cfg
     # a partial section keeps the defaults of its other keys
     partial = config_from_dict({"ppo": {"lr": 0.123}})
     assert partial.ppo.lr == 0.123 and partial.ppo.gamma == cfg.ppo.gamma and partial.runners == cfg.runners
@@ -116,11 +118,11 @@ def test_numbers_are_coerced():
 
 def test_yaml_3e_minus_4_string_accepted_as_float(tmp_path):
     path = tmp_path / "c.yaml"
-    path.write_text("ppo:\n  lr: 3e-4\n  ent_coef: 1e-2\n")  # YAML 1.1 reads both as strings
+    path.write_text("algo: ppo\nppo:\n  lr: 3e-4\n  ent_coef: 1e-2\n")  # YAML 1.1 reads both as strings
     cfg = load_config(path)
     assert cfg.ppo.lr == pytest.approx(3e-4) and isinstance(cfg.ppo.lr, float)
     assert cfg.ppo.ent_coef == pytest.approx(1e-2)
-    assert load_config(None, ["ppo.lr=5e-4"]).ppo.lr == pytest.approx(5e-4)
+    assert load_config(None, ["algo=ppo", "ppo.lr=5e-4"]).ppo.lr == pytest.approx(5e-4)
 
 
 # -- ranges ---------------------------------------------------------------------------------------------
@@ -199,7 +201,7 @@ def test_apply_overrides_nested_keys_and_yaml_values():
 
 def test_overrides_win_over_the_file_and_later_over_earlier(tmp_path):
     path = tmp_path / "c.yaml"
-    path.write_text("ppo:\n  lr: 0.001\n  gamma: 0.98\nrunners:\n  num_runners: 1\n")
+    path.write_text("algo: ppo\nppo:\n  lr: 0.001\n  gamma: 0.98\nrunners:\n  num_runners: 1\n")
     cfg = load_config(path, ["ppo.lr=0.002", "runners.envs_per_runner=2", "ppo.lr=0.005"])
     assert cfg.ppo.lr == 0.005
     assert cfg.ppo.gamma == 0.98  # untouched by the override of a sibling
@@ -208,9 +210,9 @@ def test_overrides_win_over_the_file_and_later_over_earlier(tmp_path):
 
 def test_override_errors_are_validated_like_the_file():
     with pytest.raises(ConfigError, match=r"^unknown config key 'ppo\.lrr' \(did you mean 'lr'\?\)"):
-        load_config(None, ["ppo.lrr=0.1"])
+        load_config(None, ["algo=ppo", "ppo.lrr=0.1"])
     with pytest.raises(ConfigError, match=r"^ppo\.lr = 'abc' is not valid: expected a number$"):
-        load_config(None, ["ppo.lr=abc"])
+        load_config(None, ["algo=ppo", "ppo.lr=abc"])
 
 
 @pytest.mark.parametrize("text", ["ppo.lr", "ppo.lr 3e-4", ""])
@@ -252,19 +254,24 @@ def test_load_config_file_errors(tmp_path):
         load_config(listy)
     empty = tmp_path / "empty.yaml"
     empty.write_text("")
-    assert load_config(empty) == Config()
+    assert load_config(empty) == LLMConfig()  # the default algo is grpo
 
 
 # -- the CLI --------------------------------------------------------------------------------------------
 
 # id -> (config file text or None, overrides, substrings the one error line must contain)
 CLI_CASES = {
-    "unknown-key": ("ppo:\n  lrr: 0.001\n", [], ["'ppo.lrr'", "did you mean 'lr'?"]),
+    "unknown-key": ("algo: ppo\nppo:\n  lrr: 0.001\n", [], ["'ppo.lrr'", "did you mean 'lr'?"]),
     # no config file: the first positional is an override
-    "wrong-type": (None, ["ppo.lr=abc"], ["ppo.lr = 'abc'", "expected a number"]),
-    "unknown-gym-env": ("training:\n  seed: 3\n", ["env.id=gym:NoSuchEnv-v0"], ["env.id = 'gym:NoSuchEnv-v0'"]),
-    "unknown-env-name": ("{}\n", ["env.id=not_a_registered_name"], ["env.id = 'not_a_registered_name'"]),
+    "wrong-type": (None, ["grpo.lr=abc"], ["grpo.lr = 'abc'", "expected a number"]),
+    "unknown-gym-env": (
+        "algo: ppo\ntraining:\n  seed: 3\n",
+        ["env.id=gym:NoSuchEnv-v0"],
+        ["env.id = 'gym:NoSuchEnv-v0'"],
+    ),
+    "unknown-env-name": ("{}\n", ["algo=ppo", "env.id=not_a_registered_name"], ["env.id = 'not_a_registered_name'"]),
     "non-string-key": ("2048: 1\n", [], ["2048"]),
+    "ppo-section-without-algo": ("ppo:\n  lr: 0.001\n", [], ["'ppo'", "algo: ppo"]),
 }
 
 

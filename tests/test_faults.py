@@ -14,7 +14,7 @@ import pytest
 import ray
 
 import rlfabric
-from rlfabric.config import config_from_dict
+from rlfabric.config import ppo_config_from_dict as config_from_dict
 from rlfabric.driver import Trainer
 
 

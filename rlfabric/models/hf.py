@@ -18,6 +18,14 @@ DEFAULT_ALPHABET = string.digits + "+-*/=()., :?<>\n" + string.ascii_letters
 SPECIAL_TOKENS = ("<pad>", "<eos>", "<bos>")
 
 
+def _quiet_transformers() -> None:
+    """No per-shard progress bars from transformers: they interleave with the run's own progress output."""
+    from transformers.utils import logging
+
+    logging.disable_progress_bar()
+    logging.set_verbosity_error()
+
+
 def build_char_tokenizer(alphabet: str = DEFAULT_ALPHABET) -> Any:
     """A character-level ``PreTrainedTokenizerFast``: one token per character, plus <pad>, <eos> and <bos>.
 
@@ -73,6 +81,7 @@ def load_causal_lm(path: str | Path, dtype: torch.dtype = torch.float32, device:
     """Any Hugging Face causal LM by local path or hub id (``AutoModelForCausalLM``)."""
     from transformers import AutoModelForCausalLM
 
+    _quiet_transformers()
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
     return model.to(device).eval()
 
@@ -88,6 +97,7 @@ def load_tokenizer(path: str | Path) -> Any:
 
 def save_pretrained(model: Any, tokenizer: Any, path: str | Path) -> Path:
     """Save model (safetensors + config) and tokenizer in Hugging Face format; transformers and vLLM load it."""
+    _quiet_transformers()
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(path, safe_serialization=True)

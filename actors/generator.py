@@ -1,0 +1,59 @@
+"""The generator: an async Ray actor hosting one generation engine (torch or vLLM) and its tokenizer.
+
+Many callers at once (training batches, evaluation) share the engine, which batches their requests together.
+Completions come back with their text decoded here, next to the tokenizer, so the driver never touches tokens.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict
+from typing import Any
+
+import ray
+import torch
+
+from rlfabric.engines.base import SamplingParams
+from rlfabric.models.hf import load_tokenizer
+
+
+def build_engine(backend: str, model_dir: str, options: dict[str, Any]) -> Any:
+    """The engine named by ``generator.backend``; vLLM is imported only when asked for."""
+    if backend == "torch":
+        from rlfabric.engines.torch_engine import TorchEngine
+
+        return TorchEngine.from_pretrained(model_dir, **options)
+    if backend == "vllm":
+        from rlfabric.engines.vllm_engine import VLLMEngine
+
+        return VLLMEngine(model_dir, **options)
+    raise ValueError(f"generator.backend = {backend!r} is not valid: expected 'torch' or 'vllm'")
+
+
+@ray.remote
+class Generator:
+    def __init__(self, backend: str, model_dir: str, options: dict[str, Any], num_threads: int | None = None) -> None:
+        if num_threads:
+            torch.set_num_threads(num_threads)
+        self.tokenizer = load_tokenizer(model_dir)
+        self.engine = build_engine(backend, model_dir, options)
+
+    async def generate(self, prompts: list[list[int]], params: dict[str, Any]) -> list[dict[str, Any]]:
+        """One completion per prompt: token ids, behaviour logprobs, finish reason, version and decoded text."""
+        completions = await self.engine.generate(prompts, SamplingParams(**params))
+        texts = self.tokenizer.batch_decode([c.token_ids for c in completions], skip_special_tokens=True)
+        return [{**asdict(c), "text": text} for c, text in zip(completions, texts, strict=False)]
+
+    async def update_weights(self, state_ref: list[ray.ObjectRef], version: int) -> int:
+        state = await state_ref[0]
+        await self.engine.load_weights(state, version)
+        return version
+
+    def version(self) -> int:
+        return self.engine.version
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    async def shutdown(self) -> None:
+        await self.engine.shutdown()

@@ -1,0 +1,280 @@
+"""The LLM learner: a Hugging Face causal LM and its optimizer, updated by the GRPO family (and SFT warm-up).
+
+Several learner actors train data-parallel: each takes an equal slice of every batch, gradients are summed with
+one all-reduce per step (gloo on CPU, nccl on GPU), and every rank applies the same optimizer step, so their
+weights stay identical. Rank 0 publishes the weights and saves checkpoints.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import ray
+import torch
+
+from rlfabric.algorithms.grpo import aggregate_denominator, kl_penalty, masked_mean, policy_objective
+from rlfabric.models.hf import load_causal_lm, load_tokenizer, save_pretrained
+from rlfabric.models.sequences import response_logprobs
+
+OPTIMIZER_FILE = "optimizer.pt"
+
+
+def _micro_slices(n: int, size: int) -> list[slice]:
+    return [slice(i, min(i + size, n)) for i in range(0, n, size)]
+
+
+def _dtype(name: str) -> torch.dtype:
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+
+
+class LLMLearnerCore:
+    """Everything the learner does, without Ray (tests and single-process tools use it directly)."""
+
+    def __init__(
+        self,
+        model_dir: str,
+        grpo: dict[str, Any],
+        sft: dict[str, Any],
+        *,
+        temperature: float,
+        dtype: str = "float32",
+        device: str = "cpu",
+        rank: int = 0,
+        world_size: int = 1,
+        seed: int = 0,
+        gradient_checkpointing: bool = False,
+        reference_in_learner: bool = False,
+        num_threads: int | None = None,
+    ) -> None:
+        if num_threads:
+            torch.set_num_threads(num_threads)
+        torch.manual_seed(seed)
+        self.g = grpo
+        self.sft_cfg = sft
+        self.temperature = temperature
+        self.device = torch.device(device)
+        self.rank, self.world_size = rank, world_size
+        self.model_dir = model_dir
+        self.model = load_causal_lm(model_dir, dtype=_dtype(dtype), device=device)
+        if gradient_checkpointing:
+            self.model.gradient_checkpointing_enable()
+        self.model.train()
+        self.tokenizer = load_tokenizer(model_dir)
+        self.reference = None
+        if reference_in_learner:  # a frozen copy of the starting weights, for the KL penalty
+            self.reference = load_causal_lm(model_dir, dtype=_dtype(dtype), device=device)
+            self.reference.requires_grad_(False)
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(), lr=grpo["lr"], weight_decay=grpo["weight_decay"], betas=(0.9, 0.99)
+        )
+        self.version = 0
+
+    # -- distributed ----------------------------------------------------------------------------------------
+
+    def _all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        if self.world_size > 1:
+            torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.SUM)
+        return tensor
+
+    def _all_reduce_grads(self) -> None:
+        """Sum gradients over ranks in one flat buffer (one collective per step, not one per tensor)."""
+        if self.world_size == 1:
+            return
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        torch.distributed.all_reduce(flat, op=torch.distributed.ReduceOp.SUM)
+        offset = 0
+        for p in params:
+            n = p.numel()
+            p.grad = flat[offset : offset + n].view_as(p).clone()
+            offset += n
+
+    def _shard(self, batch: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
+        """This rank's contiguous slice of every per-row column, as tensors on the learner's device."""
+        n = len(batch["input_ids"])
+        per_rank = n // self.world_size
+        rows = slice(self.rank * per_rank, (self.rank + 1) * per_rank)
+        out: dict[str, Any] = {}
+        for key, value in batch.items():
+            if isinstance(value, np.ndarray) and value.ndim >= 1 and len(value) == n:
+                out[key] = torch.tensor(value[rows], device=self.device)  # a copy: object-store arrays are read-only
+            else:
+                out[key] = value
+        return out
+
+    # -- one optimizer step -----------------------------------------------------------------------------------
+
+    def _step(self, lr: float, clip: float | None) -> float:
+        self._all_reduce_grads()
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip if clip else float("inf"))
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.version += 1
+        return float(norm)
+
+    def sft_step(self, batch: dict[str, np.ndarray]) -> dict[str, float]:
+        """One supervised step: mean negative log-likelihood of the response tokens (temperature 1)."""
+        b = self._shard(batch)
+        mask = b["response_mask"]
+        total_tokens = float(self._all_reduce_sum(mask.sum().detach().clone()))
+        loss_sum = 0.0
+        for rows in _micro_slices(len(mask), self.g["micro_batch_size"]):
+            logp, _ = response_logprobs(
+                self.model, b["input_ids"][rows], b["attention_mask"][rows], int(b["prompt_len"])
+            )
+            loss = -(logp * mask[rows]).sum() / total_tokens
+            loss.backward()
+            loss_sum += float(loss.detach())
+        norm = self._step(self.sft_cfg["lr"], self.g["max_grad_norm"])
+        total = float(self._all_reduce_sum(torch.tensor(loss_sum)))
+        return {"sft_loss": total, "grad_norm": norm}
+
+    @torch.no_grad()
+    def logprobs(self, batch: dict[str, np.ndarray], model: Any = None) -> np.ndarray:
+        """Response-token logprobs of this rank's slice under ``model`` (default: the current weights)."""
+        model = model if model is not None else self.model
+        b = self._shard(batch)
+        parts = []
+        for rows in _micro_slices(len(b["input_ids"]), self.g["micro_batch_size"]):
+            logp, _ = response_logprobs(
+                model, b["input_ids"][rows], b["attention_mask"][rows], int(b["prompt_len"]), self.temperature
+            )
+            parts.append(logp.float().cpu())
+        return torch.cat(parts).numpy()
+
+    def train_step(self, batch: dict[str, np.ndarray], lr: float) -> dict[str, float]:
+        """One GRPO-family update on a batch: ``epochs`` passes, each one optimizer step over all micro-batches.
+
+        batch columns: input_ids, attention_mask, response_mask (loss mask), prompt_len, advantages [N],
+        behaviour_logprobs [N, R] (from the generators), and ref_logprobs [N, R] when a reference actor made them.
+        """
+        g = self.g
+        b = self._shard(batch)
+        mask = b["response_mask"]
+        # The loss's normaliser is the whole batch's (all ranks, all micro-batches), so accumulation and
+        # data parallelism give the same gradient as one big batch.
+        denominator = float(
+            self._all_reduce_sum(torch.tensor(aggregate_denominator(mask, g["loss_aggregation"], g["norm_length"])))
+        )
+        old_logp = torch.as_tensor(self.logprobs(batch)).to(self.device)
+        ref_logp = None
+        if g["kl_coef"] > 0:
+            if "ref_logprobs" in b:
+                ref_logp = b["ref_logprobs"]
+            elif self.reference is not None:
+                ref_logp = torch.as_tensor(self.logprobs(batch, self.reference)).to(self.device)
+        metrics: dict[str, float] = {}
+        gap = masked_mean((old_logp - b["behaviour_logprobs"]).abs(), mask)
+        metrics["logprob_gap"] = float(gap)
+        for epoch in range(g["epochs"]):
+            sums: dict[str, float] = {}
+            for rows in _micro_slices(len(mask), g["micro_batch_size"]):
+                new_logp, entropy = response_logprobs(
+                    self.model,
+                    b["input_ids"][rows],
+                    b["attention_mask"][rows],
+                    int(b["prompt_len"]),
+                    self.temperature,
+                    with_entropy=True,
+                )
+                if g["entropy_coef"] == 0:
+                    entropy = entropy.detach()
+                loss, m = policy_objective(
+                    new_logp,
+                    old_logp[rows],
+                    b["advantages"][rows],
+                    mask[rows],
+                    clip_low=g["clip_low"],
+                    clip_high=g["clip_high"],
+                    ratio_level=g["ratio_level"],
+                    aggregation=g["loss_aggregation"],
+                    norm_length=g["norm_length"],
+                    ref_logp=None if ref_logp is None else ref_logp[rows],
+                    kl_coef=g["kl_coef"],
+                    kl_estimator=g["kl_estimator"],
+                    entropy=entropy,
+                    entropy_coef=g["entropy_coef"],
+                    denominator=denominator,
+                )
+                loss.backward()
+                weight = float(mask[rows].sum()) / max(float(mask.sum()), 1.0)
+                for key, value in m.items():  # additive ones sum; the per-call means are token-weighted
+                    additive = key in ("pg_loss", "kl", "entropy")
+                    sums[key] = sums.get(key, 0.0) + (value if additive else value * weight)
+            sums["grad_norm"] = self._step(lr, g["max_grad_norm"])
+            if epoch == 0:
+                metrics.update(sums)
+            else:
+                metrics.update({f"{k}_last_epoch": v for k, v in sums.items() if k == "clip_fraction"})
+        if ref_logp is not None and "kl" not in metrics:
+            metrics["kl"] = float(masked_mean(kl_penalty(old_logp, ref_logp, g["kl_estimator"]), mask))
+        return metrics
+
+    # -- weights and checkpoints -------------------------------------------------------------------------------
+
+    def state_dict_cpu(self) -> dict[str, torch.Tensor]:
+        return {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()}
+
+    def save(self, path: str) -> str:
+        out = Path(path)
+        self.model.eval()
+        save_pretrained(self.model, self.tokenizer, out)
+        self.model.train()
+        torch.save({"optimizer": self.optimizer.state_dict(), "version": self.version}, out / OPTIMIZER_FILE)
+        return str(out)
+
+    def load_optimizer(self, path: str) -> int:
+        state = torch.load(Path(path) / OPTIMIZER_FILE, map_location=self.device, weights_only=False)
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.version = int(state["version"])
+        return self.version
+
+
+@ray.remote
+class LLMLearner:
+    """A Ray actor around LLMLearnerCore; batches arrive as ObjectRefs inside a list (read zero-copy)."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        self.core = LLMLearnerCore(**kwargs)
+
+    def node_address(self) -> str:
+        return ray.util.get_node_ip_address()
+
+    def free_port(self) -> int:
+        import socket
+
+        with socket.socket() as s:
+            s.bind(("", 0))
+            return int(s.getsockname()[1])
+
+    def init_process_group(self, address: str, port: int, backend: str) -> bool:
+        os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = address, str(port)
+        torch.distributed.init_process_group(
+            backend=backend, rank=self.core.rank, world_size=self.core.world_size, init_method=f"tcp://{address}:{port}"
+        )
+        return True
+
+    def sft_step(self, batch_ref: list[ray.ObjectRef]) -> dict[str, float]:
+        return self.core.sft_step(ray.get(batch_ref[0]))
+
+    def train_step(self, batch_ref: list[ray.ObjectRef], lr: float) -> dict[str, float]:
+        return self.core.train_step(ray.get(batch_ref[0]), lr)
+
+    def publish(self) -> tuple[list[ray.ObjectRef], int]:
+        """The current weights in the object store (one put; every generator reads the same object)."""
+        return [ray.put(self.core.state_dict_cpu())], self.core.version
+
+    def get_version(self) -> int:
+        return self.core.version
+
+    def save(self, path: str) -> str:
+        return self.core.save(path)
+
+    def load_optimizer(self, path: str) -> int:
+        return self.core.load_optimizer(path)

@@ -1,0 +1,43 @@
+"""The reference model: a frozen copy of the starting weights, giving logprobs for the KL penalty.
+
+Used when ``grpo.reference: actor`` (e.g. the reference on its own GPU, away from the learner's memory);
+``grpo.reference: learner`` keeps the copy inside the learner instead.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import ray
+import torch
+
+from rlfabric.models.hf import load_causal_lm
+from rlfabric.models.sequences import response_logprobs
+
+
+@ray.remote
+class Reference:
+    def __init__(
+        self, model_dir: str, temperature: float, micro_batch_size: int, device: str = "cpu", num_threads: int = 0
+    ) -> None:
+        if num_threads:
+            torch.set_num_threads(num_threads)
+        self.model = load_causal_lm(model_dir, device=device)
+        self.model.requires_grad_(False)
+        self.temperature = temperature
+        self.micro_batch_size = micro_batch_size
+        self.device = torch.device(device)
+
+    @torch.no_grad()
+    def logprobs(self, batch_ref: list[ray.ObjectRef]) -> np.ndarray:
+        """Response-token logprobs [N, R] of a packed batch (see rlfabric.models.sequences)."""
+        batch: dict[str, Any] = ray.get(batch_ref[0])
+        ids = torch.as_tensor(batch["input_ids"]).to(self.device)
+        mask = torch.as_tensor(batch["attention_mask"]).to(self.device)
+        parts = []
+        for start in range(0, len(ids), self.micro_batch_size):
+            rows = slice(start, start + self.micro_batch_size)
+            logp, _ = response_logprobs(self.model, ids[rows], mask[rows], int(batch["prompt_len"]), self.temperature)
+            parts.append(logp.float().cpu())
+        return torch.cat(parts).numpy()

@@ -1,0 +1,287 @@
+"""Typed configuration for LLM post-training (``algo: grpo``): model, data, generators, rewards, the GRPO family.
+
+Built and validated by ``rlfabric.config.load_config`` with the same rules as the PPO config: unknown keys,
+wrong types and out-of-range values are one-line ``ConfigError``s naming the field, before any actor starts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from rlfabric.config import ConfigError, RayConfig, _require
+
+ADVANTAGES = ("grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline")
+AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
+
+
+@dataclass
+class BuiltinModelConfig:
+    # Size of the small Qwen2-style model built when model.path is "builtin" (character tokenizer).
+    num_layers: int = 2
+    hidden_size: int = 128
+    num_heads: int = 2
+    max_positions: int = 64
+
+
+@dataclass
+class LLMModelConfig:
+    # A local Hugging Face model folder or hub id, or "builtin": build the small character-level model locally.
+    path: str = "builtin"
+    builtin: BuiltinModelConfig = field(default_factory=BuiltinModelConfig)
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    # Recompute activations in the backward pass (large models on small memory).
+    gradient_checkpointing: bool = False
+
+
+@dataclass
+class DataConfig:
+    # "task:<name>[?k=v&...]" for a built-in generated task, or a .jsonl/.json/.parquet file of prompts.
+    train: str = "task:arithmetic"
+    # Held-out prompts for eval_accuracy ("" : the train task's held-out split, for built-in tasks).
+    eval: str = ""
+    # Column holding the prompt text; every other column is per-sample metadata for the reward functions.
+    prompt_key: str = "prompt"
+    # Format prompts with the tokenizer's chat template (instruct models).
+    chat_template: bool = False
+    # Rows generated for a built-in train task / read at most from a file (null: all of a file).
+    num_train: int | None = 20_000
+    num_eval: int = 200
+
+
+@dataclass
+class SamplingConfig:
+    max_new_tokens: int = 8
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+
+
+@dataclass
+class VLLMConfig:
+    gpu_memory_utilization: float = 0.5
+    max_model_len: int | None = None
+    enforce_eager: bool = False
+    dtype: str = "auto"
+    tensor_parallel_size: int = 1
+
+
+@dataclass
+class GeneratorConfig:
+    backend: Literal["torch", "vllm"] = "torch"
+    num_generators: int = 1
+    num_cpus: float = 1.0
+    num_gpus: float = 0.0
+    resources: dict[str, float] = field(default_factory=dict)
+    # Deadline for one generation call; a generator that misses it is replaced and its prompts resampled.
+    timeout_s: float = 300.0
+    max_batch_size: int = 256
+    vllm: VLLMConfig = field(default_factory=VLLMConfig)
+
+
+@dataclass
+class RewardFunctionConfig:
+    # A registered reward name ("arithmetic", "countdown", "math", "length") or "package.module:function".
+    name: str = "arithmetic"
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class RewardsConfig:
+    functions: list[RewardFunctionConfig] = field(default_factory=lambda: [RewardFunctionConfig()])
+    # Weight of each named component in the scalar reward; components not listed count with weight 1.
+    weights: dict[str, float] = field(default_factory=lambda: {"format": 0.0})
+    num_workers: int = 1
+    num_cpus: float = 0.5
+    # Deadline for scoring one group; a function that hangs or raises costs only its group's samples.
+    timeout_s: float = 30.0
+
+
+@dataclass
+class GRPOConfig:
+    prompts_per_step: int = 16
+    group_size: int = 8
+    # "grpo" (group mean/std), "rloo" (leave-one-out), "reinforce_pp" (batch-normalised), "reinforce_pp_baseline".
+    advantage: str = "grpo"
+    # Divide by the group std (GRPO); false is Dr. GRPO.
+    scale_by_std: bool = True
+    clip_low: float = 0.2
+    # Upper clip range; > clip_low is DAPO's clip-higher.
+    clip_high: float = 0.2
+    # "token" (PPO/GRPO) or "sequence" (GSPO's sequence-level ratio).
+    ratio_level: Literal["token", "sequence"] = "token"
+    # "token_mean" (DAPO), "seq_mean_token_mean" (GRPO), "seq_mean_token_sum_norm" (Dr. GRPO).
+    loss_aggregation: str = "token_mean"
+    kl_coef: float = 0.0
+    kl_estimator: Literal["k1", "k3"] = "k3"
+    # Where the frozen reference model's logprobs are computed: in the learner or in a reference actor.
+    reference: Literal["learner", "actor"] = "learner"
+    entropy_coef: float = 0.0
+    # Drop groups whose rewards are all equal (no signal) and sample more prompts to refill the batch (DAPO).
+    dynamic_sampling: bool = False
+    max_sampling_rounds: int = 3
+    # Give no loss to completions cut off at max_new_tokens (DAPO's overlong filtering).
+    overlong_filter: bool = False
+    # Passes over each batch; > 1 makes the clip matter (the first pass is on-policy).
+    epochs: int = 1
+    # Sequences per forward/backward; gradients accumulate over the batch before one optimizer step.
+    micro_batch_size: int = 64
+    lr: float = 5e-4
+    weight_decay: float = 0.0
+    max_grad_norm: float = 1.0
+    warmup_steps: int = 0
+
+
+@dataclass
+class SFTConfig:
+    # Supervised warm-up on the task's reference answers before RL (0: none). Built-in tasks provide answers.
+    steps: int = 0
+    batch_size: int = 64
+    lr: float = 1e-3
+    # Dataset column with the target completion.
+    answer_key: str = "answer"
+
+
+@dataclass
+class LLMLearnerConfig:
+    # Data-parallel learner actors (gloo on CPU, nccl on GPU); each takes an equal share of every batch.
+    num_learners: int = 1
+    num_cpus: float = 1.0
+    num_gpus: float = 0.0
+    resources: dict[str, float] = field(default_factory=dict)
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+
+
+@dataclass
+class LLMTrainingConfig:
+    total_steps: int = 200
+    # 0: synchronous. k > 0: generation of the next batches overlaps the update; samples made by weights more
+    # than k versions old are dropped and counted.
+    max_policy_lag: int = 0
+    seed: int = 0
+    # Evaluate held-out accuracy (greedy) every this many steps, before the first and after the last.
+    eval_every: int = 25
+    checkpoint_every: int = 50
+    keep_checkpoints: int = 2
+    # Completions printed (and saved to samples.jsonl) at the end.
+    show_samples: int = 8
+
+
+@dataclass
+class LLMConfig:
+    algo: Literal["grpo"] = "grpo"
+    model: LLMModelConfig = field(default_factory=LLMModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    generator: GeneratorConfig = field(default_factory=GeneratorConfig)
+    rewards: RewardsConfig = field(default_factory=RewardsConfig)
+    grpo: GRPOConfig = field(default_factory=GRPOConfig)
+    sft: SFTConfig = field(default_factory=SFTConfig)
+    learner: LLMLearnerConfig = field(default_factory=LLMLearnerConfig)
+    training: LLMTrainingConfig = field(default_factory=LLMTrainingConfig)
+    ray: RayConfig = field(default_factory=RayConfig)
+
+    @property
+    def batch_size(self) -> int:
+        """Completions per training step."""
+        return self.grpo.prompts_per_step * self.grpo.group_size
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _positive(path: str, value: float, *, allow_zero: bool = False) -> None:
+    ok = value >= 0 if allow_zero else value > 0
+    _require(ok, path, value, "must be >= 0" if allow_zero else "must be > 0")
+
+
+def validate_llm(cfg: LLMConfig) -> LLMConfig:
+    """Range and cross-field checks for ``algo: grpo``; return the config unchanged."""
+    g, s, t = cfg.grpo, cfg.sampling, cfg.training
+    for path, value in (
+        ("grpo.prompts_per_step", g.prompts_per_step),
+        ("grpo.epochs", g.epochs),
+        ("grpo.micro_batch_size", g.micro_batch_size),
+        ("grpo.max_sampling_rounds", g.max_sampling_rounds),
+        ("sampling.max_new_tokens", s.max_new_tokens),
+        ("generator.num_generators", cfg.generator.num_generators),
+        ("generator.max_batch_size", cfg.generator.max_batch_size),
+        ("rewards.num_workers", cfg.rewards.num_workers),
+        ("learner.num_learners", cfg.learner.num_learners),
+        ("training.total_steps", t.total_steps),
+        ("data.num_eval", cfg.data.num_eval),
+        ("sft.batch_size", cfg.sft.batch_size),
+    ):
+        _require(value >= 1, path, value, "must be at least 1")
+    _require(g.group_size >= 2, "grpo.group_size", g.group_size, "must be at least 2 (advantages compare a group)")
+    _require(g.advantage in ADVANTAGES, "grpo.advantage", g.advantage, f"must be one of {', '.join(ADVANTAGES)}")
+    _require(
+        g.loss_aggregation in AGGREGATIONS,
+        "grpo.loss_aggregation",
+        g.loss_aggregation,
+        f"must be one of {', '.join(AGGREGATIONS)}",
+    )
+    for path, value in (
+        ("grpo.lr", g.lr),
+        ("grpo.clip_low", g.clip_low),
+        ("grpo.clip_high", g.clip_high),
+        ("grpo.max_grad_norm", g.max_grad_norm),
+        ("sft.lr", cfg.sft.lr),
+        ("generator.timeout_s", cfg.generator.timeout_s),
+        ("rewards.timeout_s", cfg.rewards.timeout_s),
+    ):
+        _positive(path, value)
+    _require(g.clip_low < 1, "grpo.clip_low", g.clip_low, "must be < 1 (the ratio's lower bound is 1 - clip_low)")
+    for path, value in (
+        ("grpo.kl_coef", g.kl_coef),
+        ("grpo.entropy_coef", g.entropy_coef),
+        ("grpo.weight_decay", g.weight_decay),
+        ("grpo.warmup_steps", g.warmup_steps),
+        ("sft.steps", cfg.sft.steps),
+        ("sampling.temperature", s.temperature),
+        ("sampling.top_k", s.top_k),
+        ("training.max_policy_lag", t.max_policy_lag),
+        ("training.eval_every", t.eval_every),
+        ("training.checkpoint_every", t.checkpoint_every),
+        ("training.keep_checkpoints", t.keep_checkpoints),
+        ("training.show_samples", t.show_samples),
+        ("generator.num_cpus", cfg.generator.num_cpus),
+        ("generator.num_gpus", cfg.generator.num_gpus),
+        ("rewards.num_cpus", cfg.rewards.num_cpus),
+        ("learner.num_cpus", cfg.learner.num_cpus),
+        ("learner.num_gpus", cfg.learner.num_gpus),
+    ):
+        _positive(path, value, allow_zero=True)
+    _require(s.temperature > 0, "sampling.temperature", s.temperature, "must be > 0 for training (exploration)")
+    _require(0 < s.top_p <= 1, "sampling.top_p", s.top_p, "must be in (0, 1]")
+    _require(0 <= t.seed < 2**32, "training.seed", t.seed, "must be in [0, 2**32)")
+    _require(
+        cfg.batch_size % cfg.learner.num_learners == 0,
+        "learner.num_learners",
+        cfg.learner.num_learners,
+        f"must divide the batch (grpo.prompts_per_step * grpo.group_size = {cfg.batch_size})",
+    )
+    _require(
+        cfg.generator.backend != "vllm" or cfg.generator.num_gpus > 0,
+        "generator.backend",
+        cfg.generator.backend,
+        "'vllm' needs generator.num_gpus > 0 (vLLM runs on GPUs; use 'torch' on CPU)",
+    )
+    _require(
+        cfg.learner.device != "cuda" or cfg.learner.num_gpus > 0,
+        "learner.device",
+        cfg.learner.device,
+        "'cuda' needs learner.num_gpus > 0 (Ray hides GPUs from actors that did not ask for one)",
+    )
+    _require(
+        cfg.model.path != "builtin" or not cfg.data.chat_template,
+        "data.chat_template",
+        cfg.data.chat_template,
+        "the builtin character model has no chat template; set it false",
+    )
+    for i, fn in enumerate(cfg.rewards.functions):
+        _require(bool(fn.name), f"rewards.functions[{i}].name", fn.name, "must name a reward function")
+    if not cfg.rewards.functions:
+        raise ConfigError("rewards.functions = [] is not valid: list at least one reward function")
+    return cfg

@@ -1,0 +1,71 @@
+"""Prompt + response batches for causal LMs: packing, and per-token logprobs of the response.
+
+Layout shared by the learner, the reference model and SFT: each row is the prompt LEFT-padded to the batch's
+longest prompt P, then the response RIGHT-padded to R, so every response starts at column P. Position ids count
+real tokens only, as the generation engines do, so the learner sees the positions the generator saw.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from rlfabric.algorithms.grpo import entropy_from_logits, token_logprobs_from_logits
+
+
+def pack_sequences(
+    prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], pad_id: int
+) -> dict[str, np.ndarray]:
+    """Columnar batch: input_ids and attention_mask [N, P + R], response_mask [N, R], prompt_len P."""
+    if len(prompts) != len(responses):
+        raise ValueError(f"pack_sequences: {len(prompts)} prompts but {len(responses)} responses")
+    n = len(prompts)
+    width_p = max((len(p) for p in prompts), default=0)
+    width_r = max((len(r) for r in responses), default=0)
+    input_ids = np.full((n, width_p + width_r), pad_id, dtype=np.int64)
+    attention = np.zeros((n, width_p + width_r), dtype=np.int64)
+    response_mask = np.zeros((n, width_r), dtype=np.float32)
+    for i, (p, r) in enumerate(zip(prompts, responses, strict=False)):
+        input_ids[i, width_p - len(p) : width_p] = p
+        input_ids[i, width_p : width_p + len(r)] = r
+        attention[i, width_p - len(p) : width_p + len(r)] = 1
+        response_mask[i, : len(r)] = 1.0
+    return {
+        "input_ids": input_ids,
+        "attention_mask": attention,
+        "response_mask": response_mask,
+        "prompt_len": np.int64(width_p),
+    }
+
+
+def response_logprobs(
+    model: Any,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    prompt_len: int,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Logprobs [N, R] of each response token under softmax(logits / temperature), and optionally the entropy.
+
+    Only the R + 1 last positions go through the LM head (``logits_to_keep``): the prompt's logits are never built.
+    """
+    width_r = input_ids.shape[1] - prompt_len
+    positions = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    out = model(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=positions,
+        use_cache=False,
+        logits_to_keep=width_r + 1,
+    )
+    logits = out.logits[:, :-1].float()  # position t predicts token t + 1
+    if temperature != 1.0:
+        logits = logits / temperature
+    tokens = input_ids[:, prompt_len:]
+    logp = token_logprobs_from_logits(logits, tokens)
+    entropy = entropy_from_logits(logits) if with_entropy else None
+    return logp, entropy
