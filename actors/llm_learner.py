@@ -68,7 +68,7 @@ class LLMLearnerCore:
             self.reference = load_causal_lm(model_dir, dtype=_dtype(dtype), device=device)
             self.reference.requires_grad_(False)
         self.optimizer = torch.optim.AdamW(
-            self.model.parameters(), lr=grpo["lr"], weight_decay=grpo["weight_decay"], betas=(0.9, 0.99)
+            self.model.parameters(), lr=grpo["lr"], weight_decay=grpo["weight_decay"]
         )
         self.version = 0
 

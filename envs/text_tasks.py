@@ -25,12 +25,22 @@ def _check_count(n: int, seed: int) -> None:
         raise ValueError(f"seed = {seed!r}: must be an integer")
 
 
-def arithmetic_rows(n: int, seed: int, min_operand: int = 0, max_operand: int = 99, ops: str = "+-") -> list[dict]:
+def arithmetic_rows(
+    n: int,
+    seed: int,
+    min_operand: int = 0,
+    max_operand: int = 99,
+    ops: str = "+-",
+    teacher_error: float = 0.0,
+) -> list[dict]:
     """Rows like ``{"prompt": "12+35=", "answer": "47"}``: one binary operation on two integer operands.
 
     ``ops`` picks the operators from ``+-*/``, uniformly per row. Operands are drawn uniformly from
     ``[min_operand, max_operand]``. Subtraction may give a negative answer (``"3-8="`` -> ``"-5"``). Division is
     exact: the prompt is ``"{a*b}/{b}="`` with ``b >= max(1, min_operand)`` and the answer ``a``.
+
+    ``teacher_error`` > 0 adds a ``"teacher"`` column: a demonstration from an unreliable teacher that is off by
+    one (answer + 1) in that fraction of rows, for a supervised warm-up that the verifiable reward then corrects.
     """
     _check_count(n, seed)
     if not isinstance(min_operand, int) or not isinstance(max_operand, int) or not 0 <= min_operand <= max_operand:
@@ -39,6 +49,8 @@ def arithmetic_rows(n: int, seed: int, min_operand: int = 0, max_operand: int = 
         )
     if not isinstance(ops, str) or not ops or set(ops) - set(ARITHMETIC_OPS):
         raise ValueError(f"ops = {ops!r}: must be a non-empty string of operators from {ARITHMETIC_OPS!r}")
+    if not isinstance(teacher_error, (int, float)) or not 0 <= teacher_error <= 1:
+        raise ValueError(f"teacher_error = {teacher_error!r}: must be a number in [0, 1]")
     if "/" in ops and max_operand < 1:
         raise ValueError(f"ops = {ops!r}: division needs max_operand >= 1 (a nonzero divisor), got {max_operand}")
     rng = random.Random(seed)
@@ -54,6 +66,11 @@ def arithmetic_rows(n: int, seed: int, min_operand: int = 0, max_operand: int = 
             answer = {"+": a + b, "-": a - b, "*": a * b}[op]
             prompt = f"{a}{op}{b}="
         rows.append({"prompt": prompt, "answer": str(answer)})
+    if teacher_error > 0:  # its own stream, so the prompts do not depend on the error rate
+        teacher_rng = random.Random(seed + 1)
+        for row in rows:
+            wrong = teacher_rng.random() < teacher_error
+            row["teacher"] = str(int(row["answer"]) + 1) if wrong else row["answer"]
     return rows
 
 

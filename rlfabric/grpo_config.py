@@ -38,7 +38,7 @@ class LLMModelConfig:
 @dataclass
 class DataConfig:
     # "task:<name>[?k=v&...]" for a built-in generated task, or a .jsonl/.json/.parquet file of prompts.
-    train: str = "task:arithmetic"
+    train: str = "task:arithmetic?max_operand=49&ops=+&teacher_error=0.6"
     # Held-out prompts for eval_accuracy ("" : the train task's held-out split, for built-in tasks).
     eval: str = ""
     # Column holding the prompt text; every other column is per-sample metadata for the reward functions.
@@ -46,7 +46,7 @@ class DataConfig:
     # Format prompts with the tokenizer's chat template (instruct models).
     chat_template: bool = False
     # Rows generated for a built-in train task / read at most from a file (null: all of a file).
-    num_train: int | None = 20_000
+    num_train: int | None = 2_000
     num_eval: int = 200
 
 
@@ -100,7 +100,7 @@ class RewardsConfig:
 
 @dataclass
 class GRPOConfig:
-    prompts_per_step: int = 16
+    prompts_per_step: int = 32
     group_size: int = 8
     # "grpo" (group mean/std), "rloo" (leave-one-out), "reinforce_pp" (batch-normalised), "reinforce_pp_baseline".
     advantage: str = "grpo"
@@ -136,11 +136,11 @@ class GRPOConfig:
 @dataclass
 class SFTConfig:
     # Supervised warm-up on the task's reference answers before RL (0: none). Built-in tasks provide answers.
-    steps: int = 0
+    steps: int = 300
     batch_size: int = 64
     lr: float = 1e-3
     # Dataset column with the target completion.
-    answer_key: str = "answer"
+    answer_key: str = "teacher"
 
 
 @dataclass

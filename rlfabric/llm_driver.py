@@ -433,7 +433,11 @@ class GRPOTrainer:
         batch_ref = ray.put(batch)
         metrics = ray.get([ln.train_step.remote([batch_ref], self._lr()) for ln in self.learners])
         self._publish()
-        return {k: float(np.mean([m[k] for m in metrics])) for k in metrics[0]}
+        # pg_loss, kl and entropy are each rank's share of the whole batch's value (one shared denominator): they add.
+        return {
+            k: float((np.sum if k in ("pg_loss", "kl", "entropy") else np.mean)([m[k] for m in metrics]))
+            for k in metrics[0]
+        }
 
     def _publish(self) -> None:
         state_ref, self.version = ray.get(self.learners[0].publish.remote())
@@ -489,7 +493,11 @@ class GRPOTrainer:
         full = {"iteration": self.counters.step, "step": self.counters.step, "policy_version": self.version}
         full.update(row)
         full["time_s"] = round(time.monotonic() - self._start, 2)
-        self.log.log(full, show=show)
+        if row.get("phase") == "eval":  # evaluations get their own line, never throttled or overwritten
+            self.log.log(full, show=False)
+            self.log.note(progress_line(full))
+        else:
+            self.log.log(full, show=show)
 
     def _step_row(self, samples: list[dict], scored: list[dict], metrics: dict, started: float) -> dict:
         c = self.counters
