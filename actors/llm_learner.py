@@ -26,10 +26,6 @@ def _micro_slices(n: int, size: int) -> list[slice]:
     return [slice(i, min(i + size, n)) for i in range(0, n, size)]
 
 
-def _dtype(name: str) -> torch.dtype:
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
-
-
 class LLMLearnerCore:
     """Everything the learner does, without Ray (tests and single-process tools use it directly)."""
 
@@ -58,18 +54,16 @@ class LLMLearnerCore:
         self.device = torch.device(device)
         self.rank, self.world_size = rank, world_size
         self.model_dir = model_dir
-        self.model = load_causal_lm(model_dir, dtype=_dtype(dtype), device=device)
+        self.model = load_causal_lm(model_dir, dtype=dtype, device=device)
         if gradient_checkpointing:
             self.model.gradient_checkpointing_enable()
         self.model.train()
         self.tokenizer = load_tokenizer(model_dir)
         self.reference = None
         if reference_in_learner:  # a frozen copy of the starting weights, for the KL penalty
-            self.reference = load_causal_lm(model_dir, dtype=_dtype(dtype), device=device)
+            self.reference = load_causal_lm(model_dir, dtype=dtype, device=device)
             self.reference.requires_grad_(False)
-        self.optimizer = torch.optim.AdamW(
-            self.model.parameters(), lr=grpo["lr"], weight_decay=grpo["weight_decay"]
-        )
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=grpo["lr"], weight_decay=grpo["weight_decay"])
         self.version = 0
 
     # -- distributed ----------------------------------------------------------------------------------------
@@ -115,7 +109,6 @@ class LLMLearnerCore:
         norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip if clip else float("inf"))
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        self.version += 1
         return float(norm)
 
     def sft_step(self, batch: dict[str, np.ndarray]) -> dict[str, float]:
@@ -132,6 +125,7 @@ class LLMLearnerCore:
             loss.backward()
             loss_sum += float(loss.detach())
         norm = self._step(self.sft_cfg["lr"], self.g["max_grad_norm"])
+        self.version += 1
         total = float(self._all_reduce_sum(torch.tensor(loss_sum)))
         return {"sft_loss": total, "grad_norm": norm}
 
@@ -212,9 +206,15 @@ class LLMLearnerCore:
                 metrics.update(sums)
             else:
                 metrics.update({f"{k}_last_epoch": v for k, v in sums.items() if k == "clip_fraction"})
+        self.version += 1  # one policy version per batch, however many epochs it took
         if ref_logp is not None and "kl" not in metrics:
             metrics["kl"] = float(masked_mean(kl_penalty(old_logp, ref_logp, g["kl_estimator"]), mask))
         return metrics
+
+    def reset_reference(self) -> None:
+        """Make the KL reference the current weights (after the SFT warm-up: the policy GRPO starts from)."""
+        if self.reference is not None:
+            self.reference.load_state_dict(self.model.state_dict())
 
     # -- weights and checkpoints -------------------------------------------------------------------------------
 
@@ -272,6 +272,9 @@ class LLMLearner:
 
     def get_version(self) -> int:
         return self.core.version
+
+    def reset_reference(self) -> None:
+        self.core.reset_reference()
 
     def save(self, path: str) -> str:
         return self.core.save(path)

@@ -19,15 +19,25 @@ from rlfabric.models.sequences import response_logprobs
 @ray.remote
 class Reference:
     def __init__(
-        self, model_dir: str, temperature: float, micro_batch_size: int, device: str = "cpu", num_threads: int = 0
+        self,
+        model_dir: str,
+        temperature: float,
+        micro_batch_size: int,
+        dtype: str = "float32",
+        device: str = "cpu",
+        num_threads: int = 0,
     ) -> None:
         if num_threads:
             torch.set_num_threads(num_threads)
-        self.model = load_causal_lm(model_dir, device=device)
+        self.model = load_causal_lm(model_dir, dtype=dtype, device=device)
         self.model.requires_grad_(False)
         self.temperature = temperature
         self.micro_batch_size = micro_batch_size
         self.device = torch.device(device)
+
+    def set_weights(self, state_ref: list[ray.ObjectRef]) -> None:
+        """Become a frozen copy of published weights (after the SFT warm-up: the policy GRPO starts from)."""
+        self.model.load_state_dict(ray.get(state_ref[0]))
 
     @torch.no_grad()
     def logprobs(self, batch_ref: list[ray.ObjectRef]) -> np.ndarray:

@@ -83,6 +83,8 @@ def cmd_train_llm(args: argparse.Namespace, cfg: object) -> int:
     print(f"rlfabric: GRPO on {cfg.data.train} -> {trainer.run_dir}", file=sys.stderr)  # type: ignore[attr-defined]
     try:
         summary = trainer.train()
+    except RayError as exc:  # an actor died for good: say so without the --resume advice PPO runs get
+        raise RunAbortedError(error_summary(exc)) from None
     finally:
         trainer.close()
     summary["run_dir"] = str(trainer.run_dir)

@@ -226,8 +226,14 @@ class GRPOTrainer:
         if self.cfg.grpo.kl_coef > 0 and self.cfg.grpo.reference == "actor":
             from rlfabric.actors.reference import Reference
 
-            self.reference = Reference.options(num_cpus=self.cfg.learner.num_cpus).remote(
-                self.model_dir, self.cfg.sampling.temperature, self.cfg.grpo.micro_batch_size
+            lc = self.cfg.learner
+            self.reference = Reference.options(num_cpus=lc.num_cpus, num_gpus=lc.num_gpus).remote(
+                self.model_dir,
+                self.cfg.sampling.temperature,
+                self.cfg.grpo.micro_batch_size,
+                dtype=self.cfg.model.dtype,
+                device="cuda" if lc.num_gpus > 0 else "cpu",
+                num_threads=self._threads(),
             )
         r = self.cfg.rewards
         self.pool = RewardPool(
@@ -440,8 +446,8 @@ class GRPOTrainer:
         }
 
     def _publish(self) -> None:
-        state_ref, self.version = ray.get(self.learners[0].publish.remote())
-        ray.get([gen.update_weights.remote(state_ref, self.version) for gen in self.generators])
+        self._state_ref, self.version = ray.get(self.learners[0].publish.remote())
+        ray.get([gen.update_weights.remote(self._state_ref, self.version) for gen in self.generators])
 
     # -- SFT warm-up and evaluation ---------------------------------------------------------------------------
 
@@ -464,6 +470,10 @@ class GRPOTrainer:
             row = {"phase": "sft", "sft_step": step, "sft_loss": float(np.mean([m["sft_loss"] for m in metrics]))}
             self._log(row, show=step % 20 == 0 or step == s.steps)
         self._publish()
+        if self.cfg.grpo.kl_coef > 0:  # the KL anchors GRPO to the warmed-up policy, not the untrained one
+            ray.get([ln.reset_reference.remote() for ln in self.learners])
+            if self.reference is not None:
+                ray.get(self.reference.set_weights.remote(self._state_ref))
 
     def _encode_answer(self, text: str) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=False).input_ids) + [self.tokenizer.eos_token_id]

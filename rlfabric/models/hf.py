@@ -77,11 +77,15 @@ def build_small_qwen2(
     return model.eval()
 
 
-def load_causal_lm(path: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu") -> Any:
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def load_causal_lm(path: str | Path, dtype: torch.dtype | str = torch.float32, device: str = "cpu") -> Any:
     """Any Hugging Face causal LM by local path or hub id (``AutoModelForCausalLM``)."""
     from transformers import AutoModelForCausalLM
 
     _quiet_transformers()
+    dtype = DTYPES[dtype] if isinstance(dtype, str) else dtype
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
     return model.to(device).eval()
 
