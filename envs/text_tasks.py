@@ -16,6 +16,7 @@ from typing import Any
 
 ARITHMETIC_OPS = "+-*/"
 COUNTDOWN_OPS = "+-*"
+TEACHER_SAMPLES = 5  # demonstrations per row from the unreliable arithmetic teacher
 
 
 def _check_count(n: int, seed: int) -> None:
@@ -39,8 +40,9 @@ def arithmetic_rows(
     ``[min_operand, max_operand]``. Subtraction may give a negative answer (``"3-8="`` -> ``"-5"``). Division is
     exact: the prompt is ``"{a*b}/{b}="`` with ``b >= max(1, min_operand)`` and the answer ``a``.
 
-    ``teacher_error`` > 0 adds a ``"teacher"`` column: a demonstration from an unreliable teacher that is off by
-    one (answer + 1) in that fraction of rows, for a supervised warm-up that the verifiable reward then corrects.
+    ``teacher_error`` > 0 adds a ``"teacher"`` column: five demonstrations from an unreliable teacher, each off by
+    one (answer + 1) with that probability, for a supervised warm-up (which picks one per use) that the verifiable
+    reward then corrects.
     """
     _check_count(n, seed)
     if not isinstance(min_operand, int) or not isinstance(max_operand, int) or not 0 <= min_operand <= max_operand:
@@ -69,8 +71,8 @@ def arithmetic_rows(
     if teacher_error > 0:  # its own stream, so the prompts do not depend on the error rate
         teacher_rng = random.Random(seed + 1)
         for row in rows:
-            wrong = teacher_rng.random() < teacher_error
-            row["teacher"] = str(int(row["answer"]) + 1) if wrong else row["answer"]
+            off_by = [int(teacher_rng.random() < teacher_error) for _ in range(TEACHER_SAMPLES)]
+            row["teacher"] = [str(int(row["answer"]) + k) for k in off_by]
     return rows
 
 

@@ -139,7 +139,7 @@ class SFTConfig:
     steps: int = 300
     batch_size: int = 64
     lr: float = 1e-3
-    # Dataset column with the target completion.
+    # Dataset column with the target completion (a list: several demonstrations, one picked at random per use).
     answer_key: str = "teacher"
 
 

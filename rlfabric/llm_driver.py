@@ -461,8 +461,7 @@ class GRPOTrainer:
             for i in indices:
                 if s.answer_key not in self.train_rows[i]:
                     raise ConfigError(f"sft.answer_key = {s.answer_key!r}: train row {i} has no such column")
-                text = str(self.train_rows[i][s.answer_key])
-                answers.append(self._encode_answer(text))
+                answers.append(self._encode_answer(self._demonstration(self.train_rows[i][s.answer_key])))
             batch = pack_sequences([self.train_ids[i] for i in indices], answers, self.tokenizer.pad_token_id)
             batch = self._pad_for_learners(batch)
             ref = ray.put(batch)
@@ -474,6 +473,12 @@ class GRPOTrainer:
             ray.get([ln.reset_reference.remote() for ln in self.learners])
             if self.reference is not None:
                 ray.get(self.reference.set_weights.remote(self._state_ref))
+
+    def _demonstration(self, value: Any) -> str:
+        """A row's target completion; a list holds several demonstrations, one picked at random per use."""
+        if isinstance(value, (list, tuple, np.ndarray)) and len(value) > 0:
+            return str(value[int(self.rng.integers(len(value)))])
+        return str(value)
 
     def _encode_answer(self, text: str) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=False).input_ids) + [self.tokenizer.eos_token_id]

@@ -9,7 +9,7 @@ import pytest
 
 from rlfabric.config import ConfigError
 from rlfabric.data import load_heldout, load_prompts, parse_task_spec, row_metadata
-from rlfabric.envs.text_tasks import TASKS, arithmetic_rows, countdown_rows
+from rlfabric.envs.text_tasks import TASKS, TEACHER_SAMPLES, arithmetic_rows, countdown_rows
 from rlfabric.models.hf import DEFAULT_ALPHABET
 from rlfabric.rewards.builtin import evaluate_expression, expression_numbers, parse_expression
 
@@ -135,3 +135,16 @@ def test_file_errors_name_the_field_row_and_key(tmp_path):
         load_prompts(str(tmp_path / "rows.csv"))
     with pytest.raises(ConfigError, match="has 2 rows, fewer than the 5 asked for"):
         load_prompts(str(path), num_rows=5, prompt_key="answer")
+
+
+def test_unreliable_teacher_column():
+    clean = arithmetic_rows(400, seed=3, max_operand=49, ops="+")
+    noisy = arithmetic_rows(400, seed=3, max_operand=49, ops="+", teacher_error=0.6)
+    assert [r["prompt"] for r in clean] == [r["prompt"] for r in noisy]  # the error rate does not move prompts
+    assert noisy == arithmetic_rows(400, seed=3, max_operand=49, ops="+", teacher_error=0.6)
+    demos = [(int(d) - int(r["answer"])) for r in noisy for d in r["teacher"]]
+    assert set(demos) == {0, 1} and len(demos) == 400 * TEACHER_SAMPLES
+    assert 0.55 < sum(demos) / len(demos) < 0.65
+    assert "teacher" not in clean[0]
+    with pytest.raises(ValueError, match="teacher_error"):
+        arithmetic_rows(3, seed=0, teacher_error=1.5)
