@@ -136,7 +136,7 @@ class GRPOConfig:
 @dataclass
 class SFTConfig:
     # Supervised warm-up on the task's reference answers before RL (0: none). Built-in tasks provide answers.
-    steps: int = 300
+    steps: int = 1000
     batch_size: int = 64
     lr: float = 1e-3
     # Dataset column with the target completion (a list: several demonstrations, one picked at random per use).
@@ -155,7 +155,7 @@ class LLMLearnerConfig:
 
 @dataclass
 class LLMTrainingConfig:
-    total_steps: int = 200
+    total_steps: int = 100
     # 0: synchronous. k > 0: generation of the next batches overlaps the update; samples made by weights more
     # than k versions old are dropped and counted.
     max_policy_lag: int = 0

@@ -642,6 +642,10 @@ class GRPOTrainer:
             self.log.close()
         if self.pool is not None:
             self.pool.shutdown()
+        try:  # let engines stop their schedulers cleanly before the processes go
+            ray.get([g.shutdown.remote() for g in self.generators], timeout=10)
+        except Exception:  # a dead or stuck generator is killed below either way
+            pass
         for actor in [*self.generators, *self.learners, self.reference]:
             if actor is not None:
                 ray.kill(actor, no_restart=True)

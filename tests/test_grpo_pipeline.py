@@ -1,0 +1,512 @@
+"""The GRPO pipeline end to end on a real local Ray cluster: weight sync, data-parallel learners, reward faults,
+checkpoints, bounded async, KL, dynamic sampling, run outputs and the CLI's config errors.
+
+Every model here is a tiny builtin character model (1 layer x 32 wide); nothing downloads. Each full training run
+costs mostly actor start-up, so the runs are few and each one carries several checks:
+
+* ``lagged_run``: SFT warm-up, then 3 GRPO steps of 2 epochs with ``max_policy_lag: 1``, overlong filtering and
+  the KL reference in the learner; checkpoint reload, async lag, run outputs.
+* ``sync_run``: a short SFT warm-up, then ``max_policy_lag: 0``, dynamic sampling and a reference actor.
+* ``faulty_run``: no warm-up, two data-parallel learners (each with its reference), a reward that raises and one
+  that hangs for one prompt.
+
+The reward functions live in this file, which the reward actors cannot import: they arrive through the
+registry snapshot the reward pool ships.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import ray
+import torch
+
+from rlfabric.actors.generator import Generator
+from rlfabric.actors.llm_learner import LLMLearner, LLMLearnerCore
+from rlfabric.config import config_from_dict
+from rlfabric.grpo_config import GRPOConfig, SFTConfig
+from rlfabric.llm_driver import train_llm
+from rlfabric.models.hf import build_small_model_dir, load_causal_lm, load_tokenizer
+from rlfabric.models.sequences import pack_sequences
+from rlfabric.rewards import RewardInput, register_reward
+
+TINY = {"num_layers": 1, "hidden_size": 32, "num_heads": 2, "max_positions": 64}
+
+# -- reward functions shipped to the reward actors by value -----------------------------------------------------
+
+HANG_PROMPT = "9+9="  # the one prompt whose group the hanging reward never finishes
+
+
+def raises_on_7(inputs: list[RewardInput]) -> list[dict[str, float]]:
+    """Fails every group whose reference answer ends in 7."""
+    if str(inputs[0].metadata["answer"]).endswith("7"):
+        raise ValueError(f"refusing to score {inputs[0].prompt!r}")
+    return [{} for _ in inputs]
+
+
+def hangs_on_one_prompt(inputs: list[RewardInput]) -> list[dict[str, float]]:
+    if inputs[0].prompt == HANG_PROMPT:
+        time.sleep(1000)
+    return [{} for _ in inputs]
+
+
+def spread(inputs: list[RewardInput], *, only_even_answers: bool = False) -> list[dict[str, float]]:
+    """A reward that varies with the completion text, so an untrained model's groups have signal.
+
+    With ``only_even_answers`` the prompts whose answer is odd get 0 for every completion: their groups have no
+    signal (the untrained model never gets the arithmetic right), so dynamic sampling must drop them, while the
+    even ones keep the learner updating.
+    """
+    if only_even_answers and int(inputs[0].metadata["answer"]) % 2:
+        return [{"spread": 0.0} for _ in inputs]
+    return [{"spread": (sum(map(ord, s.completion)) % 5) / 4} for s in inputs]
+
+
+register_reward("test_raises_on_7", raises_on_7)
+register_reward("test_hangs_on_one_prompt", hangs_on_one_prompt)
+register_reward("test_spread", spread)
+
+# -- runs -------------------------------------------------------------------------------------------------------
+
+# Everything the checks rely on is set here, not left to defaults that may change.
+BASE: dict = {
+    "model": {"path": "builtin", "builtin": TINY},
+    "data": {"train": "task:arithmetic?max_operand=9&ops=+", "eval": "", "num_train": 64, "num_eval": 8},
+    "sampling": {"max_new_tokens": 4, "temperature": 1.0, "top_p": 1.0, "top_k": 0},
+    "generator": {"backend": "torch", "num_generators": 1, "num_cpus": 0.5, "timeout_s": 120},
+    "learner": {"num_learners": 1, "num_cpus": 0.5},
+    "rewards": {"functions": [{"name": "arithmetic"}], "weights": {"format": 0.0}, "num_cpus": 0.25},
+    "grpo": {
+        "prompts_per_step": 2,
+        "group_size": 4,
+        "advantage": "grpo",
+        "loss_aggregation": "token_mean",
+        "epochs": 1,
+        "micro_batch_size": 8,
+        "lr": 5e-4,
+        "kl_coef": 0.0,
+        "dynamic_sampling": False,
+        "overlong_filter": False,
+    },
+    "sft": {"steps": 0, "batch_size": 16, "answer_key": "answer"},
+    "training": {
+        "total_steps": 3,
+        "max_policy_lag": 0,
+        "seed": 0,
+        "eval_every": 0,
+        "checkpoint_every": 0,
+        "keep_checkpoints": 2,
+        "show_samples": 8,
+    },
+}
+
+
+def merged(base: dict, extra: dict) -> dict:
+    out = copy.deepcopy(base)
+    for key, value in extra.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = merged(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+@dataclasses.dataclass
+class Run:
+    run_dir: Path
+    summary: dict
+    rows: list[dict]
+
+    def phase(self, name: str) -> list[dict]:
+        return [r for r in self.rows if r.get("phase") == name]
+
+
+def run_grpo(run_dir: Path, **sections: dict) -> Run:
+    cfg = config_from_dict(merged(BASE, sections))
+    summary = train_llm(cfg, run_dir, quiet=True)
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return Run(run_dir, summary, rows)
+
+
+LAGGED_SFT_STEPS = 30
+
+
+@pytest.fixture(scope="module")
+def lagged_run(local_ray, tmp_path_factory) -> Run:
+    """SFT warm-up (enough to make the model stop early sometimes, so overlong filtering has work), then 3 GRPO
+    steps of 2 epochs each (still one policy version per step) with one batch generating ahead of the update."""
+    return run_grpo(
+        tmp_path_factory.mktemp("lagged") / "run",
+        rewards={"functions": [{"name": "arithmetic"}, {"name": "test_spread"}]},
+        sft={"steps": LAGGED_SFT_STEPS, "lr": 1e-2},
+        grpo={"overlong_filter": True, "epochs": 2, "kl_coef": 0.1, "reference": "learner", "lr": 1e-2},
+        training={"max_policy_lag": 1, "checkpoint_every": 2},
+    )
+
+
+@pytest.fixture(scope="module")
+def sync_run(local_ray, tmp_path_factory) -> Run:
+    return run_grpo(
+        tmp_path_factory.mktemp("sync") / "run",
+        rewards={"functions": [{"name": "arithmetic"}, {"name": "test_spread", "kwargs": {"only_even_answers": True}}]},
+        sft={"steps": 3, "lr": 1e-2},
+        grpo={"kl_coef": 0.1, "reference": "actor", "lr": 1e-2, "dynamic_sampling": True},
+        training={"max_policy_lag": 0},
+    )
+
+
+TRAIN_PROMPTS = ["1+1=", "2+5=", "3+3=", "4+1=", "2+2=", "6+3=", "5+3=", HANG_PROMPT]  # "2+5=" raises
+EVAL_PROMPTS = ["1+2=", "5+1=", "2+6=", "4+5="]
+
+
+def write_prompts(path: Path, prompts: list[str]) -> str:
+    """A .jsonl prompt file of "a+b=" rows with their answers."""
+    rows = [{"prompt": p, "answer": str(sum(int(x) for x in p[:-1].split("+")))} for p in prompts]
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return str(path)
+
+
+REWARD_TIMEOUT_S = 2.0
+
+
+@pytest.fixture(scope="module")
+def faulty_run(local_ray, tmp_path_factory) -> Run:
+    """In-learner reference, two learners; one prompt in 8 fails its reward, another hangs it past the deadline."""
+    root = tmp_path_factory.mktemp("faulty")
+    return run_grpo(
+        root / "run",
+        data={
+            "train": write_prompts(root / "train.jsonl", TRAIN_PROMPTS),
+            "eval": write_prompts(root / "eval.jsonl", EVAL_PROMPTS),
+            "num_train": None,
+            "num_eval": len(EVAL_PROMPTS),
+        },
+        rewards={
+            "functions": [
+                {"name": "arithmetic"},
+                {"name": "test_spread"},  # signal, so the policy moves away from the reference
+                {"name": "test_raises_on_7"},
+                {"name": "test_hangs_on_one_prompt"},
+            ],
+            "timeout_s": REWARD_TIMEOUT_S,
+        },
+        grpo={"prompts_per_step": 4, "kl_coef": 0.1, "reference": "learner", "lr": 1e-2},
+        # Two data-parallel learners, each on half of what the failures leave (8, 12 or 16 rows).
+        learner={"num_learners": 2},
+    )
+
+
+# -- 1. weight sync --------------------------------------------------------------------------------------------
+
+
+def hf_greedy(model, prompt: list[int], max_new_tokens: int, pad_id: int) -> list[int]:
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        out = model.generate(
+            input_ids=ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            pad_token_id=pad_id,
+        )
+    return out[0, len(prompt) :].tolist()
+
+
+def test_generator_takes_new_weights_and_tags_completions_with_their_version(local_ray, tmp_path):
+    model_dir = build_small_model_dir(tmp_path / "model", **TINY)
+    tokenizer = load_tokenizer(model_dir)
+    prompts = [tokenizer(t, add_special_tokens=False).input_ids for t in ["1+2=", "40+9=", "hello", "7*7=", "(3)"]]
+    greedy = {"max_new_tokens": 6, "temperature": 0.0}
+    gen = Generator.options(num_cpus=0.5).remote("torch", str(model_dir), {"max_batch_size": 16}, num_threads=1)
+    try:
+        before = ray.get(gen.generate.remote(prompts, greedy), timeout=120)
+        assert [c["version"] for c in before] == [0] * len(prompts)
+
+        model = load_causal_lm(model_dir)
+        noise = torch.Generator().manual_seed(1)
+        with torch.no_grad():  # in place on the parameters, so tied weights stay tied in the state dict
+            for p in model.parameters():
+                p.add_(0.5 * torch.randn(p.shape, generator=noise))
+        state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        assert ray.get(gen.update_weights.remote([ray.put(state)], 7), timeout=60) == 7
+
+        after = ray.get(gen.generate.remote(prompts, greedy), timeout=60)
+        assert [c["version"] for c in after] == [7] * len(prompts)
+        assert ray.get(gen.version.remote()) == 7
+        assert [c["token_ids"] for c in after] != [c["token_ids"] for c in before]
+        # The generator now decodes exactly as the perturbed model does: the weights arrived whole.
+        for prompt, c in zip(prompts, after, strict=True):
+            assert c["token_ids"] == hf_greedy(model, prompt, 6, tokenizer.pad_token_id)
+            assert c["text"] == tokenizer.decode(c["token_ids"], skip_special_tokens=True)
+    finally:
+        ray.kill(gen, no_restart=True)
+
+
+# -- 2. data-parallel learners and gradient accumulation -------------------------------------------------------
+
+
+def grpo_options(aggregation: str, micro_batch_size: int, max_new_tokens: int) -> dict:
+    g = GRPOConfig(loss_aggregation=aggregation, micro_batch_size=micro_batch_size, lr=1e-3, epochs=1)
+    return {**dataclasses.asdict(g), "norm_length": max_new_tokens}
+
+
+def learner_kwargs(model_dir: Path, aggregation: str, micro_batch_size: int, **extra) -> dict:
+    return {
+        "model_dir": str(model_dir),
+        "grpo": grpo_options(aggregation, micro_batch_size, 6),
+        "sft": dataclasses.asdict(SFTConfig()),
+        "temperature": 1.0,
+        "num_threads": 1,
+        **extra,
+    }
+
+
+def packed_batch(model_dir: Path) -> dict[str, np.ndarray]:
+    """8 rows of random responses (1-6 tokens) with advantages and behaviour logprobs; one row fully masked."""
+    tokenizer = load_tokenizer(model_dir)
+    rng = np.random.default_rng(0)
+    texts = ["1+2=", "40+9=", "hello there", "7*7=", "(3)", "12-5=", "a", "99+1="]
+    prompts = [tokenizer(t, add_special_tokens=False).input_ids for t in texts]
+    vocab = len(tokenizer)
+    responses = [rng.integers(3, vocab, size=rng.integers(1, 7)).tolist() for _ in texts]
+    batch = pack_sequences(prompts, responses, tokenizer.pad_token_id)
+    batch["response_mask"][5] = 0.0  # as overlong filtering leaves a row: no loss, not counted by seq means
+    batch["advantages"] = rng.normal(size=len(texts)).astype(np.float32)
+    threads = torch.get_num_threads()
+    try:  # the learner sets this process's torch threads
+        core = LLMLearnerCore(**learner_kwargs(model_dir, "token_mean", 64))
+    finally:
+        torch.set_num_threads(threads)
+    behaviour = core.logprobs(batch) + rng.normal(scale=0.05, size=batch["response_mask"].shape)
+    batch["behaviour_logprobs"] = behaviour.astype(np.float32)
+    return batch
+
+
+def max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys()
+    return max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
+
+
+@pytest.fixture(scope="module")
+def dp_setup(tmp_path_factory):
+    model_dir = build_small_model_dir(tmp_path_factory.mktemp("dp") / "model", **TINY)
+    return model_dir, packed_batch(model_dir)
+
+
+def set_aggregation(learner, aggregation: str) -> None:
+    """Switch a learner (an actor, through Ray's ``__ray_call__``, or an in-process core) to another aggregation."""
+    if isinstance(learner, LLMLearnerCore):
+        learner.g["loss_aggregation"] = aggregation
+    else:
+        ray.get(learner.__ray_call__.remote(lambda actor, a: actor.core.g.update(loss_aggregation=a), aggregation))
+
+
+def test_data_parallel_learners_and_accumulation_match_one_big_batch(local_ray, dp_setup):
+    """One GRPO update per loss aggregation, in a row, by three learners that must stay equal: one micro-batch of
+    the whole batch, micro-batches of 4 (gradient accumulation), and two gloo ranks on micro-batches of 2."""
+    model_dir, batch = dp_setup
+    threads = torch.get_num_threads()
+    try:
+        whole = LLMLearnerCore(**learner_kwargs(model_dir, "token_mean", 64))
+        accumulated = LLMLearnerCore(**learner_kwargs(model_dir, "token_mean", 4))
+    finally:
+        torch.set_num_threads(threads)
+    learners = [
+        LLMLearner.options(num_cpus=0.5).remote(**learner_kwargs(model_dir, "token_mean", 2, rank=r, world_size=2))
+        for r in range(2)
+    ]
+    try:
+        address = ray.get(learners[0].node_address.remote(), timeout=120)
+        port = ray.get(learners[0].free_port.remote(), timeout=60)
+        ray.get([ln.init_process_group.remote(address, port, "gloo") for ln in learners], timeout=120)
+        ref = ray.put(batch)
+        for aggregation in ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"):
+            for learner in (whole, accumulated, *learners):
+                set_aggregation(learner, aggregation)
+            before = whole.state_dict_cpu()
+            try:
+                m_whole = whole.train_step(batch, 1e-3)
+                m_acc = accumulated.train_step(batch, 1e-3)
+            finally:
+                torch.set_num_threads(threads)
+            m_ranks = ray.get([ln.train_step.remote([ref], 1e-3) for ln in learners], timeout=120)
+            state_ref, version = ray.get(learners[0].publish.remote(), timeout=60)
+            published = ray.get(state_ref[0], timeout=60)
+
+            expected = whole.state_dict_cpu()
+            assert max_abs_diff(expected, before) > 1e-4, aggregation  # the step moved the weights
+            assert max_abs_diff(accumulated.state_dict_cpu(), expected) < 1e-5, aggregation
+            assert max_abs_diff(published, expected) < 1e-5, aggregation
+            assert version == whole.version
+            # Every learner clips and steps on the same gradient (all-reduced over the ranks).
+            for m in (m_acc, *m_ranks):
+                assert m["grad_norm"] == pytest.approx(m_whole["grad_norm"], rel=1e-5), aggregation
+            # The loss is normalised by the whole batch's denominator, so micro-batch and rank shares add up.
+            assert m_acc["pg_loss"] == pytest.approx(m_whole["pg_loss"], rel=1e-5, abs=1e-7), aggregation
+            rank_sum = sum(m["pg_loss"] for m in m_ranks)
+            assert rank_sum == pytest.approx(m_whole["pg_loss"], rel=1e-5, abs=1e-7), aggregation
+    finally:
+        for ln in learners:
+            ray.kill(ln, no_restart=True)
+
+
+# -- 3. reward faults in a real run ----------------------------------------------------------------------------
+
+
+def test_reward_that_raises_or_hangs_costs_only_its_groups(faulty_run):
+    s, grpo_rows = faulty_run.summary, faulty_run.phase("grpo")
+    assert s["steps"] == 3 and len(grpo_rows) == 3
+    group_size = 4
+    assert s["failed_samples"] > 0 and s["failed_samples"] % group_size == 0
+    # Each pass over the 8 train prompts (2 steps of 4) meets the raising and the hanging prompt once.
+    assert s["failed_samples"] >= 2 * group_size
+    failed = [r["failed_samples"] for r in grpo_rows]
+    assert failed == sorted(failed) and failed[-1] == s["failed_samples"]
+    assert all(r["trained_samples"] > 0 for r in grpo_rows)  # the other groups still trained
+    assert s["reward_worker_restarts"] >= 1  # the hung worker was poisoned and replaced
+    # The hanging reward sleeps 1000 s; the run waits one 2 s deadline per hang, plus a worker restart.
+    assert s["time_total_s"] < 90, s["time_total_s"]
+    assert faulty_run.phase("eval")[-1]["eval_failed"] == 0
+
+
+def test_two_learners_report_loss_terms_on_the_scale_of_one(faulty_run):
+    """Each rank's entropy (like pg_loss and kl) is its share of the batch's value; the driver must add the shares.
+
+    The first step's entropy is that of the freshly initialised model, which is close to uniform: near log(vocab),
+    not half of it.
+    """
+    vocab = len(load_tokenizer(faulty_run.run_dir / "initial_model"))
+    entropy = faulty_run.phase("grpo")[0]["entropy"]
+    assert 0.9 * np.log(vocab) < entropy <= np.log(vocab)
+
+
+# -- 4. the saved final model is the one that produced the final eval ------------------------------------------
+
+
+def test_final_model_reloads_in_transformers_and_reproduces_the_eval_samples(lagged_run):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    final_dir = lagged_run.run_dir / "final_model"
+    saved_version = torch.load(final_dir / "optimizer.pt", weights_only=False)["version"]
+    final_eval = lagged_run.phase("eval")[-1]
+    assert final_eval["label"] == "final"
+    # The final eval ran after the last update, on the weights that were saved.
+    assert final_eval["policy_version"] == saved_version == lagged_run.phase("grpo")[-1]["policy_version"]
+    assert saved_version == LAGGED_SFT_STEPS + 3  # one version per SFT step and per GRPO step (of 2 epochs)
+
+    model = AutoModelForCausalLM.from_pretrained(final_dir).eval()
+    tokenizer = AutoTokenizer.from_pretrained(final_dir)
+    samples = [json.loads(line) for line in (lagged_run.run_dir / "samples.jsonl").read_text().splitlines()]
+    assert len(samples) == 8
+    for s in samples:
+        prompt = tokenizer(s["prompt"], add_special_tokens=False).input_ids
+        tokens = hf_greedy(model, prompt, 4, tokenizer.pad_token_id)
+        assert tokenizer.decode(tokens, skip_special_tokens=True) == s["completion"], s["prompt"]
+
+
+# -- 5. bounded async --------------------------------------------------------------------------------------------
+
+
+def test_policy_lag_is_bounded_by_max_policy_lag(lagged_run, sync_run):
+    lagged = lagged_run.phase("grpo")
+    assert any(r["policy_lag_mean"] > 0 for r in lagged)
+    # 2 epochs per step still make one policy version, so a batch made one update ago is not stale.
+    assert all(0 <= r["policy_lag_mean"] <= 1 for r in lagged)
+    assert all(r["stale_samples"] == 0 for r in lagged) and lagged_run.summary["stale_samples"] == 0
+    assert all(r["trained_samples"] > 0 for r in lagged)
+    sync = sync_run.phase("grpo")
+    assert [r["policy_lag_mean"] for r in sync] == [0.0] * len(sync)
+    assert sync_run.summary["stale_samples"] == 0
+
+
+# -- 6. KL to the reference ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "which",
+    ["sync_run", "lagged_run", "faulty_run"],
+    ids=["reference_actor_after_sft", "reference_in_learner_after_sft", "reference_in_two_learners"],
+)
+def test_kl_starts_at_zero_and_grows(request, which):
+    run: Run = request.getfixturevalue(which)
+    kl = [r.get("kl") for r in run.phase("grpo")]
+    # At the first step the policy still equals the reference: the warmed-up weights where there was SFT.
+    assert kl[0] is not None and kl[0] == pytest.approx(0.0, abs=1e-6)
+    later = [k for k in kl[1:] if k is not None]
+    assert later and all(k >= 0 for k in later) and max(later) > 1e-6, kl
+
+
+# -- 7. dynamic sampling and overlong filtering ----------------------------------------------------------------
+
+
+def test_dynamic_sampling_drops_groups_without_signal(sync_run):
+    s, rows = sync_run.summary, sync_run.phase("grpo")
+    assert s["steps"] == 3
+    assert s["filtered_groups"] > 0 and rows[-1]["filtered_groups"] == s["filtered_groups"]
+    # What is left to train on comes only from groups with signal, at most prompts_per_step of them.
+    assert all(r["trained_samples"] <= 2 * 4 for r in rows)
+
+
+def test_overlong_filtering_run_completes(lagged_run):
+    rows = lagged_run.phase("grpo")
+    assert lagged_run.summary["steps"] == 3 and len(rows) == 3
+    assert all(np.isfinite(r["pg_loss"]) for r in rows)
+
+
+# -- 8. run outputs --------------------------------------------------------------------------------------------
+
+
+def test_metrics_plot_and_samples(lagged_run):
+    rows, s = lagged_run.rows, lagged_run.summary
+    first_eval = next(i for i, r in enumerate(rows) if r.get("phase") == "eval")
+    first_train = next(i for i, r in enumerate(rows) if r.get("phase") in ("grpo", "sft"))
+    assert first_eval < first_train
+    assert rows[first_eval]["label"] == "initial" and 0 <= rows[first_eval]["eval_accuracy"] <= 1
+    assert [r["label"] for r in lagged_run.phase("eval")] == ["initial", "after_sft", "final"]
+    assert [r["sft_step"] for r in lagged_run.phase("sft")] == list(range(1, LAGGED_SFT_STEPS + 1))
+    for key in ("eval_accuracy_initial", "eval_accuracy_after_sft", "eval_accuracy_final"):
+        assert 0 <= s[key] <= 1
+    assert s["eval_accuracy_final"] == lagged_run.phase("eval")[-1]["eval_accuracy"]
+    assert (lagged_run.run_dir / "learning_curve.png").stat().st_size > 0
+    assert (lagged_run.run_dir / "samples.jsonl").is_file()
+    assert json.loads((lagged_run.run_dir / "summary.json").read_text())["steps"] == 3
+    assert [p.name for p in sorted((lagged_run.run_dir / "checkpoints").iterdir())] == ["step_000002"]
+
+
+# -- 9. CLI config errors ----------------------------------------------------------------------------------------
+
+
+def cli(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run(args, cwd=cwd, capture_output=True, text=True, timeout=180)
+
+
+def error_lines(proc: subprocess.CompletedProcess) -> list[str]:
+    return [line for line in proc.stderr.splitlines() if line.strip()]
+
+
+def test_cli_rejects_a_bad_advantage_in_one_line(tmp_path):
+    proc = cli([sys.executable, "-m", "rlfabric.cli", "train", "grpo.advantage=foo"], tmp_path)
+    assert proc.returncode == 2, proc.stderr
+    lines = error_lines(proc)
+    assert len(lines) == 1 and "grpo.advantage" in lines[0] and "foo" in lines[0], proc.stderr
+
+
+def test_cli_rejects_an_unknown_reward_before_ray_starts(tmp_path):
+    exe = shutil.which("rlfabric")
+    command = [exe] if exe else [sys.executable, "-m", "rlfabric.cli"]
+    run_dir = tmp_path / "run"
+    proc = cli([*command, "train", "rewards.functions=[{name: nope}]", "--run-dir", str(run_dir)], tmp_path)
+    assert proc.returncode == 2, proc.stderr
+    lines = error_lines(proc)
+    assert len(lines) == 1 and "rewards.functions[0]" in lines[0] and "'nope'" in lines[0], proc.stderr
+    assert not run_dir.exists()  # nothing was set up: the trainer failed in its constructor
+    assert "Ray" not in proc.stderr + proc.stdout
