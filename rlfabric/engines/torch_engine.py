@@ -1,0 +1,811 @@
+"""The torch generation engine: continuous batching over a KV cache, on CPU or GPU.
+
+One scheduler task owns the model. ``generate`` calls from any number of coroutines enqueue one request per prompt
+and await its future. Every scheduler step:
+
+1. admits waiting requests into free batch slots and prefills them together (one padded forward),
+2. decodes every running sequence by one token (one forward for the whole batch),
+3. samples, and retires finished sequences at once, so the batch shrinks as sequences end instead of computing
+   padding for them.
+
+Steps run on one worker thread, so the event loop stays free for new requests and weight updates while the model
+computes (torch releases the GIL inside its kernels).
+
+Two decoders implement the steps:
+
+* ``_FastDecoder`` (Llama, Qwen2 and Mistral families): the decoder forward written out here over a preallocated
+  slot KV cache ``[layers, slots, kv_heads, length, head_dim]``. It reads the weights straight from the Hugging Face
+  module's parameters, so an in-place weight update is seen without copying. Transformers' ``generate`` spends most
+  of its time on per-step plumbing (mask building, cache concatenation, logits processors) rather than matmuls;
+  this path skips that.
+* ``_HFDecoder`` (anything else, or ``use_fast_path=False``): static batches through the model's own forward and
+  its own cache. Correct for any causal LM; slower.
+
+Weight updates follow the contract in ``rlfabric.engines.base``: a swap waits until the running sequences finish
+(they keep the old version), admission pauses meanwhile (new requests wait for the swap), then the tensors are
+copied in place by Hugging Face name.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import threading
+from collections import deque
+from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from rlfabric.engines.base import Completion, FinishReason, SamplingParams
+
+# Model families whose decoder layer is: RMSNorm -> attention (q/k/v/o projections, RoPE, GQA) -> residual ->
+# RMSNorm -> SwiGLU MLP -> residual. Their modules share names, so one forward serves all three.
+FAST_PATH_MODEL_TYPES = frozenset({"llama", "qwen2", "mistral"})
+# RoPE variants whose frequencies are fixed at construction. "dynamic" and "longrope" rescale with the sequence
+# length on every call, so they take the fallback.
+STATIC_ROPE_TYPES = frozenset({"default", "linear", "llama3", "yarn"})
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Requests and sampling
+# ----------------------------------------------------------------------------------------------------------------
+
+
+@dataclass(eq=False)
+class _Request:
+    prompt: list[int]
+    params: SamplingParams
+    stop_ids: frozenset[int]
+    future: asyncio.Future
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    version: int = -1  # stamped at admission
+    finish_reason: FinishReason | None = None
+
+    @property
+    def abandoned(self) -> bool:
+        """The caller went away (its generate call was cancelled, e.g. by a deadline): stop spending compute."""
+        return self.future.done()
+
+    @property
+    def final_length(self) -> int:
+        """Cache positions this request may need: prompt plus every generated token."""
+        return len(self.prompt) + self.params.max_new_tokens
+
+    def append(self, token: int, logprob: float) -> bool:
+        """Record one generated token; True when the request is finished."""
+        self.tokens.append(token)
+        self.logprobs.append(logprob)
+        if token in self.stop_ids:
+            self.finish_reason = "stop"
+        elif len(self.tokens) >= self.params.max_new_tokens:
+            self.finish_reason = "length"
+        return self.finish_reason is not None or self.abandoned
+
+    def completion(self) -> Completion:
+        assert self.finish_reason is not None
+        return Completion(self.prompt, self.tokens, self.logprobs, self.finish_reason, self.version)
+
+
+def sample_tokens(
+    logits: torch.Tensor, params: list[SamplingParams], generator: torch.Generator
+) -> tuple[list[int], list[float]]:
+    """One token per row of ``logits`` [batch, vocab], each row with its own sampling parameters.
+
+    Rows with temperature 0 take the argmax. The returned logprob is ``log_softmax(logits / temperature)`` of the
+    chosen token (temperature 1 for greedy rows), before top-k/top-p truncation: the number the learner recomputes.
+    """
+    device = logits.device
+    greedy = [p.temperature == 0 for p in params]
+    temperature = torch.tensor([p.temperature or 1.0 for p in params], device=device)
+    scaled = logits.float() / temperature[:, None]
+    if all(greedy):
+        tokens = scaled.argmax(-1)
+    else:
+        truncated = _truncate(scaled, params) if any(p.top_k or p.top_p < 1 for p in params) else scaled
+        tokens = torch.multinomial(truncated.softmax(-1), 1, generator=generator).squeeze(1)
+        if any(greedy):
+            tokens = torch.where(torch.tensor(greedy, device=device), scaled.argmax(-1), tokens)
+    logprobs = scaled.log_softmax(-1).gather(1, tokens[:, None]).squeeze(1)
+    return tokens.tolist(), logprobs.tolist()
+
+
+def _truncate(scaled: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Mask (to -inf) the logits outside each row's top-k, then outside its top-p nucleus (transformers' order)."""
+    device, vocab = scaled.device, scaled.shape[-1]
+    top_k = torch.tensor([p.top_k or vocab for p in params], device=device)
+    # top_p == 1 keeps everything; inf avoids dropping tail tokens whose cumulative mass rounds up to 1.
+    top_p = torch.tensor([p.top_p if p.top_p < 1 else float("inf") for p in params], device=device)
+    sorted_logits, order = scaled.sort(-1, descending=True)
+    ranks = torch.arange(vocab, device=device)
+    sorted_logits = sorted_logits.masked_fill(ranks[None, :] >= top_k[:, None], float("-inf"))
+    probs = sorted_logits.softmax(-1)
+    mass_before = probs.cumsum(-1) - probs  # the first token always stays: its mass_before is 0
+    sorted_logits = sorted_logits.masked_fill(mass_before >= top_p[:, None], float("-inf"))
+    return torch.full_like(scaled, float("-inf")).scatter(-1, order, sorted_logits)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Fast path: Llama-family forward over a slot KV cache
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def fast_path_unsupported_reason(model: nn.Module, max_seq_len: int) -> str | None:
+    """Why ``model`` cannot take the fast path (None when it can)."""
+    config = model.config
+    if config.model_type not in FAST_PATH_MODEL_TYPES:
+        return f"model_type {config.model_type!r} is not one of {sorted(FAST_PATH_MODEL_TYPES)}"
+    body = getattr(model, "model", None)
+    if body is None or not hasattr(body, "layers") or not hasattr(body, "rotary_emb"):
+        return f"{type(model).__name__} does not have the usual .model.layers/.model.rotary_emb layout"
+    if getattr(config, "hidden_act", "silu") != "silu":
+        return f"hidden_act {config.hidden_act!r} (only silu)"
+    rope_type = getattr(body.rotary_emb, "rope_type", "default")
+    if rope_type not in STATIC_ROPE_TYPES:
+        return f"rope_type {rope_type!r} (supported: {sorted(STATIC_ROPE_TYPES)})"
+    window = getattr(config, "sliding_window", None)
+    layer_types = getattr(config, "layer_types", None)
+    windowed = "sliding_attention" in layer_types if layer_types else window is not None
+    if windowed and window is not None and window < max_seq_len:  # a window longer than any sequence is a no-op
+        return f"sliding_window {window} < max_seq_len {max_seq_len}"
+    head = model.get_output_embeddings()
+    linears = [head] + [m for layer in body.layers for m in (*_attention_linears(layer), *_mlp_linears(layer))]
+    if any(type(m) is not nn.Linear for m in linears):  # quantized or otherwise wrapped layers
+        return "some projection is not a plain nn.Linear"
+    return None
+
+
+def _attention_linears(layer: nn.Module) -> tuple[nn.Linear, ...]:
+    a = layer.self_attn
+    return a.q_proj, a.k_proj, a.v_proj, a.o_proj
+
+
+def _mlp_linears(layer: nn.Module) -> tuple[nn.Linear, ...]:
+    m = layer.mlp
+    return m.gate_proj, m.up_proj, m.down_proj
+
+
+class _Norm(NamedTuple):
+    weight: torch.Tensor
+    eps: float
+
+
+class _LayerParams(NamedTuple):
+    """References to one decoder layer's parameters (no copies: in-place updates show through)."""
+
+    attn_norm: _Norm
+    q: nn.Linear
+    k: nn.Linear
+    v: nn.Linear
+    o: nn.Linear
+    mlp_norm: _Norm
+    gate: nn.Linear
+    up: nn.Linear
+    down: nn.Linear
+
+    @classmethod
+    def of(cls, layer: nn.Module) -> _LayerParams:
+        return cls(
+            _Norm(layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon),
+            *_attention_linears(layer),
+            _Norm(layer.post_attention_layernorm.weight, layer.post_attention_layernorm.variance_epsilon),
+            *_mlp_linears(layer),
+        )
+
+
+def _rms_norm(x: torch.Tensor, norm: _Norm) -> torch.Tensor:
+    """Transformers' RMSNorm: normalise in float32, cast back, then scale (in that order, so outputs match).
+
+    One fused kernel instead of transformers' six elementwise ops: per-op overhead is a large share of a decode
+    step on small models.
+    """
+    if x.dtype == torch.float32:  # no casts, so the scaling can join the kernel
+        return F.rms_norm(x, x.shape[-1:], norm.weight, norm.eps)
+    return norm.weight * F.rms_norm(x.float(), x.shape[-1:], eps=norm.eps).to(x.dtype)
+
+
+def _linear(x: torch.Tensor, m: nn.Linear) -> torch.Tensor:
+    return F.linear(x, m.weight, m.bias)
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding as transformers applies it (rotate_half convention)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+def _mlp(x: torch.Tensor, p: _LayerParams) -> torch.Tensor:
+    """SwiGLU, in place on the gate's output (one intermediate buffer fewer per layer)."""
+    return _linear(F.silu(_linear(x, p.gate), inplace=True).mul_(_linear(x, p.up)), p.down)
+
+
+class _FastDecoder:
+    """Continuous batching for Llama-family models over a slot KV cache.
+
+    Running sequences always occupy slots ``[0, n)``: a retired sequence's slot is filled by moving a later one
+    into it, so every decode step works on plain slices of the cache instead of gathering scattered slots.
+    The cache grows (slots and length, doubling) up to ``max_batch_size`` x ``max_seq_len`` as requests need it.
+    """
+
+    def __init__(self, model: nn.Module, max_batch_size: int, max_seq_len: int) -> None:
+        config, body = model.config, model.model
+        attn = body.layers[0].self_attn
+        self.layers = [_LayerParams.of(layer) for layer in body.layers]
+        self.embed = body.embed_tokens.weight
+        self.final_norm = _Norm(body.norm.weight, body.norm.variance_epsilon)
+        self.head = model.get_output_embeddings()  # tied or untied: the module knows
+        self.rotary = body.rotary_emb
+        self.n_heads, self.n_kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.head_dim, self.scale = attn.head_dim, attn.scaling
+        self.gqa = self.n_kv_heads != self.n_heads
+        self.device, self.dtype = self.embed.device, self.embed.dtype
+        self.max_slots, self.max_len = max_batch_size, max_seq_len
+
+        self.k_cache = self.v_cache = self._new_cache(slots=0, length=0)
+        self.cos = self.sin = torch.empty(0, self.head_dim, device=self.device, dtype=self.dtype)
+        # Per slot: its request, the number of tokens in its cache, and the sampled token still to feed.
+        self.slots: list[_Request] = []
+        self.lengths: list[int] = []
+        self.pending: list[int] = []
+
+    @property
+    def running(self) -> list[_Request]:
+        return self.slots
+
+    def free_slots(self) -> int:
+        return self.max_slots - len(self.slots)
+
+    def reset(self) -> None:
+        self.slots, self.lengths, self.pending = [], [], []
+
+    def close(self) -> None:
+        self.reset()
+        self.k_cache = self.v_cache = self._new_cache(slots=0, length=0)  # frees the memory
+
+    def step(self, admitted: list[_Request], generator: torch.Generator) -> list[_Request]:
+        """Decode the running sequences one token, prefill the admitted ones; return the requests that finished."""
+        n_running = len(self.slots)
+        self._reserve(n_running + len(admitted), max(r.final_length for r in self.slots + admitted))
+        logits = []
+        if n_running:
+            logits.append(self._decode(n_running))
+        if admitted:
+            logits.append(self._prefill(admitted, first_slot=n_running))
+        tokens, logprobs = sample_tokens(torch.cat(logits), [r.params for r in self.slots], generator)
+
+        done_slots = []
+        for slot, (request, token, logprob) in enumerate(zip(self.slots, tokens, logprobs, strict=True)):
+            self.pending[slot] = token
+            if request.append(token, logprob):
+                done_slots.append(slot)
+        done = [self.slots[s] for s in done_slots]
+        self._retire(done_slots)
+        return done
+
+    # -- cache management ----------------------------------------------------------------------------------------
+
+    def _reserve(self, slots: int, length: int) -> None:
+        """Grow the cache (amortised doubling, capped by the engine limits) to hold ``slots`` x ``length``."""
+        _, have_slots, _, have_len, _ = self.k_cache.shape
+        if slots <= have_slots and length <= have_len:
+            return
+        new_slots = min(self.max_slots, max(slots, 2 * have_slots, 8))
+        new_len = min(self.max_len, max(length, 2 * have_len, 64))
+        n, used = len(self.slots), max(self.lengths, default=0)
+        for name in ("k_cache", "v_cache"):
+            old, new = getattr(self, name), self._new_cache(new_slots, new_len)
+            new[:, :n, :, :used] = old[:, :n, :, :used]
+            setattr(self, name, new)
+        if new_len > self.cos.shape[0]:
+            self.cos, self.sin = self._rope_table(new_len)
+
+    def _new_cache(self, slots: int, length: int) -> torch.Tensor:
+        shape = (len(self.layers), slots, self.n_kv_heads, length, self.head_dim)
+        return torch.zeros(shape, device=self.device, dtype=self.dtype)
+
+    def _rope_table(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin for positions [0, length), computed by the model's own rotary module (theta, scaling and all)."""
+        positions = torch.arange(length, device=self.device)[None]
+        probe = torch.empty(1, device=self.device, dtype=self.dtype)  # the module only reads its device and dtype
+        cos, sin = self.rotary(probe, positions)
+        return cos[0], sin[0]
+
+    def _retire(self, done_slots: list[int]) -> None:
+        """Free the finished slots, moving the running sequences above the new end into the holes (one copy)."""
+        if not done_slots:
+            return
+        n, done = len(self.slots), set(done_slots)
+        keep = n - len(done)
+        holes = [s for s in done_slots if s < keep]
+        movers = [s for s in range(keep, n) if s not in done]  # as many as holes
+        if movers:
+            used = max(self.lengths[s] for s in movers)
+            dst = torch.tensor(holes, device=self.device)
+            src = torch.tensor(movers, device=self.device)
+            for cache in (self.k_cache, self.v_cache):
+                cache[:, dst, :, :used] = cache[:, src, :, :used]
+            for h, m in zip(holes, movers, strict=True):
+                self.slots[h], self.lengths[h], self.pending[h] = self.slots[m], self.lengths[m], self.pending[m]
+        del self.slots[keep:], self.lengths[keep:], self.pending[keep:]
+
+    # -- forward passes ------------------------------------------------------------------------------------------
+
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **mask: Any) -> torch.Tensor:
+        return F.scaled_dot_product_attention(q, k, v, scale=self.scale, enable_gqa=self.gqa, **mask)
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return _linear(_rms_norm(hidden, self.final_norm), self.head)
+
+    def _prefill(self, admitted: list[_Request], first_slot: int) -> torch.Tensor:
+        """Run the admitted prompts and fill their slots; return the logits at each prompt's last token.
+
+        Identical prompts (a group of samples for one prompt, as in GRPO) run once and their cache is copied to
+        every slot that needs it. Prompts are right-padded to one width; that needs no mask beyond the causal
+        one, since real tokens come first and never see the padding. The padding's own cache entries lie past
+        each slot's length: decode masks them and then overwrites them.
+        """
+        distinct: dict[tuple[int, ...], int] = {}
+        row_of = [distinct.setdefault(tuple(r.prompt), len(distinct)) for r in admitted]  # admitted -> distinct
+        prompts = list(distinct)
+        lengths = [len(prompt) for prompt in prompts]
+        batch, width = len(prompts), max(lengths)
+        ids = torch.tensor([[*prompt, *[0] * (width - len(prompt))] for prompt in prompts], device=self.device)
+        slots = slice(first_slot, first_slot + len(admitted))
+        gather = None if batch == len(admitted) else torch.tensor(row_of, device=self.device)
+
+        def spread(rows: torch.Tensor) -> torch.Tensor:
+            """Rows of the distinct prompts -> rows of the admitted requests (repeats copied)."""
+            return rows if gather is None else rows[gather]
+
+        cos, sin = self.cos[:width], self.sin[:width]  # broadcast over [batch, heads, width, head_dim]
+
+        x = F.embedding(ids, self.embed)
+        for i, p in enumerate(self.layers):
+            h = _rms_norm(x, p.attn_norm)
+            q = _linear(h, p.q).view(batch, width, self.n_heads, self.head_dim).transpose(1, 2)
+            k = _linear(h, p.k).view(batch, width, self.n_kv_heads, self.head_dim).transpose(1, 2)
+            v = _linear(h, p.v).view(batch, width, self.n_kv_heads, self.head_dim).transpose(1, 2)
+            q, k = _rope(q, cos, sin), _rope(k, cos, sin)
+            self.k_cache[i, slots, :, :width] = spread(k)
+            self.v_cache[i, slots, :, :width] = spread(v)
+            out = self._attend(q, k, v, is_causal=True).transpose(1, 2).reshape(batch, width, -1)
+            x = x + _linear(out, p.o)
+            x = x + _mlp(_rms_norm(x, p.mlp_norm), p)
+
+        self.slots += admitted
+        self.lengths += [len(r.prompt) for r in admitted]
+        self.pending += [0] * len(admitted)  # set from the sampled tokens
+        last = x[torch.arange(batch, device=self.device), torch.tensor(lengths, device=self.device) - 1]
+        return spread(self._logits(last))
+
+    def _decode(self, n: int) -> torch.Tensor:
+        """Feed each running slot its pending token at position ``lengths[slot]``; logits for the next one."""
+        heads, kv_heads, head_dim = self.n_heads, self.n_kv_heads, self.head_dim
+        positions = torch.tensor(self.lengths[:n], device=self.device)
+        tokens = torch.tensor(self.pending[:n], device=self.device)
+        span = max(self.lengths[:n]) + 1  # cache positions any slot can see this step
+        visible = (torch.arange(span, device=self.device)[None, :] <= positions[:, None]).view(n, 1, 1, span)
+        cos, sin = self.cos[positions][:, None, None, :], self.sin[positions][:, None, None, :]
+        # Where each new key/value row goes in a layer's cache seen as [slots * kv_heads * length, head_dim]:
+        # one index_copy_ per cache instead of an index_put with two index tensors.
+        capacity = self.k_cache.shape[3]
+        slot_heads = torch.arange(n * kv_heads, device=self.device).view(n, kv_heads)
+        rows = (slot_heads * capacity + positions[:, None]).view(-1)
+
+        x = F.embedding(tokens, self.embed)  # [n, hidden]
+        for i, p in enumerate(self.layers):
+            h = _rms_norm(x, p.attn_norm)
+            # q and k side by side, so RoPE runs once for both.
+            qk = torch.cat((_linear(h, p.q), _linear(h, p.k)), dim=-1).view(n, heads + kv_heads, 1, head_dim)
+            qk = _rope(qk, cos, sin)
+            q, k = qk[:, :heads], qk[:, heads:]
+            v = _linear(h, p.v)
+            k_cache, v_cache = self.k_cache[i], self.v_cache[i]
+            k_cache.view(-1, head_dim).index_copy_(0, rows, k.reshape(-1, head_dim))
+            v_cache.view(-1, head_dim).index_copy_(0, rows, v.view(-1, head_dim))
+            out = self._attend(q, k_cache[:n, :, :span], v_cache[:n, :, :span], attn_mask=visible)
+            x += _linear(out.view(n, -1), p.o)
+            x += _mlp(_rms_norm(x, p.mlp_norm), p)
+
+        for slot in range(n):
+            self.lengths[slot] += 1
+        return self._logits(x)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Fallback: static batches through the model's own forward
+# ----------------------------------------------------------------------------------------------------------------
+
+
+class _HFDecoder:
+    """Any causal LM: left-padded static batches through ``model.forward`` with the model's own KV cache.
+
+    A batch is admitted only when the previous one has finished; finished rows are dropped from the cache each
+    step (``batch_select_indices``) so the batch still shrinks.
+    """
+
+    def __init__(self, model: nn.Module, max_batch_size: int) -> None:
+        self.model = model
+        self.max_batch_size = max_batch_size
+        self.device = next(model.parameters()).device
+        accepted = inspect.signature(model.forward).parameters
+        # transformers 5 renamed past_key_values to cache; logits_to_keep spares the lm_head on prompt positions.
+        self.cache_arg = "cache" if "cache" in accepted else "past_key_values"
+        self.extra_args = {"logits_to_keep": 1} if "logits_to_keep" in accepted else {}
+        self.reset()
+
+    @property
+    def running(self) -> list[_Request]:
+        return self.rows
+
+    def free_slots(self) -> int:
+        return 0 if self.rows else self.max_batch_size
+
+    def reset(self) -> None:
+        self.rows: list[_Request] = []
+        self.cache: Any = None
+        self.mask = self.positions = self.pending = None
+
+    def close(self) -> None:
+        self.reset()
+
+    def step(self, admitted: list[_Request], generator: torch.Generator) -> list[_Request]:
+        logits = self._prefill(admitted) if admitted else self._decode()
+        tokens, logprobs = sample_tokens(logits, [r.params for r in self.rows], generator)
+        keep, done = [], []
+        for row, (request, token, logprob) in enumerate(zip(self.rows, tokens, logprobs, strict=True)):
+            (done if request.append(token, logprob) else keep).append(row)
+        finished = [self.rows[row] for row in done]
+        self.pending = torch.tensor(tokens, device=self.device)[:, None]
+        if not keep:
+            self.reset()
+        elif done:
+            index = torch.tensor(keep, device=self.device)
+            self.cache.batch_select_indices(index)
+            self.rows = [self.rows[row] for row in keep]
+            self.mask, self.positions, self.pending = self.mask[index], self.positions[index], self.pending[index]
+        return finished
+
+    def _forward(self, ids: torch.Tensor) -> torch.Tensor:
+        out = self.model(
+            input_ids=ids,
+            attention_mask=self.mask,
+            position_ids=self.positions,
+            use_cache=True,
+            **self.extra_args,
+            **{self.cache_arg: self.cache},
+        )
+        self.cache = out.get("cache") if out.get("cache") is not None else out.get("past_key_values")
+        return out.logits[:, -1]
+
+    def _prefill(self, admitted: list[_Request]) -> torch.Tensor:
+        width = max(len(r.prompt) for r in admitted)
+        ids = torch.tensor([[0] * (width - len(r.prompt)) + r.prompt for r in admitted], device=self.device)
+        self.mask = torch.tensor([[0] * (width - len(r.prompt)) + [1] * len(r.prompt) for r in admitted])
+        self.mask = self.mask.to(self.device)
+        self.positions = (self.mask.cumsum(-1) - 1).clamp(min=0)  # real tokens count from 0 despite the padding
+        self.rows, self.cache = list(admitted), None
+        return self._forward(ids)
+
+    def _decode(self) -> torch.Tensor:
+        self.mask = torch.cat([self.mask, torch.ones_like(self.mask[:, :1])], dim=1)
+        self.positions = self.positions[:, -1:] + 1
+        return self._forward(self.pending)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The engine
+# ----------------------------------------------------------------------------------------------------------------
+
+
+@dataclass(eq=False)
+class _Swap:
+    state_dict: dict[str, torch.Tensor]
+    version: int
+    future: asyncio.Future
+
+
+@dataclass
+class _StepResult:
+    """What one worker-thread step hands back to the event loop, which alone resolves futures."""
+
+    finished: list[_Request] = field(default_factory=list)
+    swapped: list[_Swap] = field(default_factory=list)
+    error: Exception | None = None
+    failed: list[_Request | _Swap] = field(default_factory=list)  # the work ``error`` broke
+
+
+class TorchEngine:
+    """``rlfabric.engines.base.Engine`` on torch: continuous batching on CPU or GPU.
+
+    ``tokenizer_or_eos_ids`` sets the stop tokens every request has (``SamplingParams.stop_token_ids`` add more):
+    a tokenizer (its EOS plus the model's generation-config EOS ids), an id or ids (exactly those; ``[]`` for
+    none), or None (the model's generation-config EOS ids). ``max_seq_len`` bounds prompt + new tokens per request
+    (default: the model's ``max_position_embeddings``). The fast path's KV cache grows with use up to
+    ``max_batch_size`` x ``max_seq_len`` tokens. ``device`` None leaves the model where it is.
+
+    The engine owns ``model`` from here on: it moves it to ``device``, puts it in eval mode and updates its
+    parameters in place. Call it from one event loop at a time.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        tokenizer_or_eos_ids: Any = None,
+        *,
+        max_batch_size: int = 256,
+        max_seq_len: int | None = None,
+        device: str | torch.device | None = None,
+        seed: int = 0,
+        use_fast_path: bool = True,
+        version: int = 0,
+    ) -> None:
+        if max_batch_size < 1:
+            raise ValueError(f"TorchEngine max_batch_size = {max_batch_size}: must be at least 1")
+        self.model = (model if device is None else model.to(device)).eval()
+        self.device = next(self.model.parameters()).device
+        self.vocab_size = self.model.get_input_embeddings().weight.shape[0]
+        self.max_seq_len = max_seq_len or getattr(self.model.config, "max_position_embeddings", None)
+        if not self.max_seq_len:
+            raise ValueError("TorchEngine: the model config has no max_position_embeddings; pass max_seq_len")
+        self.eos_ids = _stop_ids(tokenizer_or_eos_ids, self.model)
+        self.version = version
+
+        reason = fast_path_unsupported_reason(self.model, self.max_seq_len) if use_fast_path else "use_fast_path=False"
+        self.fallback_reason: str | None = reason  # None: the fast path is in use
+        self._decoder: _FastDecoder | _HFDecoder = (
+            _FastDecoder(self.model, max_batch_size, self.max_seq_len)
+            if reason is None
+            else _HFDecoder(self.model, max_batch_size)
+        )
+        self._generator = torch.Generator(device=self.device)
+        self._generator.manual_seed(seed)
+        self._params = dict(self.model.state_dict(keep_vars=True))  # HF name -> live tensor, tied names included
+
+        self._waiting: deque[_Request] = deque()
+        self._swaps: deque[_Swap] = deque()
+        # One worker thread runs every model step (and every weight copy), so they never overlap.
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="torch-engine")
+        self._step_lock = threading.Lock()
+        self._scheduler: asyncio.Task | None = None
+        self._wakeup: asyncio.Event | None = None
+        self._closed = False
+
+    @classmethod
+    def from_pretrained(
+        cls, path: str | Path, *, dtype: torch.dtype = torch.float32, device: str = "cpu", **kwargs: Any
+    ) -> TorchEngine:
+        """Load a Hugging Face model (and its tokenizer, when the directory has one) from a path or hub id.
+
+        float32 by default, on GPU too, so behaviour logprobs match a float32 learner's; ``dtype=torch.bfloat16``
+        halves memory and time on GPU at that cost.
+        """
+        from rlfabric.models.hf import load_causal_lm, load_tokenizer
+
+        model = load_causal_lm(path, dtype=dtype, device=device)
+        if "tokenizer_or_eos_ids" not in kwargs:
+            try:
+                kwargs["tokenizer_or_eos_ids"] = load_tokenizer(path)
+            except (OSError, ValueError):  # no tokenizer files: the model config's EOS ids will do
+                pass
+        return cls(model, device=device, **kwargs)
+
+    @property
+    def uses_fast_path(self) -> bool:
+        return self.fallback_reason is None
+
+    @property
+    def num_running(self) -> int:
+        return len(self._decoder.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    # -- the Engine contract -------------------------------------------------------------------------------------
+
+    async def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
+        """One completion per prompt, in order. Safe to call from many coroutines at once."""
+        self._check_open()
+        for i, prompt in enumerate(prompts):
+            self._check_prompt(i, prompt, params)
+        loop = self._ensure_scheduler()
+        stop_ids = self.eos_ids | frozenset(params.stop_token_ids)
+        requests = [_Request(list(prompt), params, stop_ids, loop.create_future()) for prompt in prompts]
+        self._waiting.extend(requests)
+        self._wakeup.set()
+        try:
+            return list(await asyncio.gather(*(r.future for r in requests)))
+        finally:  # if the caller is cancelled, its unfinished requests are abandoned and free their slots
+            for r in requests:
+                r.future.cancel()
+
+    async def load_weights(self, state_dict: dict[str, torch.Tensor], version: int, *, strict: bool = True) -> None:
+        """Copy ``state_dict`` into the model in place (HF names) and tag later completions with ``version``.
+
+        Running requests finish on the old weights first; requests that arrive meanwhile wait for the swap.
+        The names and shapes are checked before anything waits or changes. ``strict=False`` allows a partial
+        update (missing names keep their values); unknown names and shape mismatches are always errors.
+        """
+        self._check_open()
+        self._validate_state_dict(state_dict, strict)
+        loop = self._ensure_scheduler()
+        swap = _Swap(state_dict, version, loop.create_future())
+        self._swaps.append(swap)
+        self._wakeup.set()
+        await swap.future
+
+    async def shutdown(self) -> None:
+        """Fail queued and running requests, stop the scheduler and free the cache. The engine is unusable after."""
+        if self._closed:
+            return
+        self._closed = True
+        error = RuntimeError("TorchEngine was shut down")
+        self._fail_all(error)
+        if self._scheduler is not None and not self._scheduler.done():
+            self._scheduler.cancel()
+            try:
+                await self._scheduler
+            except asyncio.CancelledError:
+                pass
+        self._executor.shutdown(wait=True)
+        self._decoder.close()
+
+    # -- checks --------------------------------------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("TorchEngine was shut down")
+
+    def _check_prompt(self, index: int, prompt: list[int], params: SamplingParams) -> None:
+        if not prompt:
+            raise ValueError(f"prompt {index} is empty: generation needs at least one prompt token")
+        if min(prompt) < 0 or max(prompt) >= self.vocab_size:  # caught here, it cannot fail a whole batch
+            raise ValueError(f"prompt {index} has token ids outside the vocabulary [0, {self.vocab_size})")
+        total = len(prompt) + params.max_new_tokens
+        if total > self.max_seq_len:
+            raise ValueError(
+                f"prompt {index}: {len(prompt)} prompt tokens + max_new_tokens {params.max_new_tokens} = {total} "
+                f"exceeds the engine's max_seq_len {self.max_seq_len}"
+            )
+
+    def _validate_state_dict(self, state_dict: dict[str, torch.Tensor], strict: bool) -> None:
+        unknown = sorted(set(state_dict) - set(self._params))
+        mismatched = [
+            f"{name}: got {tuple(value.shape)}, model has {tuple(self._params[name].shape)}"
+            for name, value in state_dict.items()
+            if name in self._params and tuple(value.shape) != tuple(self._params[name].shape)
+        ]
+        # Tied weights have several names for one tensor; sending any one of them covers it.
+        given = {id(self._params[name]) for name in state_dict if name in self._params}
+        missing = sorted(name for name, t in self._params.items() if id(t) not in given) if strict else []
+        problems = []
+        if unknown:
+            problems.append(f"unknown names {_shorten(unknown)}")
+        if missing:
+            problems.append(f"missing names {_shorten(missing)} (pass strict=False for a partial update)")
+        if mismatched:
+            problems.append(f"shape mismatches {_shorten(mismatched)}")
+        if problems:
+            raise ValueError(f"load_weights: state_dict does not fit the model: {'; '.join(problems)}")
+
+    # -- scheduler -----------------------------------------------------------------------------------------------
+
+    def _ensure_scheduler(self) -> asyncio.AbstractEventLoop:
+        """Start the scheduler task on the running loop (again, if an earlier loop has gone, as with asyncio.run)."""
+        loop = asyncio.get_running_loop()
+        if self._scheduler is None or self._scheduler.done() or self._scheduler.get_loop() is not loop:
+            # Requests and swaps left from a dead loop have futures no one can await any more.
+            with self._step_lock:  # a step of the old loop may still be finishing on the worker thread
+                self._waiting.clear()
+                self._swaps.clear()
+                self._decoder.reset()
+            self._wakeup = asyncio.Event()
+            self._scheduler = loop.create_task(self._run(), name="torch-engine-scheduler")
+        return loop
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            while True:
+                if not (self._waiting or self._swaps or self._decoder.running):
+                    self._wakeup.clear()
+                    await self._wakeup.wait()
+                    continue
+                result = await loop.run_in_executor(self._executor, self._step)
+                for request in result.finished:
+                    if not request.future.done():  # done already: its caller was cancelled
+                        request.future.set_result(request.completion())
+                for swap in result.swapped:
+                    if not swap.future.done():
+                        swap.future.set_result(None)
+                for work in result.failed:  # a failed step fails its own requests, not the engine
+                    if not work.future.done():
+                        work.future.set_exception(result.error)
+                await asyncio.sleep(0)  # let the callers that got results run before the next step
+        except Exception as error:  # never leave callers waiting on a dead scheduler; the next call restarts it
+            self._fail_all(error)
+            raise
+
+    def _step(self) -> _StepResult:
+        """One scheduler step on the worker thread: a weight swap when idle, else admit + decode one token."""
+        with self._step_lock, torch.inference_mode():
+            if self._swaps and not self._decoder.running:
+                return self._apply_swap()
+            admitted = self._admit() if not self._swaps else []  # a pending swap holds admission
+            if not admitted and not self._decoder.running:
+                return _StepResult()
+            try:
+                return _StepResult(finished=self._decoder.step(admitted, self._generator))
+            except Exception as error:
+                failed = list(dict.fromkeys(self._decoder.running + admitted))
+                self._decoder.reset()
+                return _StepResult(error=error, failed=failed)
+
+    def _admit(self) -> list[_Request]:
+        """Waiting requests for the free slots, stamped with the version that will generate them."""
+        admitted: list[_Request] = []
+        free = self._decoder.free_slots()
+        while self._waiting and len(admitted) < free:
+            request = self._waiting.popleft()
+            if not request.abandoned:
+                request.version = self.version
+                admitted.append(request)
+        return admitted
+
+    def _apply_swap(self) -> _StepResult:
+        swap = self._swaps.popleft()
+        if swap.future.done():  # its load_weights call was cancelled before the swap began: skip it
+            return _StepResult()
+        try:
+            for name, value in swap.state_dict.items():
+                self._params[name].data.copy_(torch.as_tensor(value), non_blocking=True)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)  # the caller may reuse its tensors once we return
+        except Exception as error:
+            return _StepResult(error=error, failed=[swap])
+        self.version = swap.version
+        return _StepResult(swapped=[swap])
+
+    def _fail_all(self, error: Exception) -> None:
+        with self._step_lock:
+            work = [*self._decoder.running, *self._waiting, *self._swaps]
+            self._decoder.reset()
+            self._waiting.clear()
+            self._swaps.clear()
+        for item in work:
+            if not item.future.done():
+                item.future.set_exception(error)
+
+
+def _stop_ids(tokenizer_or_eos_ids: Any, model: nn.Module) -> frozenset[int]:
+    """The stop tokens every request has (see ``TorchEngine``)."""
+    model_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    if model_eos is None:
+        model_eos = getattr(model.config, "eos_token_id", None)
+    model_ids = _as_ids(model_eos)
+    if tokenizer_or_eos_ids is None:
+        return model_ids
+    if hasattr(tokenizer_or_eos_ids, "eos_token_id"):  # a tokenizer
+        return model_ids | _as_ids(tokenizer_or_eos_ids.eos_token_id)
+    return _as_ids(tokenizer_or_eos_ids)
+
+
+def _as_ids(ids: int | Iterable[int] | None) -> frozenset[int]:
+    if ids is None:
+        return frozenset()
+    if isinstance(ids, int):
+        return frozenset({ids})
+    return frozenset(int(i) for i in ids)
+
+
+def _shorten(names: list[str], limit: int = 8) -> str:
+    shown = ", ".join(names[:limit])
+    return f"[{shown}, ... {len(names) - limit} more]" if len(names) > limit else f"[{shown}]"
