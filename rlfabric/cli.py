@@ -85,6 +85,9 @@ def cmd_train_llm(args: argparse.Namespace, cfg: object) -> int:
         summary = trainer.train()
     except RayError as exc:  # an actor died for good: say so without the --resume advice PPO runs get
         raise RunAbortedError(error_summary(exc)) from None
+    except KeyboardInterrupt:
+        print(f"\nrlfabric: interrupted; checkpoints so far are in {trainer.run_dir / 'checkpoints'}", file=sys.stderr)
+        return 130
     finally:
         trainer.close()
     summary["run_dir"] = str(trainer.run_dir)
