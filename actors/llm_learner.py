@@ -15,7 +15,7 @@ import numpy as np
 import ray
 import torch
 
-from rlfabric.algorithms.grpo import aggregate_denominator, kl_penalty, masked_mean, policy_objective
+from rlfabric.algorithms.grpo import aggregate_denominator, policy_objective
 from rlfabric.models.hf import load_causal_lm, load_tokenizer, save_pretrained
 from rlfabric.models.sequences import response_logprobs
 
@@ -156,7 +156,10 @@ class LLMLearnerCore:
         denominator = float(
             self._all_reduce_sum(torch.tensor(aggregate_denominator(mask, g["loss_aggregation"], g["norm_length"])))
         )
-        old_logp = torch.as_tensor(self.logprobs(batch)).to(self.device)
+        # With one pass, the weights do not change before the optimizer step, so the "old" logprobs are the first
+        # forward's own (detached): exact, and one forward pass cheaper. More passes need them up front.
+        single_pass = g["epochs"] == 1
+        old_logp = None if single_pass else torch.as_tensor(self.logprobs(batch)).to(self.device)
         ref_logp = None
         if g["kl_coef"] > 0:
             if "ref_logprobs" in b:
@@ -164,8 +167,7 @@ class LLMLearnerCore:
             elif self.reference is not None:
                 ref_logp = torch.as_tensor(self.logprobs(batch, self.reference)).to(self.device)
         metrics: dict[str, float] = {}
-        gap = masked_mean((old_logp - b["behaviour_logprobs"]).abs(), mask)
-        metrics["logprob_gap"] = float(gap)
+        gap_sum = 0.0  # sum over loss tokens of |learner logprob - behaviour logprob|, at the batch's weights
         for epoch in range(g["epochs"]):
             sums: dict[str, float] = {}
             for rows in _micro_slices(len(mask), g["micro_batch_size"]):
@@ -179,9 +181,12 @@ class LLMLearnerCore:
                 )
                 if g["entropy_coef"] == 0:
                     entropy = entropy.detach()
+                old = new_logp.detach() if single_pass else old_logp[rows]
+                if epoch == 0:
+                    gap_sum += float(((old - b["behaviour_logprobs"][rows]).abs() * mask[rows]).sum())
                 loss, m = policy_objective(
                     new_logp,
-                    old_logp[rows],
+                    old,
                     b["advantages"][rows],
                     mask[rows],
                     clip_low=g["clip_low"],
@@ -204,11 +209,10 @@ class LLMLearnerCore:
             sums["grad_norm"] = self._step(lr, g["max_grad_norm"])
             if epoch == 0:
                 metrics.update(sums)
+                metrics["logprob_gap"] = gap_sum / max(float(mask.sum()), 1.0)
             else:
                 metrics.update({f"{k}_last_epoch": v for k, v in sums.items() if k == "clip_fraction"})
         self.version += 1  # one policy version per batch, however many epochs it took
-        if ref_logp is not None and "kl" not in metrics:
-            metrics["kl"] = float(masked_mean(kl_penalty(old_logp, ref_logp, g["kl_estimator"]), mask))
         return metrics
 
     def reset_reference(self) -> None:
