@@ -88,7 +88,10 @@ def ensure_ray_llm(cfg: LLMConfig) -> None:
         + 1
     )
     num_cpus = cfg.ray.num_cpus or max(os.cpu_count() or 1, math.ceil(wanted))
-    ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=True)
+    # Generators and learners take turns on the same cores; OpenMP threads that spin-wait after their work
+    # (the default) would steal the cores from whichever actor runs next.
+    env = {"OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}
+    ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=True, runtime_env={"env_vars": env})
 
 
 def progress_line(row: dict[str, Any]) -> str:
