@@ -89,11 +89,7 @@ def make_env(spec: str, kwargs: dict[str, Any] | None = None, field: str = "env.
 
 def list_envs() -> dict[str, str]:
     """Name -> where it comes from, for everything except the (long) Gymnasium registry."""
-    out = {name: f"registered ({getattr(f, '__module__', '?')})" for name, f in _REGISTRY.items()}
-    for name, ep in _entry_points().items():
-        dist = ep.dist.name if ep.dist is not None else "?"
-        out.setdefault(name, f"entry point {ep.value} (package {dist})")
-    return out
+    return shipping.describe_sources(_REGISTRY, _entry_points())
 
 
 # ---------------------------------------------------------------------------------------------------------

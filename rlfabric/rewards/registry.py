@@ -141,11 +141,7 @@ def resolve_reward(spec: str | Mapping[str, Any] | RewardSpec, field: str = "rew
 
 def list_rewards() -> dict[str, str]:
     """Name -> where it comes from."""
-    out = {name: f"registered ({getattr(fn, '__module__', '?')})" for name, fn in _REGISTRY.items()}
-    for name, ep in _entry_points().items():
-        dist = ep.dist.name if ep.dist is not None else "?"
-        out.setdefault(name, f"entry point {ep.value} (package {dist})")
-    return out
+    return shipping.describe_sources(_REGISTRY, _entry_points())
 
 
 def snapshot() -> bytes:
