@@ -56,7 +56,6 @@ class Rollout:
     rows: list[dict[str, Any]]
     prompt_ids: list[list[int]]
     refs: list[tuple[int, ray.ObjectRef, slice]]  # (generator index, completions ref, rows it covers)
-    version: int
 
 
 @dataclass
@@ -285,7 +284,7 @@ class GRPOTrainer:
         indices = self._sample_rows(num_prompts)
         rows = [self.train_rows[i] for i in indices for _ in range(g)]
         prompt_ids = [self.train_ids[i] for i in indices for _ in range(g)]
-        return Rollout(rows, prompt_ids, self._dispatch(prompt_ids, self._params(False), g), self.version)
+        return Rollout(rows, prompt_ids, self._dispatch(prompt_ids, self._params(False), g))
 
     def _replace_generator(self, index: int, reason: str) -> None:
         self.counters.generator_restarts += 1
@@ -533,6 +532,7 @@ class GRPOTrainer:
             "trained_samples": len(samples),
             "response_length_mean": float(np.mean(lengths)) if lengths else 0.0,
             "samples_per_s": len(scored) / elapsed,
+            "tokens_generated": c.tokens_generated,
             "policy_lag_mean": float(np.mean([self.version - 1 - s["completion"]["version"] for s in samples]))
             if samples
             else 0.0,
