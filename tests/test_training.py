@@ -98,7 +98,7 @@ def test_resume_continues_at_the_same_step_and_statistics(local_ray, tmp_path):
     """A run interrupted from the CLI resumes from its checkpoint with the same env step and normalizer stats."""
     run_dir = tmp_path / "run"
     cmd = [
-        sys.executable, "-m", "rlfabric.cli", "train", "training.total_env_steps=1000000",
+        sys.executable, "-m", "rlfabric.cli", "train", "algo=ppo", "training.total_env_steps=1000000",
         "training.checkpoint_every=3", "ppo.normalize_obs=true", "ppo.normalize_reward=true",
         "--run-dir", str(run_dir), "--quiet",
     ]  # fmt: skip
@@ -148,7 +148,7 @@ def test_cli_train_writes_outputs_and_summary(tmp_path):
     )
     run_dir = tmp_path / "cli"
     out = subprocess.run(
-        [sys.executable, "-m", "rlfabric.cli", "train", "env.id=short-pole", "env.kwargs={steps: 20}",
+        [sys.executable, "-m", "rlfabric.cli", "train", "algo=ppo", "env.id=short-pole", "env.kwargs={steps: 20}",
          "training.total_env_steps=3000", "--import", "my_cli_envs", "--run-dir", str(run_dir)],
         capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(tmp_path)},
     )  # fmt: skip

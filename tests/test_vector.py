@@ -9,7 +9,7 @@ from gymnasium.wrappers import TimeLimit
 import rlfabric
 from rlfabric.actors.env_runner import EnvRunnerCore
 from rlfabric.actors.learner import LearnerCore
-from rlfabric.config import config_from_dict
+from rlfabric.config import ppo_config_from_dict as config_from_dict
 from rlfabric.vector import EnvVector
 
 
