@@ -17,13 +17,9 @@ import torch
 
 from rlfabric.algorithms.grpo import aggregate_denominator, policy_objective
 from rlfabric.models.hf import load_causal_lm, load_tokenizer, save_pretrained
-from rlfabric.models.sequences import response_logprobs
+from rlfabric.models.sequences import batched_response_logprobs, is_row_column, micro_slices, response_logprobs
 
 OPTIMIZER_FILE = "optimizer.pt"
-
-
-def _micro_slices(n: int, size: int) -> list[slice]:
-    return [slice(i, min(i + size, n)) for i in range(0, n, size)]
 
 
 class LLMLearnerCore:
@@ -94,7 +90,7 @@ class LLMLearnerCore:
         rows = slice(self.rank * per_rank, (self.rank + 1) * per_rank)
         out: dict[str, Any] = {}
         for key, value in batch.items():
-            if isinstance(value, np.ndarray) and value.ndim >= 1 and len(value) == n:
+            if is_row_column(value, n):
                 out[key] = torch.tensor(value[rows], device=self.device)  # a copy: object-store arrays are read-only
             else:
                 out[key] = value
@@ -117,7 +113,7 @@ class LLMLearnerCore:
         mask = b["response_mask"]
         total_tokens = float(self._all_reduce_sum(mask.sum().detach().clone()))
         loss_sum = 0.0
-        for rows in _micro_slices(len(mask), self.g["micro_batch_size"]):
+        for rows in micro_slices(len(mask), self.g["micro_batch_size"]):
             logp, _ = response_logprobs(
                 self.model, b["input_ids"][rows], b["attention_mask"][rows], int(b["prompt_len"])
             )
@@ -132,15 +128,15 @@ class LLMLearnerCore:
     @torch.no_grad()
     def logprobs(self, batch: dict[str, np.ndarray], model: Any = None) -> np.ndarray:
         """Response-token logprobs of this rank's slice under ``model`` (default: the current weights)."""
-        model = model if model is not None else self.model
         b = self._shard(batch)
-        parts = []
-        for rows in _micro_slices(len(b["input_ids"]), self.g["micro_batch_size"]):
-            logp, _ = response_logprobs(
-                model, b["input_ids"][rows], b["attention_mask"][rows], int(b["prompt_len"]), self.temperature
-            )
-            parts.append(logp.float().cpu())
-        return torch.cat(parts).numpy()
+        return batched_response_logprobs(
+            model if model is not None else self.model,
+            b["input_ids"],
+            b["attention_mask"],
+            int(b["prompt_len"]),
+            self.temperature,
+            self.g["micro_batch_size"],
+        )
 
     def train_step(self, batch: dict[str, np.ndarray], lr: float) -> dict[str, float]:
         """One GRPO-family update on a batch: ``epochs`` passes, each one optimizer step over all micro-batches.
@@ -170,7 +166,7 @@ class LLMLearnerCore:
         gap_sum = 0.0  # sum over loss tokens of |learner logprob - behaviour logprob|, at the batch's weights
         for epoch in range(g["epochs"]):
             sums: dict[str, float] = {}
-            for rows in _micro_slices(len(mask), g["micro_batch_size"]):
+            for rows in micro_slices(len(mask), g["micro_batch_size"]):
                 new_logp, entropy = response_logprobs(
                     self.model,
                     b["input_ids"][rows],

@@ -13,7 +13,7 @@ import ray
 import torch
 
 from rlfabric.models.hf import load_causal_lm
-from rlfabric.models.sequences import response_logprobs
+from rlfabric.models.sequences import batched_response_logprobs
 
 
 @ray.remote
@@ -45,9 +45,6 @@ class Reference:
         batch: dict[str, Any] = ray.get(batch_ref[0])
         ids = torch.as_tensor(batch["input_ids"]).to(self.device)
         mask = torch.as_tensor(batch["attention_mask"]).to(self.device)
-        parts = []
-        for start in range(0, len(ids), self.micro_batch_size):
-            rows = slice(start, start + self.micro_batch_size)
-            logp, _ = response_logprobs(self.model, ids[rows], mask[rows], int(batch["prompt_len"]), self.temperature)
-            parts.append(logp.float().cpu())
-        return torch.cat(parts).numpy()
+        return batched_response_logprobs(
+            self.model, ids, mask, int(batch["prompt_len"]), self.temperature, self.micro_batch_size
+        )

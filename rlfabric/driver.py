@@ -22,7 +22,7 @@ import torch
 from rlfabric import registry
 from rlfabric.actors.env_runner import EnvRunner
 from rlfabric.actors.learner import Learner
-from rlfabric.config import Config, ConfigError, load_config
+from rlfabric.config import Config, ConfigError, RayConfig, load_config
 from rlfabric.run_log import CONFIG_FILE, RunLog, plot_learning_curve, write_summary
 from rlfabric.runner_pool import Completed, RunAbortedError, RunnerPool, error_summary
 
@@ -63,16 +63,19 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
     return found[-1] if found else None
 
 
-def ensure_ray(cfg: Config) -> None:
-    """Connect to the configured cluster, or start a local Ray instance sized for this config."""
+def ensure_ray(ray_cfg: RayConfig, wanted_cpus: float, env_vars: dict[str, str] | None = None) -> None:
+    """Connect to the configured cluster, or start a local Ray instance with at least ``wanted_cpus``.
+
+    ``env_vars`` are set in every worker process of a local instance.
+    """
     if ray.is_initialized():
         return
-    if cfg.ray.address is not None:
-        ray.init(address=cfg.ray.address, log_to_driver=True)
+    if ray_cfg.address is not None:
+        ray.init(address=ray_cfg.address, log_to_driver=True)
         return
-    wanted = cfg.runners.num_runners * cfg.runners.num_cpus + cfg.learner.num_cpus
-    num_cpus = cfg.ray.num_cpus or max(os.cpu_count() or 1, math.ceil(wanted))
-    ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=True)
+    num_cpus = ray_cfg.num_cpus or max(os.cpu_count() or 1, math.ceil(wanted_cpus))
+    runtime_env = {"env_vars": env_vars} if env_vars else None
+    ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=True, runtime_env=runtime_env)
 
 
 class Trainer:
@@ -190,7 +193,8 @@ class Trainer:
 
     def setup(self) -> None:
         checkpoint = self._read_checkpoint() if self.resume else None
-        ensure_ray(self.cfg)
+        r = self.cfg.runners
+        ensure_ray(self.cfg.ray, r.num_runners * r.num_cpus + self.cfg.learner.num_cpus)
         self.registry_blob = registry.snapshot()
         self._make_placement_group()
         self.pool = RunnerPool(self._make_runner, self.cfg.runners.num_runners, self.cfg.runners.sample_timeout_s)

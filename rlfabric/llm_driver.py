@@ -34,8 +34,9 @@ from rlfabric import rewards
 from rlfabric.algorithms.grpo import compute_advantages, group_has_signal
 from rlfabric.config import ConfigError
 from rlfabric.data import load_heldout, load_prompts, row_metadata
+from rlfabric.driver import ensure_ray
 from rlfabric.grpo_config import LLMConfig
-from rlfabric.models.sequences import pack_sequences
+from rlfabric.models.sequences import is_row_column, pack_sequences
 from rlfabric.reward_pool import RewardPool
 from rlfabric.rewards import RewardInput, RewardResult
 from rlfabric.run_log import RunLog, read_metrics, write_summary
@@ -74,23 +75,14 @@ def combine_rewards(components: dict[str, float], weights: dict[str, float]) -> 
     return float(sum(weights.get(name, 1.0) * value for name, value in components.items()))
 
 
-def ensure_ray_llm(cfg: LLMConfig) -> None:
-    if ray.is_initialized():
-        return
-    if cfg.ray.address is not None:
-        ray.init(address=cfg.ray.address, log_to_driver=True)
-        return
-    wanted = (
+def wanted_cpus(cfg: LLMConfig) -> float:
+    """CPUs every actor of this config asks for, plus one for the driver."""
+    return (
         cfg.generator.num_generators * cfg.generator.num_cpus
         + cfg.learner.num_learners * cfg.learner.num_cpus
         + cfg.rewards.num_workers * cfg.rewards.num_cpus
         + 1
     )
-    num_cpus = cfg.ray.num_cpus or max(os.cpu_count() or 1, math.ceil(wanted))
-    # Generators and learners take turns on the same cores; OpenMP threads that spin-wait after their work
-    # (the default) would steal the cores from whichever actor runs next.
-    env = {"OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}
-    ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=True, runtime_env={"env_vars": env})
 
 
 def progress_line(row: dict[str, Any]) -> str:
@@ -222,7 +214,11 @@ class GRPOTrainer:
         self.model_dir = self._model_dir()
         self.tokenizer = load_tokenizer(self.model_dir)
         self._load_data()
-        ensure_ray_llm(self.cfg)
+        # Generators and learners take turns on the same cores; OpenMP threads that spin-wait after their work
+        # (the default) would steal the cores from whichever actor runs next.
+        ensure_ray(
+            self.cfg.ray, wanted_cpus(self.cfg), {"OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}
+        )
         self.generators = [self._start_generator() for _ in range(self.cfg.generator.num_generators)]
         self._start_learners()
         if self.cfg.grpo.kl_coef > 0 and self.cfg.grpo.reference == "actor":
@@ -422,7 +418,7 @@ class GRPOTrainer:
         if extra == 0:
             return batch
         for key, value in batch.items():
-            if isinstance(value, np.ndarray) and value.ndim >= 1 and len(value) == n:
+            if is_row_column(value, n):
                 pad = value[:extra].copy()
                 if key == "response_mask":
                     pad[:] = 0.0

@@ -41,6 +41,32 @@ def pack_sequences(
     }
 
 
+def is_row_column(value: Any, num_rows: int) -> bool:
+    """Whether a batch entry holds one value per row (and so is sliced, padded and sharded with the rows)."""
+    return isinstance(value, np.ndarray) and value.ndim >= 1 and len(value) == num_rows
+
+
+def micro_slices(n: int, size: int) -> list[slice]:
+    return [slice(i, min(i + size, n)) for i in range(0, n, size)]
+
+
+@torch.no_grad()
+def batched_response_logprobs(
+    model: Any,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    prompt_len: int,
+    temperature: float,
+    micro_batch_size: int,
+) -> np.ndarray:
+    """``response_logprobs`` over a whole batch, ``micro_batch_size`` rows at a time, without gradients."""
+    parts = [
+        response_logprobs(model, input_ids[rows], attention_mask[rows], prompt_len, temperature)[0].float().cpu()
+        for rows in micro_slices(len(input_ids), micro_batch_size)
+    ]
+    return torch.cat(parts).numpy()
+
+
 def response_logprobs(
     model: Any,
     input_ids: torch.Tensor,
