@@ -40,6 +40,7 @@ class LLMLearnerCore:
         gradient_checkpointing: bool = False,
         reference_in_learner: bool = False,
         num_threads: int | None = None,
+        matmul_dtype: str | None = None,
     ) -> None:
         if num_threads:
             torch.set_num_threads(num_threads)
@@ -47,6 +48,7 @@ class LLMLearnerCore:
         self.g = grpo
         self.sft_cfg = sft
         self.temperature = temperature
+        self.matmul_dtype = matmul_dtype  # None / "float32": the weights' dtype; "bfloat16": autocast matmuls
         self.device = torch.device(device)
         self.rank, self.world_size = rank, world_size
         self.model_dir = model_dir
@@ -115,7 +117,11 @@ class LLMLearnerCore:
         loss_sum = 0.0
         for rows in micro_slices(len(mask), self.g["micro_batch_size"]):
             logp, _ = response_logprobs(
-                self.model, b["input_ids"][rows], b["attention_mask"][rows], int(b["prompt_len"])
+                self.model,
+                b["input_ids"][rows],
+                b["attention_mask"][rows],
+                int(b["prompt_len"]),
+                matmul_dtype=self.matmul_dtype,
             )
             loss = -(logp * mask[rows]).sum() / total_tokens
             loss.backward()
@@ -136,6 +142,7 @@ class LLMLearnerCore:
             int(b["prompt_len"]),
             self.temperature,
             self.g["micro_batch_size"],
+            self.matmul_dtype,
         )
 
     def train_step(self, batch: dict[str, np.ndarray], lr: float) -> dict[str, float]:
@@ -174,6 +181,7 @@ class LLMLearnerCore:
                     int(b["prompt_len"]),
                     self.temperature,
                     with_entropy=True,
+                    matmul_dtype=self.matmul_dtype,
                 )
                 if g["entropy_coef"] == 0:
                     entropy = entropy.detach()

@@ -26,6 +26,7 @@ class Reference:
         dtype: str = "float32",
         device: str = "cpu",
         num_threads: int = 0,
+        matmul_dtype: str | None = None,
     ) -> None:
         if num_threads:
             torch.set_num_threads(num_threads)
@@ -33,6 +34,7 @@ class Reference:
         self.model.requires_grad_(False)
         self.temperature = temperature
         self.micro_batch_size = micro_batch_size
+        self.matmul_dtype = matmul_dtype  # the learner's, so the KL compares like with like
         self.device = torch.device(device)
 
     def set_weights(self, state_ref: list[ray.ObjectRef]) -> None:
@@ -46,5 +48,5 @@ class Reference:
         ids = torch.as_tensor(batch["input_ids"]).to(self.device)
         mask = torch.as_tensor(batch["attention_mask"]).to(self.device)
         return batched_response_logprobs(
-            self.model, ids, mask, int(batch["prompt_len"]), self.temperature, self.micro_batch_size
+            self.model, ids, mask, int(batch["prompt_len"]), self.temperature, self.micro_batch_size, self.matmul_dtype
         )

@@ -18,7 +18,8 @@ times), ``num_iterations = 1``. With generation and optimizer steps aligned like
 for old log-probs (the ratio is 1 at the single update), and with ``beta = 0`` it loads no reference model.
 
 TRL defaults that are changed because they would slow or skew a CPU run of a 4M-parameter fp32 model:
-``gradient_checkpointing`` (TRL default True), ``bf16`` (TRL default True when fp16 is off), the linear LR decay
+``gradient_checkpointing`` (TRL default True), ``bf16`` (TRL default True when fp16 is off; ``bf16=True`` restores
+it, and the side-by-side script runs both), the linear LR decay
 (constant here), logging / saving / tqdm / reporting (off). Prompts are plain strings, so TRL takes its
 non-conversational path: no chat template; prompts are tokenized as-is (the char tokenizer adds no BOS) and
 left-padded with ``<pad>``; generation stops per sequence at ``<eos>`` (TRL adds the tokenizer's eos to the model's eos
@@ -151,6 +152,7 @@ def run_trl_grpo(
     reward_weights: dict[str, float] | None = None,
     optim: str | None = None,
     gradient_checkpointing: bool = False,
+    bf16: bool = False,
     seed: int = 0,
     threads: int = 2,
     output_dir: str,
@@ -160,7 +162,8 @@ def run_trl_grpo(
     ``prompts`` are dataset rows ``{"prompt": str, "answer": str, ...}`` (plain strings, not chat messages); every
     column other than ``prompt`` reaches the reward as ``RewardInput.metadata``. ``reward_fn`` is our group-level
     reward, ``list[RewardInput] -> list[dict[str, float]]``; ``reward_weights`` (default ``{"correct": 1.0,
-    "format": 0.1}``) turns its components into the scalar reward. ``kl_coef`` is TRL's ``beta`` (0: no reference
+    "format": 0.1}``) turns its components into the scalar reward; ``bf16`` turns on TRL's own mixed precision
+    (its default, off unless asked for). ``kl_coef`` is TRL's ``beta`` (0: no reference
     model); ``loss_type`` and ``scale_rewards`` take TRL's values ("grpo", "dr_grpo", "dapo", "bnpo", ...;
     "group", "batch", "none").
 
@@ -200,7 +203,7 @@ def run_trl_grpo(
         output_dir=output_dir,
         # device and precision
         use_cpu=True,
-        bf16=False,
+        bf16=bf16,  # True: TRL's default mixed precision (autocast; float32 weights)
         fp16=False,
         # TRL defaults checkpointing on; transformers 5 renamed gradient_checkpointing to activation_checkpointing
         **{checkpointing_field: gradient_checkpointing},

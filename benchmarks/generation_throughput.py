@@ -10,10 +10,15 @@ the engine drops them from its batch.
 
 Contenders, timed alternately (so machine noise hits both alike) after warm-up repetitions:
 
-1. ``transformers``: ``model.generate(do_sample=True)`` on the left-padded batch (the anchor);
+1. ``transformers generate``: ``model.generate(do_sample=True)`` on the left-padded batch (the anchor);
 2. ``TorchEngine``: one ``generate`` call with every prompt;
 3. ``TorchEngine, concurrent callers``: one ``generate`` call per prompt group (``--samples`` copies each), all
-   at once, as a generator actor serving several env runners would see them.
+   at once, as a generator actor serving several env runners would see them;
+4. ``transformers generate, bf16 autocast`` and ``TorchEngine, bf16 matmuls`` (``matmul_dtype="bfloat16"``):
+   the same two with their matrix multiplications in bfloat16 and float32 weights.
+
+All torch work (building the model, every contender) runs on the engine's compute thread: OpenMP keeps one thread
+team per calling thread, and a second team would make libgomp stop spin-waiting for both, slowing every contender.
 
 It prints a table with tokens/s and the ratio to the anchor, and writes ``benchmarks/results/
 generation_throughput.json``.
@@ -41,10 +46,12 @@ import torch
 import transformers
 
 from rlfabric.engines.base import SamplingParams
-from rlfabric.engines.torch_engine import TorchEngine
+from rlfabric.engines.torch_engine import TorchEngine, on_compute_thread
 from rlfabric.models.hf import build_char_tokenizer, build_small_qwen2
 
 HERE = Path(__file__).resolve().parent
+ANCHOR = "transformers generate"
+ANCHOR_BF16 = "transformers generate, bf16 autocast"
 PROMPT_CHARS = "0123456789+-*/=() abcdefghijklmnopqrstuvwxyz?"
 
 
@@ -54,13 +61,15 @@ def make_prompts(tokenizer, count: int, seed: int) -> list[list[int]]:
     return [tokenizer.encode(text) for text in texts]
 
 
-def hf_generate(model, tokenizer, prompts: list[list[int]], max_new_tokens: int, eos: bool) -> Callable[[], int]:
+def hf_generate(
+    model, tokenizer, prompts: list[list[int]], max_new_tokens: int, eos: bool, bf16: bool = False
+) -> Callable[[], int]:
     """A callable that runs transformers' generate on the left-padded batch and returns the tokens generated."""
     batch = tokenizer.pad({"input_ids": prompts}, padding=True, return_tensors="pt")  # pads on the left
     eos_id = tokenizer.eos_token_id
 
-    def run() -> int:
-        with torch.inference_mode():
+    def generate() -> int:
+        with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
             out = model.generate(
                 **batch,
                 do_sample=True,
@@ -79,7 +88,7 @@ def hf_generate(model, tokenizer, prompts: list[list[int]], max_new_tokens: int,
         ended = (generated == eos_id).int().cumsum(1)
         return int(((ended == 0) | ((ended == 1) & (generated == eos_id))).sum())
 
-    return run
+    return lambda: on_compute_thread(generate)
 
 
 def engine_generate(
@@ -135,33 +144,42 @@ def main() -> None:
 
     torch.set_num_threads(args.threads)
     tokenizer = build_char_tokenizer()
-    model = build_small_qwen2(tokenizer, num_layers=args.layers, hidden_size=args.hidden, seed=args.seed)
+    model = on_compute_thread(
+        build_small_qwen2, tokenizer, num_layers=args.layers, hidden_size=args.hidden, seed=args.seed
+    )
     prompts = make_prompts(tokenizer, args.batch_prompts, args.seed)
     batch = [prompt for prompt in prompts for _ in range(args.samples)]
+    groups = [[prompt] * args.samples for prompt in prompts]
 
     # [] as the EOS ids: no stop tokens, like eos_token_id=None on the transformers side.
-    engine = TorchEngine(model, tokenizer if args.eos else [], max_batch_size=len(batch), seed=args.seed)
+    stop = tokenizer if args.eos else []
+    engine = TorchEngine(model, stop, max_batch_size=len(batch), seed=args.seed)
+    engine_bf16 = TorchEngine(model, stop, max_batch_size=len(batch), seed=args.seed, matmul_dtype="bfloat16")
     assert engine.uses_fast_path, engine.fallback_reason
     loop = asyncio.new_event_loop()
     contenders = {
-        "transformers generate": hf_generate(model, tokenizer, batch, args.max_new_tokens, args.eos),
+        ANCHOR: hf_generate(model, tokenizer, batch, args.max_new_tokens, args.eos),
         "TorchEngine": engine_generate(engine, loop, [batch], args.max_new_tokens),
-        "TorchEngine, concurrent callers": engine_generate(
-            engine, loop, [[prompt] * args.samples for prompt in prompts], args.max_new_tokens
-        ),
+        "TorchEngine, concurrent callers": engine_generate(engine, loop, groups, args.max_new_tokens),
+        ANCHOR_BF16: hf_generate(model, tokenizer, batch, args.max_new_tokens, args.eos, bf16=True),
+        "TorchEngine, bf16 matmuls": engine_generate(engine_bf16, loop, [batch], args.max_new_tokens),
     }
     load_before = os.getloadavg()  # other work on the machine skews both contenders; record how much there was
     results = time_alternately(contenders, args.warmup, args.reps)
     load_after = os.getloadavg()
-    loop.run_until_complete(engine.shutdown())
+    for e in (engine, engine_bf16):
+        loop.run_until_complete(e.shutdown())
     loop.close()
 
-    anchor = results["transformers generate"]["tokens_per_s"]
+    anchor = results[ANCHOR]["tokens_per_s"]
+    same_precision = {name: results[ANCHOR_BF16 if "bf16" in name else ANCHOR]["tokens_per_s"] for name in results}
     print(f"{len(batch)} sequences x {args.max_new_tokens} new tokens, {args.threads} torch threads")
     print(f"load average (1 min) before/after: {load_before[0]:.1f} / {load_after[0]:.1f}")
-    print(f"{'contender':<34}{'median s':>10}{'tokens/s':>12}{'vs transformers':>18}")
+    print(f"{'contender':<40}{'median s':>10}{'tokens/s':>12}{'vs transformers':>17}{'same precision':>16}")
     for name, r in results.items():
-        print(f"{name:<34}{r['median_s']:>10.3f}{r['tokens_per_s']:>12,.0f}{r['tokens_per_s'] / anchor:>17.2f}x")
+        tps = r["tokens_per_s"]
+        ratios = f"{tps / anchor:>16.2f}x{tps / same_precision[name]:>15.2f}x"
+        print(f"{name:<40}{r['median_s']:>10.3f}{tps:>12,.0f}{ratios}")
 
     report = {
         "date": date.today().isoformat(),
@@ -173,7 +191,7 @@ def main() -> None:
             "load_average_after": load_after,
         },
         "settings": {
-            **vars(args),
+            **{k: v for k, v in vars(args).items() if k != "out"},  # no machine paths in results
             "sequences": len(batch),
             "prompt_lengths": [len(prompt) for prompt in prompts],
             "model": f"Qwen2 {args.layers} layers x {args.hidden} wide, char tokenizer, random weights",
@@ -183,6 +201,9 @@ def main() -> None:
         },
         "results": results,
         "ratio_vs_transformers": {name: r["tokens_per_s"] / anchor for name, r in results.items()},
+        "ratio_vs_transformers_same_precision": {
+            name: r["tokens_per_s"] / same_precision[name] for name, r in results.items()
+        },
     }
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -4,11 +4,16 @@ Same model (a randomly initialised 4-layer, 256-wide Qwen2-style model with the 
 (8 prompts x 8 generations x up to 32 new tokens, temperature 1), same reward (the built-in ``arithmetic`` reward,
 components weighted correct 1.0 + format 0.1), one optimizer step per GRPO step, no KL term, token-mean loss.
 
-    python benchmarks/grpo_step_vs_trl.py [--steps 10] [--warmup 2] [--threads 2]
+    python benchmarks/grpo_step_vs_trl.py [--steps 10] [--warmup 2] [--threads 2] [--precisions float32 bfloat16]
+
+Each precision runs both frameworks, in turn: ``float32`` (rlfabric's default; TRL with ``bf16=False``, the
+anchor) and ``bfloat16`` matmuls with float32 weights (rlfabric's ``learner.matmul_dtype`` and
+``generator.matmul_dtype``; TRL's own default ``bf16=True`` mixed precision). Ratios are against the float32 TRL
+anchor and against TRL at the same precision.
 
 rlfabric's step time is the driver's ``step_time_s`` (generation, reward actors, advantages, learner update and
-weight sync to the generator); TRL's is its optimizer step (generation, reward, loss, backward, update). Writes
-benchmarks/results/grpo_step_vs_trl.json.
+weight sync to the generator), split into its ``*_time_s`` parts; TRL's is its optimizer step (generation, reward,
+loss, backward, update). Writes benchmarks/results/grpo_step_vs_trl.json.
 """
 
 from __future__ import annotations
@@ -30,7 +35,12 @@ sys.path.insert(0, str(HERE))
 WEIGHTS = {"correct": 1.0, "format": 0.1}
 
 
-def rlfabric_seconds_per_step(model_dir: str, steps: int, warmup: int, threads: int, lr: float) -> dict:
+PARTS = ("generate_time_s", "reward_time_s", "update_time_s", "weight_sync_time_s")
+
+
+def rlfabric_seconds_per_step(
+    model_dir: str, steps: int, warmup: int, threads: int, lr: float, matmul_dtype: str = "float32"
+) -> dict:
     import ray
 
     from rlfabric.config import config_from_dict
@@ -45,6 +55,8 @@ def rlfabric_seconds_per_step(model_dir: str, steps: int, warmup: int, threads: 
             "sampling": {"max_new_tokens": 32, "temperature": 1.0},
             "rewards": {"functions": [{"name": "arithmetic"}], "weights": WEIGHTS},
             "grpo": {"prompts_per_step": 8, "group_size": 8, "micro_batch_size": 64, "lr": lr},
+            "generator": {"matmul_dtype": matmul_dtype},
+            "learner": {"matmul_dtype": matmul_dtype},
             "sft": {"steps": 0},
             "training": {"total_steps": steps + warmup, "eval_every": 0, "checkpoint_every": 0, "show_samples": 0},
             "ray": {"num_cpus": max(threads, 2) + 2},
@@ -54,10 +66,13 @@ def rlfabric_seconds_per_step(model_dir: str, steps: int, warmup: int, threads: 
         train_llm(cfg, run_dir, quiet=True)
         rows = [r for r in read_metrics(Path(run_dir)) if r.get("phase") == "grpo"]
     ray.shutdown()
-    times = [r["step_time_s"] for r in rows][warmup:]
+    rows = rows[warmup:]
+    times = [r["step_time_s"] for r in rows]
     return {
         "seconds_per_step_median": statistics.median(times),
         "seconds_per_step_mean": statistics.fmean(times),
+        "parts_median": {part: statistics.median(r[part] for r in rows) for part in PARTS},
+        "logprob_gap_median": statistics.median(r["logprob_gap"] for r in rows),
         "steps": len(times),
         "samples_per_step": 64,
     }
@@ -69,6 +84,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--lr", type=float, default=1e-5)
+    parser.add_argument("--precisions", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"])
     args = parser.parse_args()
 
     import torch
@@ -79,26 +95,54 @@ def main() -> None:
     from rlfabric.rewards import resolve_reward
 
     torch.set_num_threads(args.threads)
+    ours: dict[str, dict] = {}
+    trl: dict[str, dict] = {}
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = str(build_small_model_dir(Path(tmp) / "model", num_layers=4, hidden_size=256, num_heads=4))
-        started = time.perf_counter()
-        ours = rlfabric_seconds_per_step(model_dir, args.steps, args.warmup, args.threads, args.lr)
-        print(f"rlfabric: {ours['seconds_per_step_median']:.3f} s/step ({time.perf_counter() - started:.0f}s)")
-        trl = run_trl_grpo(
-            model_dir,
-            arithmetic_rows(2000, seed=0),
-            resolve_reward("arithmetic"),
-            steps=args.steps,
-            warmup_steps=args.warmup,
-            threads=args.threads,
-            lr=args.lr,
-            reward_weights=WEIGHTS,
-            output_dir=str(Path(tmp) / "trl"),
-        )
-        print(f"TRL:      {trl['seconds_per_step_median']:.3f} s/step")
-    ratio = trl["seconds_per_step_median"] / ours["seconds_per_step_median"]
-    print(f"rlfabric is {ratio:.2f}x faster per GRPO step (target 3x)")
-    out = {"rlfabric": ours, "trl": trl, "speedup": ratio, "threads": args.threads, "command": " ".join(sys.argv)}
+        for precision in args.precisions:
+            started = time.perf_counter()
+            ours[precision] = rlfabric_seconds_per_step(
+                model_dir, args.steps, args.warmup, args.threads, args.lr, precision
+            )
+            print(
+                f"rlfabric {precision}: {ours[precision]['seconds_per_step_median']:.3f} s/step "
+                f"({time.perf_counter() - started:.0f}s)"
+            )
+            trl[precision] = run_trl_grpo(
+                model_dir,
+                arithmetic_rows(2000, seed=0),
+                resolve_reward("arithmetic"),
+                steps=args.steps,
+                warmup_steps=args.warmup,
+                threads=args.threads,
+                lr=args.lr,
+                reward_weights=WEIGHTS,
+                bf16=precision == "bfloat16",
+                output_dir=str(Path(tmp) / f"trl-{precision}"),
+            )
+            print(f"TRL      {precision}: {trl[precision]['seconds_per_step_median']:.3f} s/step")
+
+    anchor_precision = "float32" if "float32" in trl else args.precisions[0]
+    anchor = trl[anchor_precision]["seconds_per_step_median"]
+    speedups = {}
+    print(f"\n{'contender':<28}{'s/step':>8}{'vs TRL ' + anchor_precision:>18}{'vs TRL same precision':>24}")
+    for precision in args.precisions:
+        mine, theirs = ours[precision]["seconds_per_step_median"], trl[precision]["seconds_per_step_median"]
+        speedups[precision] = {"vs_trl_anchor": anchor / mine, "vs_trl_same_precision": theirs / mine}
+        print(f"{'rlfabric ' + precision:<28}{mine:>8.3f}{anchor / mine:>17.2f}x{theirs / mine:>23.2f}x")
+        print(f"{'TRL ' + precision:<28}{theirs:>8.3f}{anchor / theirs:>17.2f}x{1.0:>23.2f}x")
+        parts = ", ".join(f"{k.removesuffix('_time_s')} {v:.3f}" for k, v in ours[precision]["parts_median"].items())
+        print(f"    rlfabric {precision} step parts (s): {parts}")
+    best = max(s["vs_trl_anchor"] for s in speedups.values())
+    print(f"rlfabric's best is {best:.2f}x faster per GRPO step than the TRL {anchor_precision} anchor (target 3x)")
+    out = {
+        "rlfabric": ours,
+        "trl": trl,
+        "speedups": speedups,
+        "anchor": f"TRL {anchor_precision}",
+        "threads": args.threads,
+        "command": " ".join(["python", "benchmarks/grpo_step_vs_trl.py", *sys.argv[1:]]),
+    }
     (HERE / "results").mkdir(exist_ok=True)
     (HERE / "results" / "grpo_step_vs_trl.json").write_text(json.dumps(out, indent=2) + "\n")
 

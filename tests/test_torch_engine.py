@@ -456,3 +456,45 @@ def test_cuda_greedy_matches_transformers(tokenizer, prompts, fast):
             logits = model(input_ids=ids).logits[0, len(prompt) - 1 : -1].float() / 0.8
         expected = logits.log_softmax(-1).gather(1, torch.tensor(completion.token_ids, device="cuda")[:, None])
         assert torch.allclose(torch.tensor(completion.logprobs), expected.squeeze(1).cpu(), atol=1e-3)
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# matmul_dtype: projections in bfloat16, everything else in the model's dtype
+# ------------------------------------------------------------------------------------------------------------------
+
+
+@BOTH_PATHS
+def test_bfloat16_matmuls_stay_close_to_float32(models, prompts, fast):
+    """Sampled tokens' logprobs under bf16 projections are within bf16 rounding of a float32 forward pass."""
+    model = models["qwen2-gqa"]
+    engine = TorchEngine(model, [], use_fast_path=fast, matmul_dtype="bfloat16")
+    completions = generate(engine, prompts, max_new_tokens=12, temperature=1.0)
+    gaps = torch.cat(
+        [
+            (torch.tensor(c.logprobs) - hf_logprobs(model, p, c.token_ids)).abs()
+            for p, c in zip(prompts, completions, strict=True)
+        ]
+    )
+    assert 0 < gaps.max() < 0.15  # not bit-equal (so bf16 really ran), but close
+    assert gaps.mean() < 0.03
+
+
+def test_bfloat16_copies_follow_weight_updates(tokenizer, prompts):
+    """The fast path's bf16 copies of the projections are re-made at every load_weights."""
+    model = tiny_model("qwen2-untied", tokenizer)
+    engine = TorchEngine(model, [], matmul_dtype="bfloat16")
+    before = generate(engine, prompts, max_new_tokens=10, temperature=0)
+    new_weights = perturbed(model, seed=3)
+    asyncio.run(engine.load_weights(new_weights, version=1))
+    after = generate(engine, prompts, max_new_tokens=10, temperature=0)
+
+    fresh = tiny_model("qwen2-untied", tokenizer)
+    fresh.load_state_dict(new_weights)
+    expected = generate(TorchEngine(fresh, [], matmul_dtype="bfloat16"), prompts, max_new_tokens=10, temperature=0)
+    assert [c.token_ids for c in after] != [c.token_ids for c in before]
+    assert [(c.token_ids, c.logprobs) for c in after] == [(c.token_ids, c.logprobs) for c in expected]
+
+
+def test_unknown_matmul_dtype_is_refused(models):
+    with pytest.raises(ValueError, match=r"matmul_dtype = 'bf16'.*bfloat16"):
+        TorchEngine(models["qwen2"], [], matmul_dtype="bf16")

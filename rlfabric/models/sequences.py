@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from rlfabric.algorithms.grpo import entropy_from_logits, token_logprobs_from_logits
+from rlfabric.models.precision import matmul_precision
 
 
 def pack_sequences(
@@ -58,10 +59,15 @@ def batched_response_logprobs(
     prompt_len: int,
     temperature: float,
     micro_batch_size: int,
+    matmul_dtype: str | None = None,
 ) -> np.ndarray:
     """``response_logprobs`` over a whole batch, ``micro_batch_size`` rows at a time, without gradients."""
     parts = [
-        response_logprobs(model, input_ids[rows], attention_mask[rows], prompt_len, temperature)[0].float().cpu()
+        response_logprobs(
+            model, input_ids[rows], attention_mask[rows], prompt_len, temperature, matmul_dtype=matmul_dtype
+        )[0]
+        .float()
+        .cpu()
         for rows in micro_slices(len(input_ids), micro_batch_size)
     ]
     return torch.cat(parts).numpy()
@@ -74,20 +80,23 @@ def response_logprobs(
     prompt_len: int,
     temperature: float = 1.0,
     with_entropy: bool = False,
+    matmul_dtype: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Logprobs [N, R] of each response token under softmax(logits / temperature), and optionally the entropy.
 
     Only the R + 1 last positions go through the LM head (``logits_to_keep``): the prompt's logits are never built.
+    ``matmul_dtype`` (e.g. "bfloat16") runs the body's matmuls in that dtype, see ``rlfabric.models.precision``.
     """
     width_r = input_ids.shape[1] - prompt_len
     positions = (attention_mask.cumsum(-1) - 1).clamp(min=0)
-    out = model(
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        position_ids=positions,
-        use_cache=False,
-        logits_to_keep=width_r + 1,
-    )
+    with matmul_precision(model, matmul_dtype):
+        out = model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=positions,
+            use_cache=False,
+            logits_to_keep=width_r + 1,
+        )
     logits = out.logits[:, :-1].float()  # position t predicts token t + 1
     if temperature != 1.0:
         logits = logits / temperature
