@@ -17,7 +17,14 @@ import torch
 
 from rlfabric.algorithms.grpo import aggregate_denominator, policy_objective
 from rlfabric.models.hf import load_causal_lm, load_tokenizer, save_pretrained
-from rlfabric.models.sequences import batched_response_logprobs, is_row_column, micro_slices, response_logprobs
+from rlfabric.models.sequences import (
+    batched_response_logprobs,
+    is_row_column,
+    keep_rows_with_advantage,
+    micro_slices,
+    response_logprobs,
+    select_rows,
+)
 
 OPTIMIZER_FILE = "optimizer.pt"
 
@@ -131,10 +138,12 @@ class LLMLearnerCore:
         total = float(self._all_reduce_sum(torch.tensor(loss_sum)))
         return {"sft_loss": total, "grad_norm": norm}
 
-    @torch.no_grad()
     def logprobs(self, batch: dict[str, np.ndarray], model: Any = None) -> np.ndarray:
         """Response-token logprobs of this rank's slice under ``model`` (default: the current weights)."""
-        b = self._shard(batch)
+        return self._logprobs_of(self._shard(batch), model)
+
+    @torch.no_grad()
+    def _logprobs_of(self, b: dict[str, Any], model: Any = None) -> np.ndarray:
         return batched_response_logprobs(
             model if model is not None else self.model,
             b["input_ids"],
@@ -144,6 +153,11 @@ class LLMLearnerCore:
             self.g["micro_batch_size"],
             self.matmul_dtype,
         )
+
+    def _global_denominator(self, mask: torch.Tensor) -> float:
+        """The loss aggregation's denominator over every rank's rows."""
+        local = aggregate_denominator(mask, self.g["loss_aggregation"], self.g["norm_length"])
+        return float(self._all_reduce_sum(torch.tensor(local)))
 
     def train_step(self, batch: dict[str, np.ndarray], lr: float) -> dict[str, float]:
         """One GRPO-family update on a batch: ``epochs`` passes, each one optimizer step over all micro-batches.
@@ -156,19 +170,26 @@ class LLMLearnerCore:
         mask = b["response_mask"]
         # The loss's normaliser is the whole batch's (all ranks, all micro-batches), so accumulation and
         # data parallelism give the same gradient as one big batch.
-        denominator = float(
-            self._all_reduce_sum(torch.tensor(aggregate_denominator(mask, g["loss_aggregation"], g["norm_length"])))
-        )
+        denominator = self._global_denominator(mask)
+        full_rows = len(mask)
+        if g["kl_coef"] == 0 and g["entropy_coef"] == 0:
+            # Every remaining loss term is scaled by the advantage, so zero-advantage rows (groups whose rewards
+            # are all equal) add exactly zero to the gradient: skip their forward and backward. The denominator
+            # above still counts them, so the update is the one the whole batch gives.
+            b = select_rows(b, keep_rows_with_advantage(b["advantages"]))
+            mask = b["response_mask"]
+        # Diagnostics over the rows trained on: rescale the additive entropy from the whole batch's denominator.
+        entropy_scale = denominator / max(self._global_denominator(mask), 1e-12)
         # With one pass, the weights do not change before the optimizer step, so the "old" logprobs are the first
         # forward's own (detached): exact, and one forward pass cheaper. More passes need them up front.
         single_pass = g["epochs"] == 1
-        old_logp = None if single_pass else torch.as_tensor(self.logprobs(batch)).to(self.device)
+        old_logp = None if single_pass else torch.as_tensor(self._logprobs_of(b)).to(self.device)
         ref_logp = None
         if g["kl_coef"] > 0:
             if "ref_logprobs" in b:
                 ref_logp = b["ref_logprobs"]
             elif self.reference is not None:
-                ref_logp = torch.as_tensor(self.logprobs(batch, self.reference)).to(self.device)
+                ref_logp = torch.as_tensor(self._logprobs_of(b, self.reference)).to(self.device)
         metrics: dict[str, float] = {}
         gap_sum = 0.0  # sum over loss tokens of |learner logprob - behaviour logprob|, at the batch's weights
         for epoch in range(g["epochs"]):
@@ -211,9 +232,13 @@ class LLMLearnerCore:
                     additive = key in ("pg_loss", "kl", "entropy")
                     sums[key] = sums.get(key, 0.0) + (value if additive else value * weight)
             sums["grad_norm"] = self._step(lr, g["max_grad_norm"])
+            if "entropy" in sums:
+                sums["entropy"] *= entropy_scale
             if epoch == 0:
                 metrics.update(sums)
                 metrics["logprob_gap"] = gap_sum / max(float(mask.sum()), 1.0)
+                metrics["trained_rows"] = float(len(mask))
+                metrics["skipped_rows"] = float(full_rows - len(mask))
             else:
                 metrics.update({f"{k}_last_epoch": v for k, v in sums.items() if k == "clip_fraction"})
         self.version += 1  # one policy version per batch, however many epochs it took

@@ -455,9 +455,9 @@ class GRPOTrainer:
             metrics = ray.get([ln.train_step.remote([batch_ref], self._lr()) for ln in self.learners])
         with self._timed("weight_sync_time_s"):
             self._publish()
-        # pg_loss, kl and entropy are each rank's share of the whole batch's value (one shared denominator): they add.
+        # Some metrics are each rank's share of the whole batch's value (one shared denominator, or counts): they add.
         return {
-            k: float((np.sum if k in ("pg_loss", "kl", "entropy") else np.mean)([m[k] for m in metrics]))
+            k: float((np.sum if k in ADDITIVE_LEARNER_METRICS else np.mean)([m[k] for m in metrics]))
             for k in metrics[0]
         }
 
@@ -670,6 +670,8 @@ class GRPOTrainer:
                 ray.kill(actor, no_restart=True)
         self.generators, self.learners, self.reference, self.pool = [], [], None, None
 
+
+ADDITIVE_LEARNER_METRICS = frozenset({"pg_loss", "kl", "entropy", "trained_rows", "skipped_rows"})
 
 # OpenMP threads spin this many times waiting for more work before they sleep (libgomp's GOMP_SPINCOUNT):
 # long enough to bridge the gaps between one actor's kernels, short enough (well under a millisecond) not to

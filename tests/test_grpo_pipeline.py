@@ -310,6 +310,33 @@ def set_aggregation(learner, aggregation: str) -> None:
         ray.get(learner.__ray_call__.remote(lambda actor, a: actor.core.g.update(loss_aggregation=a), aggregation))
 
 
+@pytest.mark.parametrize("zero_groups", ["some", "all"])
+def test_skipping_zero_advantage_rows_gives_the_same_update(dp_setup, monkeypatch, zero_groups):
+    """Rows whose advantage is 0 are not run (no KL, no entropy bonus): the weights after the step are those of a
+    learner that ran every row, and the metrics say how many rows were skipped."""
+    import rlfabric.actors.llm_learner as learner_module
+
+    model_dir, batch = dp_setup
+    batch = copy.deepcopy(batch)
+    zero = [0, 1, 2, 5] if zero_groups == "some" else list(range(len(batch["advantages"])))
+    batch["advantages"][zero] = 0.0
+    threads = torch.get_num_threads()
+    try:
+        skipping = LLMLearnerCore(**learner_kwargs(model_dir, "token_mean", 3))
+        every_row = LLMLearnerCore(**learner_kwargs(model_dir, "token_mean", 3))
+        m_skip = skipping.train_step(batch, 1e-3)
+        with monkeypatch.context() as patch:
+            patch.setattr(learner_module, "keep_rows_with_advantage", lambda adv: torch.ones_like(adv, dtype=bool))
+            m_all = every_row.train_step(batch, 1e-3)
+    finally:
+        torch.set_num_threads(threads)
+    assert max_abs_diff(skipping.state_dict_cpu(), every_row.state_dict_cpu()) < 1e-6
+    assert m_skip["pg_loss"] == pytest.approx(m_all["pg_loss"], abs=1e-6)
+    kept = len(batch["advantages"]) - len(zero) if zero_groups == "some" else 1  # one row runs even when none count
+    assert (m_skip["trained_rows"], m_skip["skipped_rows"]) == (kept, len(batch["advantages"]) - kept)
+    assert m_all["skipped_rows"] == 0
+
+
 def test_data_parallel_learners_and_accumulation_match_one_big_batch(local_ray, dp_setup):
     """One GRPO update per loss aggregation, in a row, by three learners that must stay equal: one micro-batch of
     the whole batch, micro-batches of 4 (gradient accumulation), and two gloo ranks on micro-batches of 2."""

@@ -47,6 +47,21 @@ def is_row_column(value: Any, num_rows: int) -> bool:
     return isinstance(value, np.ndarray) and value.ndim >= 1 and len(value) == num_rows
 
 
+def select_rows(batch: dict[str, Any], keep: torch.Tensor) -> dict[str, Any]:
+    """The batch's rows where ``keep`` [N] is True (per-row tensors sliced; everything else as it is)."""
+    n = len(keep)
+    return {k: v[keep] if torch.is_tensor(v) and v.dim() >= 1 and len(v) == n else v for k, v in batch.items()}
+
+
+def keep_rows_with_advantage(advantages: torch.Tensor) -> torch.Tensor:
+    """True for rows with a nonzero advantage; if there are none, for the first row alone, so an update still
+    runs one (zero-gradient) forward and reports its metrics."""
+    keep = advantages != 0
+    if not bool(keep.any()) and len(keep):
+        keep[0] = True
+    return keep
+
+
 def micro_slices(n: int, size: int) -> list[slice]:
     return [slice(i, min(i + size, n)) for i in range(0, n, size)]
 
