@@ -172,7 +172,7 @@ class LLMLearnerCore:
         # data parallelism give the same gradient as one big batch.
         denominator = self._global_denominator(mask)
         full_rows = len(mask)
-        if g["kl_coef"] == 0 and g["entropy_coef"] == 0:
+        if g["skip_zero_advantage_rows"] and g["kl_coef"] == 0 and g["entropy_coef"] == 0:
             # Every remaining loss term is scaled by the advantage, so zero-advantage rows (groups whose rewards
             # are all equal) add exactly zero to the gradient: skip their forward and backward. The denominator
             # above still counts them, so the update is the one the whole batch gives.

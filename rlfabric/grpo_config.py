@@ -124,6 +124,9 @@ class GRPOConfig:
     # Drop groups whose rewards are all equal (no signal) and sample more prompts to refill the batch (DAPO).
     dynamic_sampling: bool = False
     max_sampling_rounds: int = 3
+    # Learner: skip the forward/backward of zero-advantage rows when kl_coef and entropy_coef are 0 (their
+    # gradient is exactly zero); false runs every row (diagnostics such as entropy then cover the whole batch).
+    skip_zero_advantage_rows: bool = True
     # Give no loss to completions cut off at max_new_tokens (DAPO's overlong filtering).
     overlong_filter: bool = False
     # Passes over each batch; > 1 makes the clip matter (the first pass is on-policy).
