@@ -301,7 +301,9 @@ class LLMLearner:
 
     def publish(self) -> tuple[list[ray.ObjectRef], int]:
         """The current weights in the object store (one put; every generator reads the same object)."""
-        return [ray.put(self.core.state_dict_cpu())], self.core.version
+        # ray.put copies into the object store at once, so CPU tensors go without a copy of their own first.
+        state = {k: v.detach().to("cpu") for k, v in self.core.model.state_dict().items()}
+        return [ray.put(state)], self.core.version
 
     def get_version(self) -> int:
         return self.core.version
