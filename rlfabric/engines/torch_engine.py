@@ -8,16 +8,17 @@ and await its future. Every scheduler step:
 3. samples, and retires finished sequences at once, so the batch shrinks as sequences end instead of computing
    padding for them.
 
-Steps run on one worker thread, so the event loop stays free for new requests and weight updates while the model
-computes (torch releases the GIL inside its kernels).
+Steps run on the process's one compute thread (``compute_thread``: one OpenMP team per process), so the event
+loop stays free for new requests and weight updates while the model computes (torch releases the GIL inside its
+kernels).
 
 Two decoders implement the steps:
 
 * ``_FastDecoder`` (Llama, Qwen2 and Mistral families): the decoder forward written out here over a preallocated
   slot KV cache ``[layers, slots, kv_heads, length, head_dim]``. It reads the weights straight from the Hugging Face
-  module's parameters, so an in-place weight update is seen without copying. Transformers' ``generate`` spends most
-  of its time on per-step plumbing (mask building, cache concatenation, logits processors) rather than matmuls;
-  this path skips that.
+  module's parameters (or, with ``matmul_dtype`` set, from copies of the projections in that dtype, re-made at
+  every weight update). Transformers' ``generate`` spends much of its time on per-step plumbing (mask building,
+  cache concatenation, logits processors) rather than matmuls; this path skips that.
 * ``_HFDecoder`` (anything else, or ``use_fast_path=False``): static batches through the model's own forward and
   its own cache. Correct for any causal LM; slower.
 
