@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from rlfabric.engines.base import SamplingParams
-from rlfabric.engines.torch_engine import TorchEngine
+from rlfabric.engines.torch_engine import TorchEngine, sample_from_probs
 from rlfabric.models.hf import build_char_tokenizer, build_small_model_dir, build_small_qwen2
 
 PROMPTS = ["hello world", "1+2=", "the quick brown fox", "x", "(3*4)-5=?", "abc abc abc abc"]
@@ -383,6 +383,17 @@ def test_sampling_matches_the_distribution(tokenizer, prompts, fast):
     sampled = set(first_tokens(top_p=0.3))
     nucleus = probs.argsort(descending=True)[: int((probs.sort(descending=True).values.cumsum(0) < 0.3).sum()) + 1]
     assert sampled <= set(nucleus.tolist())
+
+
+def test_sample_from_probs_draws_each_row_from_its_own_distribution():
+    """Per-row distributions, zero-probability entries at both ends and in the middle never drawn."""
+    rows = torch.tensor([[0.0, 0.5, 0.0, 0.3, 0.2], [0.1, 0.0, 0.0, 0.0, 0.9], [0.0, 0.0, 1.0, 0.0, 0.0]])
+    n = 20_000
+    generator = torch.Generator().manual_seed(0)
+    draws = sample_from_probs(rows.repeat(n, 1), generator).view(n, len(rows))
+    for i, probs in enumerate(rows.double()):
+        assert_frequencies_match(draws[:, i].tolist(), probs)
+        assert not probs[draws[:, i]].eq(0).any()
 
 
 @BOTH_PATHS
