@@ -202,14 +202,24 @@ class _Linear(NamedTuple):
         bias = None if module.bias is None else module.bias.detach().to(dtype)
         return cls(module.weight.detach().to(dtype), bias)
 
+    @classmethod
+    def stacked(cls, modules: tuple[nn.Linear, ...], dtype: torch.dtype) -> _Linear:
+        """One projection whose output is the modules' outputs side by side (copies, in ``dtype``)."""
+        weight = torch.cat([m.weight.detach() for m in modules]).to(dtype)
+        bias = None if modules[0].bias is None else torch.cat([m.bias.detach() for m in modules]).to(dtype)
+        return cls(weight, bias)
+
 
 class _LayerParams(NamedTuple):
-    """One decoder layer's weights: norms by reference, projections in the decoder's matmul dtype."""
+    """One decoder layer's weights: norms by reference, projections in the decoder's matmul dtype.
+
+    ``attn_in`` is q, k and v: three projections, or one stacked projection (one matmul) when they are copies
+    anyway (a matmul dtype other than the weights') and agree on having a bias.
+    """
 
     attn_norm: _Norm
-    q: _Linear
-    k: _Linear
-    v: _Linear
+    attn_in: tuple[_Linear, ...]
+    qk_dim: int  # width of q and k together: where v starts in a stacked projection's output
     o: _Linear
     mlp_norm: _Norm
     gate: _Linear
@@ -218,9 +228,19 @@ class _LayerParams(NamedTuple):
 
     @classmethod
     def of(cls, layer: nn.Module, matmul_dtype: torch.dtype) -> _LayerParams:
+        q, k, v, o = _attention_linears(layer)
+        copies = q.weight.dtype != matmul_dtype
+        same_bias = (q.bias is None) == (k.bias is None) == (v.bias is None)
+        attn_in = (
+            (_Linear.stacked((q, k, v), matmul_dtype),)
+            if copies and same_bias
+            else tuple(_Linear.of(m, matmul_dtype) for m in (q, k, v))
+        )
         return cls(
             _Norm(layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon),
-            *(_Linear.of(m, matmul_dtype) for m in _attention_linears(layer)),
+            attn_in,
+            q.out_features + k.out_features,
+            _Linear.of(o, matmul_dtype),
             _Norm(layer.post_attention_layernorm.weight, layer.post_attention_layernorm.variance_epsilon),
             *(_Linear.of(m, matmul_dtype) for m in _mlp_linears(layer)),
         )
@@ -254,10 +274,16 @@ def _mlp(x: torch.Tensor, p: _LayerParams) -> torch.Tensor:
     return _linear(F.silu(_linear(x, p.gate), inplace=True).mul_(_linear(x, p.up)), p.down)
 
 
-def _qkv(h: torch.Tensor, p: _LayerParams) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The attention projections, computed in the matmul dtype and returned in the activations' dtype."""
-    h_mm = h.to(p.q.weight.dtype)
-    return tuple(_linear(h_mm, m).to(h.dtype) for m in (p.q, p.k, p.v))  # type: ignore[return-value]
+def _project_qkv(h: torch.Tensor, p: _LayerParams) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q and k side by side [..., qk_dim], v), computed in the matmul dtype, returned in the activations' dtype.
+
+    q and k come together because RoPE then runs once for both; from a stacked projection both parts are views.
+    """
+    h_mm = h.to(p.o.weight.dtype)
+    outs = [_linear(h_mm, m).to(h.dtype) for m in p.attn_in]
+    if len(outs) == 1:
+        return outs[0][..., : p.qk_dim], outs[0][..., p.qk_dim :]
+    return torch.cat(outs[:2], dim=-1), outs[2]
 
 
 def _out_proj(out: torch.Tensor, p: _LayerParams) -> torch.Tensor:
@@ -414,11 +440,11 @@ class _FastDecoder:
 
         x = F.embedding(ids, self.embed)
         for i, p in enumerate(self.layers):
-            q, k, v = _qkv(_rms_norm(x, p.attn_norm), p)
-            q = q.view(batch, width, self.n_heads, self.head_dim).transpose(1, 2)
-            k = k.view(batch, width, self.n_kv_heads, self.head_dim).transpose(1, 2)
+            qk, v = _project_qkv(_rms_norm(x, p.attn_norm), p)
+            qk = qk.view(batch, width, self.n_heads + self.n_kv_heads, self.head_dim).transpose(1, 2)
+            qk = _rope(qk, cos, sin)
+            q, k = qk[:, : self.n_heads], qk[:, self.n_heads :]
             v = v.view(batch, width, self.n_kv_heads, self.head_dim).transpose(1, 2)
-            q, k = _rope(q, cos, sin), _rope(k, cos, sin)
             self.k_cache[i, slots, :, :width] = spread(k)
             self.v_cache[i, slots, :, :width] = spread(v)
             out = self._attend(q, k, v, is_causal=True).transpose(1, 2).reshape(batch, width, -1)
@@ -447,13 +473,12 @@ class _FastDecoder:
 
         x = F.embedding(tokens, self.embed)  # [n, hidden]
         for i, p in enumerate(self.layers):
-            q, k, v = _qkv(_rms_norm(x, p.attn_norm), p)
-            # q and k side by side, so RoPE runs once for both.
-            qk = _rope(torch.cat((q, k), dim=-1).view(n, heads + kv_heads, 1, head_dim), cos, sin)
+            qk, v = _project_qkv(_rms_norm(x, p.attn_norm), p)
+            qk = _rope(qk.view(n, heads + kv_heads, 1, head_dim), cos, sin)
             q, k = qk[:, :heads], qk[:, heads:]
             k_cache, v_cache = self.k_cache[i], self.v_cache[i]
             k_cache.view(-1, head_dim).index_copy_(0, rows, k.reshape(-1, head_dim))
-            v_cache.view(-1, head_dim).index_copy_(0, rows, v.view(-1, head_dim))
+            v_cache.view(-1, head_dim).index_copy_(0, rows, v.reshape(-1, head_dim))
             out = self._attend(q, k_cache[:n, :, :span], v_cache[:n, :, :span], attn_mask=visible)
             x += _out_proj(out.view(n, -1), p)
             x += _mlp(_rms_norm(x, p.mlp_norm), p)
