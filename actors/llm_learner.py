@@ -29,6 +29,16 @@ from rlfabric.models.sequences import (
 OPTIMIZER_FILE = "optimizer.pt"
 
 
+def adamw(params: Any, lr: float, weight_decay: float) -> torch.optim.AdamW:
+    """AdamW with the fused kernel where torch has one for these parameters (CPU and CUDA floats: about 4x faster
+    steps than the per-tensor loop on a 4M-parameter model), else the default implementation."""
+    params = list(params)
+    try:
+        return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, fused=True)
+    except RuntimeError:
+        return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
+
+
 class LLMLearnerCore:
     """Everything the learner does, without Ray (tests and single-process tools use it directly)."""
 
@@ -68,7 +78,7 @@ class LLMLearnerCore:
         if reference_in_learner:  # a frozen copy of the starting weights, for the KL penalty
             self.reference = load_causal_lm(model_dir, dtype=dtype, device=device)
             self.reference.requires_grad_(False)
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=grpo["lr"], weight_decay=grpo["weight_decay"])
+        self.optimizer = adamw(self.model.parameters(), lr=grpo["lr"], weight_decay=grpo["weight_decay"])
         self.version = 0
 
     # -- distributed ----------------------------------------------------------------------------------------
