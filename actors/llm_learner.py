@@ -182,14 +182,15 @@ class LLMLearnerCore:
         # data parallelism give the same gradient as one big batch.
         denominator = self._global_denominator(mask)
         full_rows = len(mask)
+        entropy_scale = 1.0
         if g["skip_zero_advantage_rows"] and g["kl_coef"] == 0 and g["entropy_coef"] == 0:
             # Every remaining loss term is scaled by the advantage, so zero-advantage rows (groups whose rewards
             # are all equal) add exactly zero to the gradient: skip their forward and backward. The denominator
             # above still counts them, so the update is the one the whole batch gives.
             b = select_rows(b, keep_rows_with_advantage(b["advantages"]))
             mask = b["response_mask"]
-        # Diagnostics over the rows trained on: rescale the additive entropy from the whole batch's denominator.
-        entropy_scale = denominator / max(self._global_denominator(mask), 1e-12)
+            # The entropy diagnostic is over the rows trained on: rescale it from the whole batch's denominator.
+            entropy_scale = denominator / max(self._global_denominator(mask), 1e-12)
         # With one pass, the weights do not change before the optimizer step, so the "old" logprobs are the first
         # forward's own (detached): exact, and one forward pass cheaper. More passes need them up front.
         single_pass = g["epochs"] == 1
@@ -261,8 +262,9 @@ class LLMLearnerCore:
 
     # -- weights and checkpoints -------------------------------------------------------------------------------
 
-    def state_dict_cpu(self) -> dict[str, torch.Tensor]:
-        return {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()}
+    def state_dict_cpu(self, copy: bool = True) -> dict[str, torch.Tensor]:
+        """The weights on CPU; ``copy=False`` shares CPU tensors with the model (for an immediate ray.put)."""
+        return {k: v.detach().to("cpu", copy=copy) for k, v in self.model.state_dict().items()}
 
     def save(self, path: str) -> str:
         out = Path(path)
@@ -312,8 +314,7 @@ class LLMLearner:
     def publish(self) -> tuple[list[ray.ObjectRef], int]:
         """The current weights in the object store (one put; every generator reads the same object)."""
         # ray.put copies into the object store at once, so CPU tensors go without a copy of their own first.
-        state = {k: v.detach().to("cpu") for k, v in self.core.model.state_dict().items()}
-        return [ray.put(state)], self.core.version
+        return [ray.put(self.core.state_dict_cpu(copy=False))], self.core.version
 
     def get_version(self) -> int:
         return self.core.version
