@@ -14,16 +14,16 @@ from typing import Any
 
 import torch
 
-MATMUL_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+from rlfabric.models.hf import DTYPES
 
 
 def resolve_matmul_dtype(name: str | torch.dtype | None, field: str = "matmul_dtype") -> torch.dtype | None:
     """A dtype from its config name (None stays None: the weights' own dtype)."""
     if name is None or isinstance(name, torch.dtype):
         return name
-    if name not in MATMUL_DTYPES:
-        raise ValueError(f"{field} = {name!r}: expected one of {sorted(MATMUL_DTYPES)}")
-    return MATMUL_DTYPES[name]
+    if name not in DTYPES:
+        raise ValueError(f"{field} = {name!r}: expected one of {sorted(DTYPES)}")
+    return DTYPES[name]
 
 
 @contextmanager

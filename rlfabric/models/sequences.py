@@ -44,13 +44,12 @@ def pack_sequences(
 
 def is_row_column(value: Any, num_rows: int) -> bool:
     """Whether a batch entry holds one value per row (and so is sliced, padded and sharded with the rows)."""
-    return isinstance(value, np.ndarray) and value.ndim >= 1 and len(value) == num_rows
+    return isinstance(value, (np.ndarray, torch.Tensor)) and value.ndim >= 1 and len(value) == num_rows
 
 
 def select_rows(batch: dict[str, Any], keep: torch.Tensor) -> dict[str, Any]:
     """The batch's rows where ``keep`` [N] is True (per-row tensors sliced; everything else as it is)."""
-    n = len(keep)
-    return {k: v[keep] if torch.is_tensor(v) and v.dim() >= 1 and len(v) == n else v for k, v in batch.items()}
+    return {k: v[keep] if is_row_column(v, len(keep)) else v for k, v in batch.items()}
 
 
 def keep_rows_with_advantage(advantages: torch.Tensor) -> torch.Tensor:
