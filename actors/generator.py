@@ -15,6 +15,7 @@ import torch
 
 from rlfabric.engines.base import SamplingParams
 from rlfabric.models.hf import load_tokenizer
+from rlfabric.models.weights import as_state_dict
 
 
 def build_engine(backend: str, model_dir: str, options: dict[str, Any]) -> Any:
@@ -45,7 +46,7 @@ class Generator:
         return [{**asdict(c), "text": text} for c, text in zip(completions, texts, strict=False)]
 
     async def update_weights(self, state_ref: list[ray.ObjectRef], version: int) -> int:
-        state = await state_ref[0]
+        state = as_state_dict(await state_ref[0])  # FlatWeights from a learner, or a plain state dict
         await self.engine.load_weights(state, version)
         return version
 

@@ -25,6 +25,7 @@ from rlfabric.models.sequences import (
     response_logprobs,
     select_rows,
 )
+from rlfabric.models.weights import FlatWeights, flatten_state_dict
 
 OPTIMIZER_FILE = "optimizer.pt"
 
@@ -262,9 +263,13 @@ class LLMLearnerCore:
 
     # -- weights and checkpoints -------------------------------------------------------------------------------
 
-    def state_dict_cpu(self, copy: bool = True) -> dict[str, torch.Tensor]:
-        """The weights on CPU; ``copy=False`` shares CPU tensors with the model (for an immediate ray.put)."""
-        return {k: v.detach().to("cpu", copy=copy) for k, v in self.model.state_dict().items()}
+    def state_dict_cpu(self) -> dict[str, torch.Tensor]:
+        """A copy of the weights on CPU."""
+        return {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()}
+
+    def flat_weights(self) -> FlatWeights:
+        """The weights packed into one CPU buffer: what ``publish`` puts in the object store."""
+        return flatten_state_dict(self.model.state_dict())
 
     def save(self, path: str) -> str:
         out = Path(path)
@@ -312,9 +317,9 @@ class LLMLearner:
         return self.core.train_step(ray.get(batch_ref[0]), lr)
 
     def publish(self) -> tuple[list[ray.ObjectRef], int]:
-        """The current weights in the object store (one put; every generator reads the same object)."""
-        # ray.put copies into the object store at once, so CPU tensors go without a copy of their own first.
-        return [ray.put(self.core.state_dict_cpu(copy=False))], self.core.version
+        """The current weights in the object store as one ``FlatWeights`` buffer (every generator reads the same
+        object, zero-copy; ``rlfabric.models.weights.as_state_dict`` unpacks it)."""
+        return [ray.put(self.core.flat_weights())], self.core.version
 
     def get_version(self) -> int:
         return self.core.version

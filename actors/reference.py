@@ -14,6 +14,7 @@ import torch
 
 from rlfabric.models.hf import load_causal_lm
 from rlfabric.models.sequences import batched_response_logprobs
+from rlfabric.models.weights import as_state_dict
 
 
 @ray.remote
@@ -39,7 +40,7 @@ class Reference:
 
     def set_weights(self, state_ref: list[ray.ObjectRef]) -> None:
         """Become a frozen copy of published weights (after the SFT warm-up: the policy GRPO starts from)."""
-        self.model.load_state_dict(ray.get(state_ref[0]))
+        self.model.load_state_dict(as_state_dict(ray.get(state_ref[0])))
 
     @torch.no_grad()
     def logprobs(self, batch_ref: list[ray.ObjectRef]) -> np.ndarray:

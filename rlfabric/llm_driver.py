@@ -87,6 +87,22 @@ def wanted_cpus(cfg: LLMConfig) -> float:
     )
 
 
+def concurrent_actors(cfg: LLMConfig, role: str) -> int:
+    """How many generator/learner/reference actors compute at the same time as one of ``role``.
+
+    In sync mode the generators run together, then the reference, then the learners together, so each phase can
+    have every core; with ``max_policy_lag`` > 0 generators and learners run at once and must split them. (Two
+    OpenMP teams that each spin on every core slow each other down several times over.)
+    """
+    g, lc = cfg.generator, cfg.learner
+    if cfg.training.max_policy_lag > 0:
+        return g.num_generators + lc.num_learners
+    by_role = {"generator": g.num_generators, "learner": lc.num_learners, "reference": 1}
+    if role not in by_role:
+        raise ValueError(f"concurrent_actors: role {role!r} is not one of {sorted(by_role)}")
+    return by_role[role]
+
+
 def progress_line(row: dict[str, Any]) -> str:
     if row.get("phase") == "sft":
         return f"sft  {row['sft_step']:>5} | loss {row['sft_loss']:.3f} | {row['time_s']:6.0f}s"
@@ -171,8 +187,9 @@ class GRPOTrainer:
         self.train_ids = [self._encode(r[d.prompt_key]) for r in self.train_rows]
         self.eval_ids = [self._encode(r[d.prompt_key]) for r in self.eval_rows]
 
-    def _threads(self) -> int:
-        return max(1, os.cpu_count() or 1)
+    def _threads(self, role: str) -> int:
+        """Torch threads for one actor of ``role``: this node's cores shared by the actors computing at once."""
+        return max(1, (os.cpu_count() or 1) // concurrent_actors(self.cfg, role))
 
     def _start_generator(self) -> Any:
         from rlfabric.actors.generator import Generator
@@ -190,7 +207,7 @@ class GRPOTrainer:
         else:
             options = {**dataclasses.asdict(g.vllm), "seed": self.cfg.training.seed}
         return Generator.options(num_cpus=g.num_cpus, num_gpus=g.num_gpus, resources=g.resources).remote(
-            g.backend, self.model_dir, options, num_threads=self._threads()
+            g.backend, self.model_dir, options, num_threads=self._threads("generator")
         )
 
     def _start_learners(self) -> None:
@@ -212,7 +229,7 @@ class GRPOTrainer:
                 seed=c.training.seed,
                 gradient_checkpointing=c.model.gradient_checkpointing,
                 reference_in_learner=c.grpo.kl_coef > 0 and c.grpo.reference == "learner",
-                num_threads=self._threads(),
+                num_threads=self._threads("learner"),
                 matmul_dtype=lc.matmul_dtype,
             )
             for rank in range(lc.num_learners)
@@ -244,7 +261,7 @@ class GRPOTrainer:
                 self.cfg.grpo.micro_batch_size,
                 dtype=self.cfg.model.dtype,
                 device="cuda" if lc.num_gpus > 0 else "cpu",
-                num_threads=self._threads(),
+                num_threads=self._threads("reference"),
                 matmul_dtype=lc.matmul_dtype,
             )
         r = self.cfg.rewards

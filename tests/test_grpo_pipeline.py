@@ -34,9 +34,10 @@ from rlfabric.actors.generator import Generator
 from rlfabric.actors.llm_learner import LLMLearner, LLMLearnerCore
 from rlfabric.config import config_from_dict
 from rlfabric.grpo_config import GRPOConfig, SFTConfig
-from rlfabric.llm_driver import train_llm
+from rlfabric.llm_driver import concurrent_actors, train_llm
 from rlfabric.models.hf import build_small_model_dir, load_causal_lm, load_tokenizer
 from rlfabric.models.sequences import pack_sequences
+from rlfabric.models.weights import as_state_dict
 from rlfabric.rewards import RewardInput, register_reward
 
 TINY = {"num_layers": 1, "hidden_size": 32, "num_heads": 2, "max_positions": 64}
@@ -135,6 +136,29 @@ def run_grpo(run_dir: Path, **sections: dict) -> Run:
     summary = train_llm(cfg, run_dir, quiet=True)
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return Run(run_dir, summary, rows)
+
+
+@pytest.mark.parametrize(
+    ("lag", "generators", "learners", "expected"),
+    [
+        (0, 1, 1, {"generator": 1, "learner": 1, "reference": 1}),  # take turns: each gets every core
+        (0, 2, 4, {"generator": 2, "learner": 4, "reference": 1}),
+        (1, 1, 1, {"generator": 2, "learner": 2, "reference": 2}),  # at once: they split the cores
+        (2, 2, 4, {"generator": 6, "learner": 6, "reference": 6}),
+    ],
+)
+def test_actors_that_compute_at_once_split_the_cores(lag, generators, learners, expected):
+    cfg = config_from_dict(
+        merged(
+            BASE,
+            {
+                "generator": {"num_generators": generators},
+                "learner": {"num_learners": learners},
+                "training": {"max_policy_lag": lag},
+            },
+        )
+    )
+    assert {role: concurrent_actors(cfg, role) for role in expected} == expected
 
 
 LAGGED_SFT_STEPS = 30
@@ -364,7 +388,7 @@ def test_data_parallel_learners_and_accumulation_match_one_big_batch(local_ray, 
                 torch.set_num_threads(threads)
             m_ranks = ray.get([ln.train_step.remote([ref], 1e-3) for ln in learners], timeout=120)
             state_ref, version = ray.get(learners[0].publish.remote(), timeout=60)
-            published = ray.get(state_ref[0], timeout=60)
+            published = as_state_dict(ray.get(state_ref[0], timeout=60))
 
             expected = whole.state_dict_cpu()
             assert max_abs_diff(expected, before) > 1e-4, aggregation  # the step moved the weights

@@ -197,17 +197,37 @@ class _Linear(NamedTuple):
     bias: torch.Tensor | None
 
     @classmethod
-    def of(cls, module: nn.Linear, dtype: torch.dtype) -> _Linear:
-        """The projection in ``dtype``: the live parameters themselves when the dtypes agree, else copies."""
-        bias = None if module.bias is None else module.bias.detach().to(dtype)
-        return cls(module.weight.detach().to(dtype), bias)
+    def of(cls, modules: tuple[nn.Linear, ...], dtype: torch.dtype, copies: list[_Copy]) -> _Linear:
+        """One projection whose output is the modules' outputs side by side, in ``dtype``.
 
-    @classmethod
-    def stacked(cls, modules: tuple[nn.Linear, ...], dtype: torch.dtype) -> _Linear:
-        """One projection whose output is the modules' outputs side by side (copies, in ``dtype``)."""
-        weight = torch.cat([m.weight.detach() for m in modules]).to(dtype)
-        bias = None if modules[0].bias is None else torch.cat([m.bias.detach() for m in modules]).to(dtype)
+        One module already in ``dtype`` is used in place (its live parameters). Otherwise the projection is a copy:
+        each (destination slice, live parameter) pair goes into ``copies``, which refresh the copy in place after
+        every weight load (no reallocation).
+        """
+        if len(modules) == 1 and modules[0].weight.dtype == dtype:
+            m = modules[0]
+            return cls(m.weight.detach(), None if m.bias is None else m.bias.detach())
+
+        def stack(tensors: list[torch.Tensor]) -> torch.Tensor:
+            out = torch.empty(
+                (sum(len(t) for t in tensors), *tensors[0].shape[1:]), dtype=dtype, device=tensors[0].device
+            )
+            start = 0
+            for t in tensors:
+                copies.append(_Copy(out[start : start + len(t)], t))
+                start += len(t)
+            return out
+
+        weight = stack([m.weight.detach() for m in modules])
+        bias = None if modules[0].bias is None else stack([m.bias.detach() for m in modules])
         return cls(weight, bias)
+
+
+class _Copy(NamedTuple):
+    """A decoder-owned copy of (part of) a parameter: ``destination.copy_(source)`` brings it up to date."""
+
+    destination: torch.Tensor
+    source: torch.Tensor
 
 
 class _LayerParams(NamedTuple):
@@ -227,22 +247,21 @@ class _LayerParams(NamedTuple):
     down: _Linear
 
     @classmethod
-    def of(cls, layer: nn.Module, matmul_dtype: torch.dtype) -> _LayerParams:
+    def of(cls, layer: nn.Module, matmul_dtype: torch.dtype, copies: list[_Copy]) -> _LayerParams:
         q, k, v, o = _attention_linears(layer)
-        copies = q.weight.dtype != matmul_dtype
-        same_bias = (q.bias is None) == (k.bias is None) == (v.bias is None)
+        stack = q.weight.dtype != matmul_dtype and (q.bias is None) == (k.bias is None) == (v.bias is None)
         attn_in = (
-            (_Linear.stacked((q, k, v), matmul_dtype),)
-            if copies and same_bias
-            else tuple(_Linear.of(m, matmul_dtype) for m in (q, k, v))
+            (_Linear.of((q, k, v), matmul_dtype, copies),)
+            if stack
+            else tuple(_Linear.of((m,), matmul_dtype, copies) for m in (q, k, v))
         )
         return cls(
             _Norm(layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon),
             attn_in,
             q.out_features + k.out_features,
-            _Linear.of(o, matmul_dtype),
+            _Linear.of((o,), matmul_dtype, copies),
             _Norm(layer.post_attention_layernorm.weight, layer.post_attention_layernorm.variance_epsilon),
-            *(_Linear.of(m, matmul_dtype) for m in _mlp_linears(layer)),
+            *(_Linear.of((m,), matmul_dtype, copies) for m in _mlp_linears(layer)),
         )
 
 
@@ -303,8 +322,9 @@ class _FastDecoder:
     ) -> None:
         config, body = model.config, model.model
         attn = body.layers[0].self_attn
-        self.body = body
         self.matmul_dtype = matmul_dtype or body.embed_tokens.weight.dtype
+        self.copies: list[_Copy] = []
+        self.layers = [_LayerParams.of(layer, self.matmul_dtype, self.copies) for layer in body.layers]
         self.refresh_weights()
         self.embed = body.embed_tokens.weight
         self.final_norm = _Norm(body.norm.weight, body.norm.variance_epsilon)
@@ -328,8 +348,10 @@ class _FastDecoder:
         return self.slots
 
     def refresh_weights(self) -> None:
-        """Re-read the projections after a weight update (a no-op for those used in place, a copy for the rest)."""
-        self.layers = [_LayerParams.of(layer, self.matmul_dtype) for layer in self.body.layers]
+        """Bring the decoder's copies of projections up to date after an in-place weight update (into the same
+        buffers: a converting copy, no allocation); projections used in place need nothing."""
+        for copy in self.copies:
+            copy.destination.copy_(copy.source)
 
     def free_slots(self) -> int:
         return self.max_slots - len(self.slots)

@@ -39,6 +39,7 @@ from typing import Any
 import torch
 
 from rlfabric.engines.base import Completion, SamplingParams
+from rlfabric.models.weights import dtype_name, tensor_from_bytes
 
 INSTALL_HINT = "the vllm backend needs the 'vllm' extra: pip install 'rlfabric[vllm]' on a machine with a CUDA GPU"
 
@@ -279,7 +280,7 @@ def pack_weights(
         if bucket and size + len(data) > bucket_bytes:
             yield bucket
             bucket, size = [], 0
-        bucket.append((name, str(tensor.dtype).removeprefix("torch."), list(tensor.shape), data))
+        bucket.append((name, dtype_name(tensor.dtype), list(tensor.shape), data))
         size += len(data)
     if bucket:
         yield bucket
@@ -287,18 +288,7 @@ def pack_weights(
 
 def unpack_weights(bucket: list[PackedTensor]) -> list[tuple[str, torch.Tensor]]:
     """The (name, CPU tensor) pairs of one ``pack_weights`` bucket. Tensors read the bytes in place: read-only."""
-    weights = []
-    for name, dtype_name, shape, data in bucket:
-        dtype = getattr(torch, dtype_name)
-        if len(data) == 0:
-            tensor = torch.empty(shape, dtype=dtype)
-        else:
-            with warnings.catch_warnings():  # bytes are read-only; nothing writes to these tensors
-                warnings.simplefilter("ignore", UserWarning)
-                tensor = torch.frombuffer(data, dtype=torch.uint8)
-            tensor = tensor.view(dtype).reshape(shape)
-        weights.append((name, tensor))
-    return weights
+    return [(name, tensor_from_bytes(data, dtype, shape)) for name, dtype, shape, data in bucket]
 
 
 class VLLMWorkerExtension:
