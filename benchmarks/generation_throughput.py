@@ -21,7 +21,7 @@ All torch work (building the model, every contender) runs on the engine's comput
 team per calling thread, and a second team would make libgomp stop spin-waiting for both, slowing every contender.
 
 It prints a table with tokens/s and the ratio to the anchor, and writes ``benchmarks/results/
-generation_throughput.json``.
+generation_throughput.json`` (``generation_throughput_eos.json`` with ``--eos``).
 
 Usage::
 
@@ -139,7 +139,7 @@ def main() -> None:
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--eos", action="store_true", help="stop sequences at EOS on both sides (see above)")
-    p.add_argument("--out", default=str(HERE / "results" / "generation_throughput.json"))
+    p.add_argument("--out", help="result file (default: results/generation_throughput[_eos].json)")
     args = p.parse_args()
 
     torch.set_num_threads(args.threads)
@@ -205,7 +205,7 @@ def main() -> None:
             name: r["tokens_per_s"] / same_precision[name] for name, r in results.items()
         },
     }
-    out = Path(args.out)
+    out = Path(args.out or HERE / "results" / f"generation_throughput{'_eos' if args.eos else ''}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2) + "\n")
     print(f"wrote {out}")

@@ -8,6 +8,7 @@ instead of repeating one, which would make the comparisons weak.
 from __future__ import annotations
 
 import asyncio
+import copy
 import math
 
 import pytest
@@ -166,7 +167,8 @@ def test_default_size_model_from_pretrained(tmp_path, tokenizer):
     path = build_small_model_dir(tmp_path / "model")
     engine = TorchEngine.from_pretrained(path)
     assert engine.uses_fast_path and engine.eos_ids == {tokenizer.eos_token_id}
-    model = sharpen(engine.model)  # in place: the engine reads the module's parameters
+    model = sharpen(copy.deepcopy(engine.model))
+    asyncio.run(engine.load_weights(dict(model.state_dict()), version=1))  # how weights reach a running engine
     prompts = [tokenizer.encode(text) for text in PROMPTS]
     results = generate(engine, prompts, max_new_tokens=16, temperature=0)
     for prompt, completion in zip(prompts, results, strict=True):
@@ -504,6 +506,18 @@ def test_bfloat16_copies_follow_weight_updates(tokenizer, prompts):
     expected = generate(TorchEngine(fresh, [], matmul_dtype="bfloat16"), prompts, max_new_tokens=10, temperature=0)
     assert [c.token_ids for c in after] != [c.token_ids for c in before]
     assert [(c.token_ids, c.logprobs) for c in after] == [(c.token_ids, c.logprobs) for c in expected]
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
+@pytest.mark.parametrize("matmul_dtype", ["float32", "bfloat16"])
+def test_cpu_fast_path_multiplies_by_onednn_packed_weights(models, matmul_dtype):
+    """Every projection and the LM head have a oneDNN pack (the faster CPU matmul); load_weights tests above
+    check that the packs follow weight updates."""
+    engine = TorchEngine(models["qwen2"], [], matmul_dtype=matmul_dtype)
+    assert engine.uses_fast_path
+    linears = engine._decoder.linears
+    assert len(linears) == 1 + sum(len(p.attn_in) + 4 for p in engine._decoder.layers)
+    assert all(linear.packed is not None for linear in linears)
 
 
 def test_unknown_matmul_dtype_is_refused(models):
