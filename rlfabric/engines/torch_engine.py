@@ -243,13 +243,16 @@ PACK_BATCH_HINT = 64  # oneDNN's layout hint; measured not to matter between 1 a
 
 
 def packed_matmuls_available(weight: torch.Tensor) -> bool:
-    """oneDNN prepacked linears: CPU tensors of float32 or bfloat16, in a torch built with oneDNN."""
-    return (
-        weight.device.type == "cpu"
-        and weight.dtype in (torch.float32, torch.bfloat16)
-        and torch.backends.mkldnn.is_available()
-        and hasattr(torch.ops.mkldnn, "_linear_pointwise")
-    )
+    """oneDNN prepacked linears: CPU tensors of float32, or of bfloat16 where oneDNN supports it on this CPU, in
+    a torch built with oneDNN. Elsewhere (GPU, other dtypes) the fast path uses ``F.linear``."""
+    if weight.device.type != "cpu" or not torch.backends.mkldnn.is_available():
+        return False
+    ops = torch.ops.mkldnn
+    if not (hasattr(ops, "_linear_pointwise") and hasattr(ops, "_reorder_linear_weight")):
+        return False
+    if weight.dtype == torch.bfloat16:
+        return hasattr(ops, "_is_mkldnn_bf16_supported") and bool(ops._is_mkldnn_bf16_supported())
+    return weight.dtype == torch.float32
 
 
 class _Copy(NamedTuple):
