@@ -50,10 +50,6 @@ class FlatWeights:
     buffer: np.ndarray
     entries: tuple[WeightEntry, ...]
 
-    @property
-    def nbytes(self) -> int:
-        return int(self.buffer.nbytes)
-
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Name -> CPU tensor viewing the buffer (read-only when the buffer came from the object store)."""
         return {
