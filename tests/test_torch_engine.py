@@ -518,7 +518,7 @@ def test_cpu_fast_path_multiplies_by_onednn_packed_weights(models, matmul_dtype)
     engine = TorchEngine(models["qwen2"], [], matmul_dtype=matmul_dtype)
     assert engine.uses_fast_path
     linears = engine._decoder.linears
-    assert len(linears) == 1 + sum(len(p.attn_in) + 4 for p in engine._decoder.layers)
+    assert len(linears) == 1 + sum(len(p.attn_in) + len(p.mlp_in) + 2 for p in engine._decoder.layers)
     assert all(linear.packed is not None for linear in linears)
 
 

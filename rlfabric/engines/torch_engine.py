@@ -230,7 +230,7 @@ class _Linear:
         return cls(weight, bias)
 
     def repack(self) -> None:
-        if packed_matmuls_available(self.weight):
+        if packed_matmuls_available(self.weight.device, self.weight.dtype):
             self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, PACK_BATCH_HINT)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -242,17 +242,17 @@ class _Linear:
 PACK_BATCH_HINT = 64  # oneDNN's layout hint; measured not to matter between 1 and 256 rows
 
 
-def packed_matmuls_available(weight: torch.Tensor) -> bool:
-    """oneDNN prepacked linears: CPU tensors of float32, or of bfloat16 where oneDNN supports it on this CPU, in
-    a torch built with oneDNN. Elsewhere (GPU, other dtypes) the fast path uses ``F.linear``."""
-    if weight.device.type != "cpu" or not torch.backends.mkldnn.is_available():
+def packed_matmuls_available(device: torch.device, dtype: torch.dtype) -> bool:
+    """oneDNN prepacked linears: on CPU, in float32, or in bfloat16 where oneDNN supports it on this CPU, in a
+    torch built with oneDNN. Elsewhere (GPU, other dtypes) the fast path uses ``F.linear``."""
+    if device.type != "cpu" or not torch.backends.mkldnn.is_available():
         return False
     ops = torch.ops.mkldnn
     if not (hasattr(ops, "_linear_pointwise") and hasattr(ops, "_reorder_linear_weight")):
         return False
-    if weight.dtype == torch.bfloat16:
+    if dtype == torch.bfloat16:
         return hasattr(ops, "_is_mkldnn_bf16_supported") and bool(ops._is_mkldnn_bf16_supported())
-    return weight.dtype == torch.float32
+    return dtype == torch.float32
 
 
 class _Copy(NamedTuple):
@@ -265,8 +265,8 @@ class _Copy(NamedTuple):
 class _LayerParams(NamedTuple):
     """One decoder layer's weights: norms by reference, projections in the decoder's matmul dtype.
 
-    ``attn_in`` is q, k and v: three projections, or one stacked projection (one matmul) when they are copies
-    anyway (a matmul dtype other than the weights') and agree on having a bias.
+    ``attn_in`` (q, k, v) and ``mlp_in`` (gate, up) are each one stacked projection or one per module (see
+    ``_projections``).
     """
 
     attn_norm: _Norm
@@ -274,27 +274,38 @@ class _LayerParams(NamedTuple):
     qk_dim: int  # width of q and k together: where v starts in a stacked projection's output
     o: _Linear
     mlp_norm: _Norm
-    gate: _Linear
-    up: _Linear
+    mlp_in: tuple[_Linear, ...]
     down: _Linear
 
     @classmethod
     def of(cls, layer: nn.Module, matmul_dtype: torch.dtype, copies: list[_Copy]) -> _LayerParams:
         q, k, v, o = _attention_linears(layer)
-        stack = q.weight.dtype != matmul_dtype and (q.bias is None) == (k.bias is None) == (v.bias is None)
-        attn_in = (
-            (_Linear.of((q, k, v), matmul_dtype, copies),)
-            if stack
-            else tuple(_Linear.of((m,), matmul_dtype, copies) for m in (q, k, v))
-        )
+        gate, up, down = _mlp_linears(layer)
         return cls(
             _Norm(layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon),
-            attn_in,
+            _projections((q, k, v), matmul_dtype, copies),
             q.out_features + k.out_features,
             _Linear.of((o,), matmul_dtype, copies),
             _Norm(layer.post_attention_layernorm.weight, layer.post_attention_layernorm.variance_epsilon),
-            *(_Linear.of((m,), matmul_dtype, copies) for m in _mlp_linears(layer)),
+            _projections((gate, up), matmul_dtype, copies),
+            _Linear.of((down,), matmul_dtype, copies),
         )
+
+
+def _projections(modules: tuple[nn.Linear, ...], dtype: torch.dtype, copies: list[_Copy]) -> tuple[_Linear, ...]:
+    """Projections of one input: one stacked matmul, or one per module.
+
+    One wide matmul beats several narrow ones on decode batches (q, k and v of the benchmark model: 1.6x; gate
+    and up: 1.35x; benchmarks/RESULTS.md). Stacking needs a copy of the weights, so it happens where they are
+    copied anyway: into another matmul dtype, or into oneDNN packs on CPU. On GPU in the model's own dtype the
+    live parameters serve in place (no second copy of the model in GPU memory).
+    """
+    weight = modules[0].weight
+    same_bias = len({m.bias is None for m in modules}) == 1
+    copied = weight.dtype != dtype or packed_matmuls_available(weight.device, dtype)
+    if same_bias and copied:
+        return (_Linear.of(modules, dtype, copies),)
+    return tuple(_Linear.of((m,), dtype, copies) for m in modules)
 
 
 def _rms_norm(x: torch.Tensor, norm: _Norm) -> torch.Tensor:
@@ -316,9 +327,13 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
 
 
 def _mlp(x: torch.Tensor, p: _LayerParams) -> torch.Tensor:
-    """SwiGLU in the matmul dtype, in place on the gate's output (one intermediate buffer fewer per layer)."""
-    x = x.to(p.gate.weight.dtype)
-    return p.down(F.silu(p.gate(x), inplace=True).mul_(p.up(x)))
+    """SwiGLU in the matmul dtype."""
+    x = x.to(p.down.weight.dtype)
+    if len(p.mlp_in) == 1:
+        gate, up = p.mlp_in[0](x).chunk(2, dim=-1)
+    else:
+        gate, up = (m(x) for m in p.mlp_in)
+    return p.down(F.silu(gate) * up)
 
 
 def _project_qkv(h: torch.Tensor, p: _LayerParams) -> tuple[torch.Tensor, torch.Tensor]:
@@ -358,7 +373,7 @@ class _FastDecoder:
         # The LM head stays in the model's dtype (logprobs as the learner computes them); tied or untied, the
         # module knows its weight.
         self.head = _Linear.of((model.get_output_embeddings(),), self.embed.dtype, self.copies)
-        self.linears = [*(m for p in self.layers for m in (*p.attn_in, p.o, p.gate, p.up, p.down)), self.head]
+        self.linears = [*(m for p in self.layers for m in (*p.attn_in, p.o, *p.mlp_in, p.down)), self.head]
         self.refresh_weights()
         self.rotary = body.rotary_emb
         self.n_heads, self.n_kv_heads = config.num_attention_heads, config.num_key_value_heads
