@@ -319,11 +319,13 @@ def _rms_norm(x: torch.Tensor, norm: _Norm) -> torch.Tensor:
     return norm.weight * F.rms_norm(x.float(), x.shape[-1:], eps=norm.eps).to(x.dtype)
 
 
-def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotary embedding as transformers applies it (rotate_half convention)."""
+def _rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding as transformers applies it: ``x * cos + rotate_half(x) * sin``, rotate_half(x) being
+    (-x2, x1). Here the minus lives in the table (``signed_sin`` = (-sin1, sin2), see ``_rope_table``), so this
+    is (x2, x1) * signed_sin: a kernel fewer, the same numbers in every dtype (negation is exact)."""
     half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+    swapped = torch.cat((x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + swapped * signed_sin
 
 
 def _mlp(x: torch.Tensor, p: _LayerParams) -> torch.Tensor:
@@ -383,7 +385,7 @@ class _FastDecoder:
         self.max_slots, self.max_len = max_batch_size, max_seq_len
 
         self.k_cache = self.v_cache = self._new_cache(slots=0, length=0)
-        self.cos = self.sin = torch.empty(0, self.head_dim, device=self.device, dtype=self.dtype)
+        self.cos = self.signed_sin = torch.empty(0, self.head_dim, device=self.device, dtype=self.dtype)
         # Per slot: its request, the number of tokens in its cache, and the sampled token still to feed.
         self.slots: list[_Request] = []
         self.lengths: list[int] = []
@@ -446,18 +448,21 @@ class _FastDecoder:
             new[:, :n, :, :used] = old[:, :n, :, :used]
             setattr(self, name, new)
         if new_len > self.cos.shape[0]:
-            self.cos, self.sin = self._rope_table(new_len)
+            self.cos, self.signed_sin = self._rope_table(new_len)
 
     def _new_cache(self, slots: int, length: int) -> torch.Tensor:
         shape = (len(self.layers), slots, self.n_kv_heads, length, self.head_dim)
         return torch.zeros(shape, device=self.device, dtype=self.dtype)
 
     def _rope_table(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos/sin for positions [0, length), computed by the model's own rotary module (theta, scaling and all)."""
+        """cos and signed sin (see ``_rope``) for positions [0, length), from the model's own rotary module (theta,
+        scaling and all)."""
         positions = torch.arange(length, device=self.device)[None]
         probe = torch.empty(1, device=self.device, dtype=self.dtype)  # the module only reads its device and dtype
         cos, sin = self.rotary(probe, positions)
-        return cos[0], sin[0]
+        cos, sin = cos[0], sin[0]
+        half = sin.shape[-1] // 2
+        return cos, torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)
 
     def _retire(self, done_slots: list[int]) -> None:
         """Free the finished slots, moving the running sequences above the new end into the holes (one copy)."""
@@ -506,7 +511,7 @@ class _FastDecoder:
             """Rows of the distinct prompts -> rows of the admitted requests (repeats copied)."""
             return rows if gather is None else rows[gather]
 
-        cos, sin = self.cos[:width], self.sin[:width]  # broadcast over [batch, heads, width, head_dim]
+        cos, sin = self.cos[:width], self.signed_sin[:width]  # broadcast over [batch, heads, width, head_dim]
 
         x = F.embedding(ids, self.embed)
         for i, p in enumerate(self.layers):
@@ -533,8 +538,12 @@ class _FastDecoder:
         positions = torch.tensor(self.lengths[:n], device=self.device)
         tokens = torch.tensor(self.pending[:n], device=self.device)
         span = max(self.lengths[:n]) + 1  # cache positions any slot can see this step
-        visible = (torch.arange(span, device=self.device)[None, :] <= positions[:, None]).view(n, 1, 1, span)
-        cos, sin = self.cos[positions][:, None, None, :], self.sin[positions][:, None, None, :]
+        # Additive mask, made once per step (a boolean one is converted inside every attention call).
+        hidden = torch.arange(span, device=self.device)[None, :] > positions[:, None]
+        mask = torch.zeros(n, 1, 1, span, device=self.device, dtype=self.dtype).masked_fill_(
+            hidden.view(n, 1, 1, span), float("-inf")
+        )
+        cos, sin = self.cos[positions][:, None, None, :], self.signed_sin[positions][:, None, None, :]
         # Where each new key/value row goes in a layer's cache seen as [slots * kv_heads * length, head_dim]:
         # one index_copy_ per cache instead of an index_put with two index tensors.
         capacity = self.k_cache.shape[3]
@@ -549,7 +558,7 @@ class _FastDecoder:
             k_cache, v_cache = self.k_cache[i], self.v_cache[i]
             k_cache.view(-1, head_dim).index_copy_(0, rows, k.reshape(-1, head_dim))
             v_cache.view(-1, head_dim).index_copy_(0, rows, v.reshape(-1, head_dim))
-            out = self._attend(q, k_cache[:n, :, :span], v_cache[:n, :, :span], attn_mask=visible)
+            out = self._attend(q, k_cache[:n, :, :span], v_cache[:n, :, :span], attn_mask=mask)
             x += _out_proj(out.view(n, -1), p)
             x += _mlp(_rms_norm(x, p.mlp_norm), p)
 
@@ -720,7 +729,8 @@ class TorchEngine:
     and GPUs, at the cost of behaviour logprobs that differ from a float32 learner's by bf16 rounding (the
     driver logs that gap as ``logprob_gap``).
 
-    On CPU the fast path multiplies by oneDNN-packed copies of the projections (faster on small batches). The
+    On CPU the fast path multiplies by oneDNN-packed copies of the projections, with q/k/v and gate/up stacked
+    into one projection each (faster on small batches; it holds about two more copies of the projections). The
     engine owns ``model`` from here on: it moves it to ``device``, puts it in eval mode and updates its parameters
     in place; change them through ``load_weights`` only, which also re-makes those copies. Call it from one event
     loop at a time.
