@@ -57,6 +57,7 @@ class LLMLearnerCore:
         seed: int = 0,
         gradient_checkpointing: bool = False,
         reference_in_learner: bool = False,
+        reference_dir: str | None = None,
         num_threads: int | None = None,
         matmul_dtype: str | None = None,
     ) -> None:
@@ -76,8 +77,8 @@ class LLMLearnerCore:
         self.model.train()
         self.tokenizer = load_tokenizer(model_dir)
         self.reference = None
-        if reference_in_learner:  # a frozen copy of the starting weights, for the KL penalty
-            self.reference = load_causal_lm(model_dir, dtype=dtype, device=device)
+        if reference_in_learner:  # a frozen copy of the starting weights (or of reference_dir's), for the KL
+            self.reference = load_causal_lm(reference_dir or model_dir, dtype=dtype, device=device)
             self.reference.requires_grad_(False)
         self.optimizer = adamw(self.model.parameters(), lr=grpo["lr"], weight_decay=grpo["weight_decay"])
         self.version = 0
@@ -271,12 +272,15 @@ class LLMLearnerCore:
         """The weights packed into one CPU buffer: what ``publish`` puts in the object store."""
         return flatten_state_dict(self.model.state_dict())
 
-    def save(self, path: str) -> str:
+    def save(self, path: str, with_optimizer: bool = True) -> str:
+        """The model in Hugging Face format at ``path``, plus the optimizer state and version (what a resumed run
+        continues from) unless ``with_optimizer`` is False."""
         out = Path(path)
         self.model.eval()
         save_pretrained(self.model, self.tokenizer, out)
         self.model.train()
-        torch.save({"optimizer": self.optimizer.state_dict(), "version": self.version}, out / OPTIMIZER_FILE)
+        if with_optimizer:
+            torch.save({"optimizer": self.optimizer.state_dict(), "version": self.version}, out / OPTIMIZER_FILE)
         return str(out)
 
     def load_optimizer(self, path: str) -> int:
@@ -327,8 +331,8 @@ class LLMLearner:
     def reset_reference(self) -> None:
         self.core.reset_reference()
 
-    def save(self, path: str) -> str:
-        return self.core.save(path)
+    def save(self, path: str, with_optimizer: bool = True) -> str:
+        return self.core.save(path, with_optimizer)
 
     def load_optimizer(self, path: str) -> int:
         return self.core.load_optimizer(path)

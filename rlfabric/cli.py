@@ -13,6 +13,7 @@ from pathlib import Path
 from ray.exceptions import RayError
 
 from rlfabric.config import ConfigError, load_config
+from rlfabric.run_log import CONFIG_FILE
 from rlfabric.runner_pool import RunAbortedError, error_summary
 
 _ANSI_COLOR = re.compile(r"\x1b\[[0-9;]*m")
@@ -72,21 +73,30 @@ def _print_llm_summary(summary: dict) -> None:
             print(f"    [{mark}] {s['prompt']!r} -> {s['completion']!r}  (expected {expected!r})")
 
 
-def cmd_train_llm(args: argparse.Namespace, cfg: object) -> int:
-    from rlfabric.llm_driver import GRPOTrainer
+def cmd_train_llm(args: argparse.Namespace, cfg: object | None) -> int:
+    """A GRPO run: a new one from ``cfg``, or (``--resume DIR``, cfg None) the run in DIR continued."""
+    from rlfabric.llm_driver import GRPOTrainer, latest_checkpoint
 
     if args.resume:
-        raise ConfigError("--resume is not supported for algo grpo yet; start a new run (checkpoints hold HF models)")
-    name = cfg.data.train.replace("task:", "").split("?")[0].replace("/", "_")  # type: ignore[attr-defined]
-    run_dir = Path(args.run_dir) if args.run_dir else _default_run_dir(f"grpo-{Path(name).stem}")
-    trainer = GRPOTrainer(cfg, run_dir, quiet=args.quiet)  # type: ignore[arg-type]
-    print(f"rlfabric: GRPO on {cfg.data.train} -> {trainer.run_dir}", file=sys.stderr)  # type: ignore[attr-defined]
+        trainer = GRPOTrainer.from_run_dir(args.resume, args.overrides, quiet=args.quiet)
+        where = f"from {trainer.resume_from.name}"  # type: ignore[union-attr]
+    else:
+        name = cfg.data.train.replace("task:", "").split("?")[0].replace("/", "_")  # type: ignore[attr-defined]
+        run_dir = Path(args.run_dir) if args.run_dir else _default_run_dir(f"grpo-{Path(name).stem}")
+        trainer = GRPOTrainer(cfg, run_dir, quiet=args.quiet)  # type: ignore[arg-type]
+        where = "new run"
+    print(f"rlfabric: GRPO on {trainer.cfg.data.train} -> {trainer.run_dir} ({where})", file=sys.stderr)
+    resume_hint = f"continue with --resume {trainer.run_dir}"
     try:
         summary = trainer.train()
-    except RayError as exc:  # an actor died for good: say so without the --resume advice PPO runs get
-        raise RunAbortedError(error_summary(exc)) from None
+    except RayError as exc:  # an actor died for good
+        has_checkpoint = latest_checkpoint(trainer.run_dir) is not None
+        raise RunAbortedError(error_summary(exc) + (f"; {resume_hint}" if has_checkpoint else "")) from None
     except KeyboardInterrupt:
-        print(f"\nrlfabric: interrupted; checkpoints so far are in {trainer.run_dir / 'checkpoints'}", file=sys.stderr)
+        if latest_checkpoint(trainer.run_dir) is not None:
+            print(f"\nrlfabric: interrupted; the latest checkpoint is kept ({resume_hint})", file=sys.stderr)
+        else:
+            print("\nrlfabric: interrupted before the first checkpoint (training.checkpoint_every)", file=sys.stderr)
         return 130
     finally:
         trainer.close()
@@ -106,6 +116,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     if args.resume:
         if args.config:
             raise ConfigError("--resume DIR uses the run's saved config; pass only key=value overrides, not a file")
+        if _saved_algo(Path(args.resume)) == "grpo":
+            return cmd_train_llm(args, None)
         trainer = Trainer.from_run_dir(args.resume, args.overrides, quiet=args.quiet)
     else:
         run_dir = Path(args.run_dir) if args.run_dir else _default_run_dir(cfg.env.id)
@@ -119,6 +131,18 @@ def cmd_train(args: argparse.Namespace) -> int:
     summary["plot"] = str(summary["plot"]) if summary.get("plot") else None
     _print_summary(summary)
     return 0
+
+
+def _saved_algo(run_dir: Path) -> str:
+    """The ``algo`` of the config saved in a run directory ("ppo" when it cannot tell: that path reports a
+    missing or unreadable directory itself)."""
+    import yaml
+
+    try:
+        data = yaml.safe_load((run_dir / CONFIG_FILE).read_text())
+    except (OSError, yaml.YAMLError):
+        return "ppo"
+    return str(data.get("algo", "ppo")) if isinstance(data, dict) else "ppo"
 
 
 def cmd_envs_list(args: argparse.Namespace) -> int:

@@ -58,6 +58,25 @@ def _get_path(cfg: Config, dotted: str) -> Any:
     return node
 
 
+def resumed_config(run_dir: Path, overrides: list[str] | None, fixed: tuple[str, ...]) -> Any:
+    """The config saved in ``run_dir`` with ``overrides`` applied, refusing changes to the ``fixed`` paths (what
+    the checkpoint's weights depend on); the error names the changed field, e.g. ``model.hidden_sizes``."""
+    saved = load_config(run_dir / CONFIG_FILE)
+    cfg = load_config(run_dir / CONFIG_FILE, overrides)
+    for path in fixed:
+        before, after = _get_path(saved, path), _get_path(cfg, path)
+        if dataclasses.is_dataclass(before) and before != after:
+            changed = next(
+                f.name for f in dataclasses.fields(before) if getattr(before, f.name) != getattr(after, f.name)
+            )
+            path, before, after = f"{path}.{changed}", getattr(before, changed), getattr(after, changed)
+        if before != after:
+            raise ConfigError(
+                f"{path} = {after!r} is not valid with --resume: the checkpoint was trained with {before!r}"
+            )
+    return cfg
+
+
 def latest_checkpoint(run_dir: Path) -> Path | None:
     found = sorted((run_dir / CHECKPOINT_DIR).glob("iter_*.pt"))
     return found[-1] if found else None
@@ -121,24 +140,7 @@ class Trainer:
             raise ConfigError(f"--resume {str(run_dir)!r}: not a run directory (no {CONFIG_FILE})")
         if latest_checkpoint(run_dir) is None:
             raise ConfigError(f"--resume {str(run_dir)!r}: no checkpoint found under {CHECKPOINT_DIR}/")
-        saved = load_config(run_dir / CONFIG_FILE)
-        cfg = load_config(run_dir / CONFIG_FILE, overrides)
-        for path in FIXED_ON_RESUME:
-            before, after = _get_path(saved, path), _get_path(cfg, path)
-            if dataclasses.is_dataclass(before):  # name the changed field itself, e.g. model.hidden_sizes
-                changed = (
-                    next(
-                        f.name for f in dataclasses.fields(before) if getattr(before, f.name) != getattr(after, f.name)
-                    )
-                    if before != after
-                    else None
-                )
-                if changed is not None:
-                    path, before, after = f"{path}.{changed}", getattr(before, changed), getattr(after, changed)
-            if before != after:
-                raise ConfigError(
-                    f"{path} = {after!r} is not valid with --resume: the checkpoint was trained with {before!r}"
-                )
+        cfg = resumed_config(run_dir, overrides, FIXED_ON_RESUME)
         return cls(cfg, run_dir, resume=True, quiet=quiet)
 
     # -- setup ------------------------------------------------------------------------------------------

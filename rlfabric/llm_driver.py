@@ -36,16 +36,30 @@ from rlfabric import rewards
 from rlfabric.algorithms.grpo import compute_advantages, group_has_signal
 from rlfabric.config import ConfigError
 from rlfabric.data import load_heldout, load_prompts, row_metadata
-from rlfabric.driver import ensure_ray
+from rlfabric.driver import ensure_ray, resumed_config
 from rlfabric.grpo_config import LLMConfig
 from rlfabric.models.sequences import is_row_column, pack_sequences
 from rlfabric.reward_pool import RewardPool
 from rlfabric.rewards import RewardInput, RewardResult
-from rlfabric.run_log import RunLog, read_metrics, write_summary
+from rlfabric.run_log import CONFIG_FILE, RunLog, read_metrics, write_summary
 from rlfabric.runner_pool import RunAbortedError, error_summary
 
 CHECKPOINT_DIR = "checkpoints"
+TRAINER_STATE_FILE = "trainer_state.json"  # written last: a checkpoint without it is incomplete
+REFERENCE_MODEL_DIR = "reference_model"  # the KL reference after an SFT warm-up, kept for --resume
 FINAL_MODEL_DIR = "final_model"
+# What a checkpoint's weights and the data order depend on: a resumed run may not change these.
+FIXED_ON_RESUME = (
+    "algo",
+    "model.path",
+    "model.builtin",
+    "model.dtype",
+    "data.train",
+    "data.num_train",
+    "data.prompt_key",
+    "data.chat_template",
+    "training.seed",
+)
 SAMPLES_FILE = "samples.jsonl"
 PLOT_FILE = "learning_curve.png"
 SETUP_TIMEOUT_S = 300.0
@@ -115,15 +129,37 @@ def progress_line(row: dict[str, Any]) -> str:
     )
 
 
+def latest_checkpoint(run_dir: Path) -> Path | None:
+    """The newest complete checkpoint folder of a GRPO run (None when there is none)."""
+    found = sorted(p for p in (run_dir / CHECKPOINT_DIR).glob("step_*") if (p / TRAINER_STATE_FILE).is_file())
+    return found[-1] if found else None
+
+
+def read_trainer_state(checkpoint: Path) -> dict[str, Any]:
+    state = json.loads((checkpoint / TRAINER_STATE_FILE).read_text())
+    if "counters" not in state:
+        raise ConfigError(f"--resume: {str(checkpoint)!r} was written by an older rlfabric without the driver state")
+    return state
+
+
 class GRPOTrainer:
     """Runs one LLM post-training job (``algo: grpo``) described by a validated LLMConfig."""
 
-    def __init__(self, cfg: LLMConfig, run_dir: str | Path, quiet: bool = False) -> None:
+    def __init__(
+        self, cfg: LLMConfig, run_dir: str | Path, quiet: bool = False, resume_from: Path | None = None
+    ) -> None:
+        """A new run in ``run_dir``, or (``resume_from``: one of its checkpoints; see ``from_run_dir``) the
+        continuation of the run there."""
         self.cfg = cfg
         self.run_dir = Path(run_dir)
         self.quiet = quiet
-        if (self.run_dir / CHECKPOINT_DIR).exists() and any((self.run_dir / CHECKPOINT_DIR).iterdir()):
-            raise ConfigError(f"--run-dir {str(self.run_dir)!r} already holds a run: choose another directory")
+        self.resume_from = resume_from
+        checkpoints = self.run_dir / CHECKPOINT_DIR
+        if resume_from is None and checkpoints.exists() and any(checkpoints.iterdir()):
+            raise ConfigError(
+                f"--run-dir {str(self.run_dir)!r} already holds a run: continue it with --resume "
+                f"{str(self.run_dir)!r}, or choose another directory"
+            )
         for i, spec in enumerate(cfg.rewards.functions):  # unknown reward names fail before any actor starts
             rewards.resolve_reward(dataclasses.asdict(spec), f"rewards.functions[{i}]")
         self.counters = Counters()
@@ -135,6 +171,11 @@ class GRPOTrainer:
         self.pool: RewardPool | None = None
         self.log: RunLog | None = None
         self._order: list[int] = []
+        self._group_counter = 0
+        self._elapsed_before = 0.0  # wall clock of the sessions before a resume
+        # The weights the KL penalty anchors to: the initial model, or the policy after the SFT warm-up (saved
+        # for --resume only when there is a KL term and checkpoints; None: not saved).
+        self.reference_dir: str | None = None
         self._start = time.monotonic()
         self._step_timings: dict[str, float] = {}  # where the current step's wall-clock time went
 
@@ -145,6 +186,37 @@ class GRPOTrainer:
             yield
         finally:
             self._step_timings[key] = self._step_timings.get(key, 0.0) + time.monotonic() - started
+
+    @classmethod
+    def from_run_dir(cls, run_dir: str | Path, overrides: list[str] | None = None, quiet: bool = False) -> GRPOTrainer:
+        """A trainer that continues the GRPO run in ``run_dir`` from its latest checkpoint: weights, optimizer,
+        policy version, counters and the prompt order; metrics logged after the checkpoint are dropped (those
+        steps run again). ``overrides`` change the saved config (``training.total_steps=500`` to train longer),
+        except the fields in ``FIXED_ON_RESUME``.
+        """
+        run_dir = Path(run_dir)
+        if not (run_dir / CONFIG_FILE).is_file():
+            raise ConfigError(f"--resume {str(run_dir)!r}: not a run directory (no {CONFIG_FILE})")
+        checkpoint = latest_checkpoint(run_dir)
+        if checkpoint is None:
+            raise ConfigError(
+                f"--resume {str(run_dir)!r}: no checkpoint found under {CHECKPOINT_DIR}/ "
+                "(runs save them every training.checkpoint_every steps)"
+            )
+        cfg = resumed_config(run_dir, overrides, FIXED_ON_RESUME)
+        state = read_trainer_state(checkpoint)
+        step = state["counters"]["step"]
+        if step >= cfg.training.total_steps:
+            raise ConfigError(
+                f"training.total_steps = {cfg.training.total_steps} is not valid with --resume: the latest "
+                f"checkpoint ({checkpoint.name}) is at step {step} already; pass training.total_steps=N with N > {step}"
+            )
+        if cfg.grpo.kl_coef > 0 and state.get("reference_model") is None:
+            raise ConfigError(
+                f"grpo.kl_coef = {cfg.grpo.kl_coef} is not valid with --resume: this run saved no KL reference model "
+                "(it trained without a KL term after an SFT warm-up)"
+            )
+        return cls(cfg, run_dir, quiet=quiet, resume_from=checkpoint)
 
     # -- setup ------------------------------------------------------------------------------------------------
 
@@ -191,6 +263,11 @@ class GRPOTrainer:
         """Torch threads for one actor of ``role``: this node's cores shared by the actors computing at once."""
         return max(1, (os.cpu_count() or 1) // concurrent_actors(self.cfg, role))
 
+    def _sampling_seed(self) -> int:
+        """The generators' sampling seed: the run's, moved on by the policy version, so a resumed run does not
+        replay the random draws its first session began with."""
+        return self.cfg.training.seed + self.version
+
     def _start_generator(self) -> Any:
         from rlfabric.actors.generator import Generator
 
@@ -201,11 +278,11 @@ class GRPOTrainer:
             options = {
                 "max_batch_size": g.max_batch_size,
                 "device": device,
-                "seed": self.cfg.training.seed,
+                "seed": self._sampling_seed(),
                 "matmul_dtype": g.matmul_dtype,
             }
         else:
-            options = {**dataclasses.asdict(g.vllm), "seed": self.cfg.training.seed}
+            options = {**dataclasses.asdict(g.vllm), "seed": self._sampling_seed()}
         return Generator.options(num_cpus=g.num_cpus, num_gpus=g.num_gpus, resources=g.resources).remote(
             g.backend, self.model_dir, options, num_threads=self._threads("generator")
         )
@@ -229,6 +306,7 @@ class GRPOTrainer:
                 seed=c.training.seed,
                 gradient_checkpointing=c.model.gradient_checkpointing,
                 reference_in_learner=c.grpo.kl_coef > 0 and c.grpo.reference == "learner",
+                reference_dir=self.reference_dir,
                 num_threads=self._threads("learner"),
                 matmul_dtype=lc.matmul_dtype,
             )
@@ -244,8 +322,21 @@ class GRPOTrainer:
         from rlfabric.models.hf import load_tokenizer
 
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.log = RunLog(self.run_dir, self.cfg, quiet=self.quiet, step_key="step", progress_line=progress_line)
-        self.model_dir = self._model_dir()
+        state = read_trainer_state(self.resume_from) if self.resume_from else None
+        self.log = RunLog(
+            self.run_dir,
+            self.cfg,
+            resume_at=state["counters"]["step"] if state else None,
+            quiet=self.quiet,
+            step_key="step",
+            progress_line=progress_line,
+        )
+        if state:  # the checkpoint is a Hugging Face model folder: every actor starts from it
+            self.model_dir = str(self.resume_from)
+            self._restore(state)
+        else:
+            self.model_dir = self._model_dir()
+            self.reference_dir = self.model_dir
         self.tokenizer = load_tokenizer(self.model_dir)
         self._load_data()
         ensure_ray(self.cfg.ray, wanted_cpus(self.cfg), openmp_env())
@@ -256,7 +347,7 @@ class GRPOTrainer:
 
             lc = self.cfg.learner
             self.reference = Reference.options(num_cpus=lc.num_cpus, num_gpus=lc.num_gpus).remote(
-                self.model_dir,
+                self.reference_dir,
                 self.cfg.sampling.temperature,
                 self.cfg.grpo.micro_batch_size,
                 dtype=self.cfg.model.dtype,
@@ -276,7 +367,12 @@ class GRPOTrainer:
                 f"actors did not start within {SETUP_TIMEOUT_S:.0f}s: the cluster may lack the CPUs/GPUs asked "
                 "for (generator.num_cpus/num_gpus, learner.num_cpus/num_gpus)"
             ) from None
-        self._start = time.monotonic()
+        if state:
+            assert self.resume_from is not None
+            ray.get([ln.load_optimizer.remote(str(self.resume_from)) for ln in self.learners])
+            self._publish()  # the generators take the checkpoint's policy version
+            self.log.note(f"resumed from {self.resume_from.name} (step {self.counters.step}, v{self.version})")
+        self._start = time.monotonic() - self._elapsed_before  # times and rates count every session
 
     # -- generation -------------------------------------------------------------------------------------------
 
@@ -502,10 +598,14 @@ class GRPOTrainer:
             row = {"phase": "sft", "sft_step": step, "sft_loss": float(np.mean([m["sft_loss"] for m in metrics]))}
             self._log(row, show=step % 20 == 0 or step == s.steps)
         self._publish()
+        self.reference_dir = None  # the warmed-up policy now; saved below where a resumed run needs it
         if self.cfg.grpo.kl_coef > 0:  # the KL anchors GRPO to the warmed-up policy, not the untrained one
             ray.get([ln.reset_reference.remote() for ln in self.learners])
             if self.reference is not None:
                 ray.get(self.reference.set_weights.remote(self._state_ref))
+            if self.cfg.training.checkpoint_every:
+                path = self.run_dir / REFERENCE_MODEL_DIR
+                self.reference_dir = ray.get(self.learners[0].save.remote(str(path), False))
 
     def _demonstration(self, value: Any) -> str:
         """A row's target completion; a list holds several demonstrations, one picked at random per use."""
@@ -581,12 +681,14 @@ class GRPOTrainer:
     def train(self) -> dict[str, Any]:
         if self.log is None:
             self.setup()
-        self._group_counter = 0
         t = self.cfg.training
-        initial = self.evaluate("initial")
-        if self.cfg.sft.steps:
-            self._sft()
-            self.evaluate("after_sft")
+        if self.resume_from is None:
+            initial = self.evaluate("initial")
+            if self.cfg.sft.steps:
+                self._sft()
+                self.evaluate("after_sft")
+        else:  # the first session evaluated before training
+            initial = next(r for r in read_metrics(self.run_dir) if r.get("label") == "initial")
         in_flight: deque[Rollout] = deque()
         while self.counters.step < t.total_steps:
             started = time.monotonic()
@@ -614,12 +716,38 @@ class GRPOTrainer:
     def save_checkpoint(self) -> Path:
         path = self.run_dir / CHECKPOINT_DIR / f"step_{self.counters.step:06d}"
         ray.get(self.learners[0].save.remote(str(path)))
-        (path / "trainer_state.json").write_text(json.dumps(dataclasses.asdict(self.counters)))
+        (path / TRAINER_STATE_FILE).write_text(json.dumps(self._state()))
         keep = self.cfg.training.keep_checkpoints
         found = sorted((self.run_dir / CHECKPOINT_DIR).glob("step_*"))
         for old in found[: max(0, len(found) - keep)] if keep else []:
             shutil.rmtree(old, ignore_errors=True)
         return path
+
+    def _state(self) -> dict[str, Any]:
+        """What a resumed run needs besides the learner's weights and optimizer (see ``_restore``)."""
+        reference = None
+        if self.reference_dir is not None:
+            path = Path(self.reference_dir)
+            reference = str(path.relative_to(self.run_dir)) if path.is_relative_to(self.run_dir) else str(path)
+        return {
+            "counters": dataclasses.asdict(self.counters),
+            "version": self.version,
+            "rng": self.rng.bit_generator.state,
+            "order": [int(i) for i in self._order],
+            "group_counter": self._group_counter,
+            "reference_model": reference,  # relative to the run directory when inside it: run folders can move
+            "elapsed_s": time.monotonic() - self._start,  # wall clock of every session so far
+        }
+
+    def _restore(self, state: dict[str, Any]) -> None:
+        self.counters = Counters(**state["counters"])
+        self.version = int(state["version"])
+        self.rng.bit_generator.state = state["rng"]
+        self._order = [int(i) for i in state["order"]]
+        self._group_counter = int(state["group_counter"])
+        reference = state.get("reference_model")
+        self.reference_dir = None if reference is None else str(self.run_dir / reference)
+        self._elapsed_before = float(state.get("elapsed_s", 0.0))
 
     def _write_samples(self) -> list[dict[str, Any]]:
         completions, results = self._last_eval

@@ -32,9 +32,9 @@ import torch
 
 from rlfabric.actors.generator import Generator
 from rlfabric.actors.llm_learner import LLMLearner, LLMLearnerCore
-from rlfabric.config import config_from_dict
+from rlfabric.config import ConfigError, config_from_dict, dump_config
 from rlfabric.grpo_config import GRPOConfig, SFTConfig
-from rlfabric.llm_driver import concurrent_actors, train_llm
+from rlfabric.llm_driver import GRPOTrainer, concurrent_actors, train_llm
 from rlfabric.models.hf import build_small_model_dir, load_causal_lm, load_tokenizer
 from rlfabric.models.sequences import pack_sequences
 from rlfabric.models.weights import as_state_dict
@@ -558,3 +558,86 @@ def test_cli_rejects_an_unknown_reward_before_ray_starts(tmp_path):
     assert len(lines) == 1 and "rewards.functions[0]" in lines[0] and "'nope'" in lines[0], proc.stderr
     assert not run_dir.exists()  # nothing was set up: the trainer failed in its constructor
     assert "Ray" not in proc.stderr + proc.stdout
+
+
+# -- 10. Resume ------------------------------------------------------------------------------------------------
+
+
+def test_resume_continues_a_grpo_run_from_its_latest_checkpoint(local_ray, tmp_path):
+    """A run that ended after step 3 (latest checkpoint: step 2) continues from step 2 with the checkpoint's
+    weights, policy version, prompt order and KL reference; the step it redoes is logged once."""
+    run_dir = tmp_path / "run"
+    first = run_grpo(
+        run_dir,
+        sft={"steps": 3, "lr": 1e-2},
+        grpo={"kl_coef": 0.1, "reference": "actor", "lr": 1e-2},
+        training={"total_steps": 3, "checkpoint_every": 2},
+    )
+    checkpoint = run_dir / "checkpoints" / "step_000002"
+    state = json.loads((checkpoint / "trainer_state.json").read_text())
+    assert state["reference_model"] == "reference_model"  # the policy after SFT, saved for the KL
+
+    trainer = GRPOTrainer.from_run_dir(run_dir, ["training.total_steps=4"], quiet=True)
+    try:
+        trainer.setup()
+        assert (trainer.counters.step, trainer.version, trainer._order) == (2, state["version"], state["order"])
+        published, version = ray.get(trainer.learners[0].publish.remote())
+        assert version == state["version"]
+        assert ray.get(trainer.generators[0].version.remote()) == state["version"]
+        saved = load_causal_lm(str(checkpoint)).state_dict()
+        assert max_abs_diff(as_state_dict(ray.get(published[0])), saved) == 0.0
+        summary = trainer.train()
+    finally:
+        trainer.close()
+
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if r.get("phase") == "grpo"]
+    assert [r["step"] for r in steps] == [1, 2, 3, 4]
+    assert steps[2]["policy_version"] == first.phase("grpo")[2]["policy_version"]  # step 3 redone from v(step 2)
+    assert steps[3]["policy_version"] == steps[2]["policy_version"] + 1
+    assert [r["label"] for r in rows if r.get("phase") == "eval"] == ["initial", "after_sft", "final"]
+    assert summary["steps"] == 4
+    assert summary["time_total_s"] > state["elapsed_s"] > 0  # the clock counts both sessions
+    assert steps[2]["time_s"] > state["elapsed_s"]
+    assert summary["eval_accuracy_initial"] == first.summary["eval_accuracy_initial"]
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step_000002", "step_000004"]
+
+
+def saved_run(tmp_path: Path, step: int, **sections: dict) -> Path:
+    """A run directory as a GRPO run leaves it, reduced to what --resume reads before any actor starts."""
+    run_dir = tmp_path / "run"
+    checkpoint = run_dir / "checkpoints" / f"step_{step:06d}"
+    checkpoint.mkdir(parents=True)
+    (run_dir / "config.yaml").write_text(dump_config(config_from_dict(merged(BASE, sections))))
+    (checkpoint / "trainer_state.json").write_text(json.dumps({"counters": {"step": step}, "reference_model": None}))
+    return run_dir
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["model.builtin.hidden_size=64"], r"^model.builtin.hidden_size = 64 is not valid with --resume.* 32$"),
+        (["data.train=task:countdown"], r"^data.train = 'task:countdown' is not valid with --resume"),
+        (["training.total_steps=2"], r"^training.total_steps = 2 is not valid with --resume: .* at step 2 already"),
+        (["grpo.kl_coef=0.1"], r"^grpo.kl_coef = 0.1 is not valid with --resume: this run saved no KL reference"),
+    ],
+)
+def test_resume_refuses_what_the_checkpoint_cannot_continue(tmp_path, overrides, message):
+    run_dir = saved_run(tmp_path, step=2, sft={"steps": 3})
+    with pytest.raises(ConfigError, match=message):
+        GRPOTrainer.from_run_dir(run_dir, overrides)
+
+
+def test_a_new_run_in_a_used_directory_points_to_resume(tmp_path):
+    run_dir = saved_run(tmp_path, step=2)
+    with pytest.raises(ConfigError, match=r"already holds a run: continue it with --resume"):
+        GRPOTrainer(config_from_dict(BASE), run_dir)
+
+
+def test_cli_resume_without_a_checkpoint_says_so_in_one_line(tmp_path):
+    run_dir = saved_run(tmp_path, step=2)
+    shutil.rmtree(run_dir / "checkpoints")
+    proc = cli([sys.executable, "-m", "rlfabric.cli", "train", "--resume", str(run_dir)], tmp_path)
+    assert proc.returncode == 2, proc.stderr
+    lines = error_lines(proc)
+    assert len(lines) == 1 and "no checkpoint found" in lines[0], proc.stderr
