@@ -286,6 +286,8 @@ class LLMLearnerCore:
     def load_optimizer(self, path: str) -> int:
         state = torch.load(Path(path) / OPTIMIZER_FILE, map_location=self.device, weights_only=False)
         self.optimizer.load_state_dict(state["optimizer"])
+        for group in self.optimizer.param_groups:  # the config's, which a resumed run may change (lr: per step)
+            group["weight_decay"] = self.g["weight_decay"]
         self.version = int(state["version"])
         return self.version
 

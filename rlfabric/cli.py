@@ -86,17 +86,20 @@ def cmd_train_llm(args: argparse.Namespace, cfg: object | None) -> int:
         trainer = GRPOTrainer(cfg, run_dir, quiet=args.quiet)  # type: ignore[arg-type]
         where = "new run"
     print(f"rlfabric: GRPO on {trainer.cfg.data.train} -> {trainer.run_dir} ({where})", file=sys.stderr)
-    resume_hint = f"continue with --resume {trainer.run_dir}"
+
+    def what_is_left() -> str:
+        if latest_checkpoint(trainer.run_dir) is None:
+            return "no checkpoint was saved yet (training.checkpoint_every)"
+        return f"the latest checkpoint is kept (continue with --resume {trainer.run_dir})"
+
     try:
         summary = trainer.train()
-    except RayError as exc:  # an actor died for good
-        has_checkpoint = latest_checkpoint(trainer.run_dir) is not None
-        raise RunAbortedError(error_summary(exc) + (f"; {resume_hint}" if has_checkpoint else "")) from None
+    except (RayError, RunAbortedError) as exc:  # an actor died for good, or retries ran out
+        reason = error_summary(exc) if isinstance(exc, RayError) else str(exc)
+        print(f"rlfabric: run stopped: {reason}; {what_is_left()}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
-        if latest_checkpoint(trainer.run_dir) is not None:
-            print(f"\nrlfabric: interrupted; the latest checkpoint is kept ({resume_hint})", file=sys.stderr)
-        else:
-            print("\nrlfabric: interrupted before the first checkpoint (training.checkpoint_every)", file=sys.stderr)
+        print(f"\nrlfabric: interrupted; {what_is_left()}", file=sys.stderr)
         return 130
     finally:
         trainer.close()
@@ -116,6 +119,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     if args.resume:
         if args.config:
             raise ConfigError("--resume DIR uses the run's saved config; pass only key=value overrides, not a file")
+        if args.run_dir:
+            raise ConfigError("--resume DIR continues the run in DIR; --run-dir is for new runs, drop it")
         if _saved_algo(Path(args.resume)) == "grpo":
             return cmd_train_llm(args, None)
         trainer = Trainer.from_run_dir(args.resume, args.overrides, quiet=args.quiet)

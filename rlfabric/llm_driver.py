@@ -48,6 +48,7 @@ CHECKPOINT_DIR = "checkpoints"
 TRAINER_STATE_FILE = "trainer_state.json"  # written last: a checkpoint without it is incomplete
 REFERENCE_MODEL_DIR = "reference_model"  # the KL reference after an SFT warm-up, kept for --resume
 FINAL_MODEL_DIR = "final_model"
+INITIAL_MODEL_DIR = "initial_model"  # the builtin model, as built for the run
 # What a checkpoint's weights and the data order depend on: a resumed run may not change these.
 FIXED_ON_RESUME = (
     "algo",
@@ -70,6 +71,7 @@ MAX_GENERATION_RETRIES = 3
 class Rollout:
     """One generation request in flight: prompts (rows) repeated group_size times, sent to the generators."""
 
+    indices: list[int]  # the train prompts, once each (put back in the order when a checkpoint is taken)
     rows: list[dict[str, Any]]
     prompt_ids: list[list[int]]
     refs: list[tuple[int, ray.ObjectRef, slice]]  # (generator index, completions ref, rows it covers)
@@ -129,6 +131,12 @@ def progress_line(row: dict[str, Any]) -> str:
     )
 
 
+def _not_final(row: dict[str, Any]) -> dict[str, Any]:
+    """A metrics row kept by a resumed run: its earlier session's "final" evaluation is an evaluation at that
+    step now (the resumed run ends with its own "final")."""
+    return {**row, "label": f"step_{row['step']}"} if row.get("label") == "final" else row
+
+
 def latest_checkpoint(run_dir: Path) -> Path | None:
     """The newest complete checkpoint folder of a GRPO run (None when there is none)."""
     found = sorted(p for p in (run_dir / CHECKPOINT_DIR).glob("step_*") if (p / TRAINER_STATE_FILE).is_file())
@@ -136,9 +144,16 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
 
 
 def read_trainer_state(checkpoint: Path) -> dict[str, Any]:
-    state = json.loads((checkpoint / TRAINER_STATE_FILE).read_text())
-    if "counters" not in state:
-        raise ConfigError(f"--resume: {str(checkpoint)!r} was written by an older rlfabric without the driver state")
+    path = checkpoint / TRAINER_STATE_FILE
+    try:
+        state = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ConfigError(f"--resume: {str(path)!r} cannot be read ({exc}); delete that checkpoint folder") from None
+    if not isinstance(state, dict) or "step" not in state.get("counters", {}):
+        raise ConfigError(
+            f"--resume: {str(checkpoint)!r} has no driver state (an older rlfabric wrote it); start a new run from "
+            f"its weights with model.path={checkpoint}"
+        )
     return state
 
 
@@ -172,6 +187,7 @@ class GRPOTrainer:
         self.log: RunLog | None = None
         self._order: list[int] = []
         self._group_counter = 0
+        self._in_flight: deque[Rollout] = deque()  # rollouts generating ahead (max_policy_lag > 0)
         self._elapsed_before = 0.0  # wall clock of the sessions before a resume
         # The weights the KL penalty anchors to: the initial model, or the policy after the SFT warm-up (saved
         # for --resume only when there is a KL term and checkpoints; None: not saved).
@@ -205,6 +221,13 @@ class GRPOTrainer:
             )
         cfg = resumed_config(run_dir, overrides, FIXED_ON_RESUME)
         state = read_trainer_state(checkpoint)
+        needed = [run_dir / INITIAL_MODEL_DIR] if cfg.model.path == "builtin" else []
+        reference = state.get("reference_model")
+        if reference and reference["in_run"]:
+            needed.append(run_dir / reference["path"])
+        for folder in needed:
+            if not folder.is_dir():
+                raise ConfigError(f"--resume {str(run_dir)!r}: {folder.name}/ is missing from the run directory")
         step = state["counters"]["step"]
         if step >= cfg.training.total_steps:
             raise ConfigError(
@@ -220,14 +243,17 @@ class GRPOTrainer:
 
     # -- setup ------------------------------------------------------------------------------------------------
 
-    def _model_dir(self) -> str:
+    def _model_dir(self, build: bool = True) -> str:
+        """The model the run starts from: ``model.path``, or the builtin model (built here when ``build``)."""
         m = self.cfg.model
         if m.path != "builtin":
             return m.path
         from rlfabric.models.hf import build_small_model_dir
 
         b = m.builtin
-        path = self.run_dir / "initial_model"
+        path = self.run_dir / INITIAL_MODEL_DIR
+        if not build:
+            return str(path)
         build_small_model_dir(
             path,
             seed=self.cfg.training.seed,
@@ -284,7 +310,7 @@ class GRPOTrainer:
         else:
             options = {**dataclasses.asdict(g.vllm), "seed": self._sampling_seed()}
         return Generator.options(num_cpus=g.num_cpus, num_gpus=g.num_gpus, resources=g.resources).remote(
-            g.backend, self.model_dir, options, num_threads=self._threads("generator")
+            g.backend, self.base_model_dir, options, num_threads=self._threads("generator")
         )
 
     def _start_learners(self) -> None:
@@ -330,12 +356,16 @@ class GRPOTrainer:
             quiet=self.quiet,
             step_key="step",
             progress_line=progress_line,
+            relabel=_not_final,
         )
-        if state:  # the checkpoint is a Hugging Face model folder: every actor starts from it
+        # Generators start from the run's first model and then take published weights; a resumed run's learners
+        # start from the checkpoint (a Hugging Face model folder), which may be pruned later.
+        self.base_model_dir = self._model_dir(build=state is None)
+        if state:
             self.model_dir = str(self.resume_from)
             self._restore(state)
         else:
-            self.model_dir = self._model_dir()
+            self.model_dir = self.base_model_dir
             self.reference_dir = self.model_dir
         self.tokenizer = load_tokenizer(self.model_dir)
         self._load_data()
@@ -407,7 +437,7 @@ class GRPOTrainer:
         indices = self._sample_rows(num_prompts)
         rows = [self.train_rows[i] for i in indices for _ in range(g)]
         prompt_ids = [self.train_ids[i] for i in indices for _ in range(g)]
-        return Rollout(rows, prompt_ids, self._dispatch(prompt_ids, self._params(False), g))
+        return Rollout(indices, rows, prompt_ids, self._dispatch(prompt_ids, self._params(False), g))
 
     def _replace_generator(self, index: int, reason: str) -> None:
         self.counters.generator_restarts += 1
@@ -688,8 +718,9 @@ class GRPOTrainer:
                 self._sft()
                 self.evaluate("after_sft")
         else:  # the first session evaluated before training
-            initial = next(r for r in read_metrics(self.run_dir) if r.get("label") == "initial")
-        in_flight: deque[Rollout] = deque()
+            logged = [r for r in read_metrics(self.run_dir) if r.get("label") == "initial"]
+            initial = logged[0] if logged else {"eval_accuracy": None}
+        in_flight = self._in_flight
         while self.counters.step < t.total_steps:
             started = time.monotonic()
             self._step_timings = {}
@@ -716,10 +747,14 @@ class GRPOTrainer:
     def save_checkpoint(self) -> Path:
         path = self.run_dir / CHECKPOINT_DIR / f"step_{self.counters.step:06d}"
         ray.get(self.learners[0].save.remote(str(path)))
-        (path / TRAINER_STATE_FILE).write_text(json.dumps(self._state()))
+        partial = path / (TRAINER_STATE_FILE + ".tmp")
+        partial.write_text(json.dumps(self._state()))
+        os.replace(partial, path / TRAINER_STATE_FILE)  # atomic: the state file marks a complete checkpoint
+        folders = sorted((self.run_dir / CHECKPOINT_DIR).glob("step_*"))
+        complete = [p for p in folders if (p / TRAINER_STATE_FILE).is_file()]
         keep = self.cfg.training.keep_checkpoints
-        found = sorted((self.run_dir / CHECKPOINT_DIR).glob("step_*"))
-        for old in found[: max(0, len(found) - keep)] if keep else []:
+        stale = complete[: max(0, len(complete) - keep)] if keep else []
+        for old in [*stale, *(p for p in folders if p not in complete)]:  # incomplete ones: left by a crash
             shutil.rmtree(old, ignore_errors=True)
         return path
 
@@ -728,14 +763,21 @@ class GRPOTrainer:
         reference = None
         if self.reference_dir is not None:
             path = Path(self.reference_dir)
-            reference = str(path.relative_to(self.run_dir)) if path.is_relative_to(self.run_dir) else str(path)
+            local = path.exists()  # else a hub id, stored as given
+            resolved, run_dir = (path.resolve() if local else path), self.run_dir.resolve()
+            inside = local and resolved.is_relative_to(run_dir)
+            # Inside the run directory: relative to it, since run folders can move.
+            reference = {"path": str(resolved.relative_to(run_dir) if inside else resolved), "in_run": inside}
+        # Prompts of batches generating ahead were taken from the order but not trained on: a resumed run takes
+        # them again first (pop() takes from the end).
+        ahead = [i for rollout in reversed(self._in_flight) for i in reversed(rollout.indices)]
         return {
             "counters": dataclasses.asdict(self.counters),
             "version": self.version,
             "rng": self.rng.bit_generator.state,
-            "order": [int(i) for i in self._order],
+            "order": [int(i) for i in [*self._order, *ahead]],
             "group_counter": self._group_counter,
-            "reference_model": reference,  # relative to the run directory when inside it: run folders can move
+            "reference_model": reference,
             "elapsed_s": time.monotonic() - self._start,  # wall clock of every session so far
         }
 
@@ -746,7 +788,10 @@ class GRPOTrainer:
         self._order = [int(i) for i in state["order"]]
         self._group_counter = int(state["group_counter"])
         reference = state.get("reference_model")
-        self.reference_dir = None if reference is None else str(self.run_dir / reference)
+        if reference is None:
+            self.reference_dir = None
+        else:
+            self.reference_dir = str(self.run_dir / reference["path"]) if reference["in_run"] else reference["path"]
         self._elapsed_before = float(state.get("elapsed_s", 0.0))
 
     def _write_samples(self) -> list[dict[str, Any]]:

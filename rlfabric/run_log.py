@@ -33,8 +33,10 @@ class RunLog:
         quiet: bool = False,
         step_key: str = "env_steps",
         progress_line: Callable[[dict[str, Any]], str] | None = None,
+        relabel: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
     ) -> None:
-        """Start a run's outputs; ``resume_at`` (a checkpoint's iteration) keeps the metrics up to it.
+        """Start a run's outputs; ``resume_at`` (a checkpoint's iteration) keeps the metrics up to it, each
+        kept row passed through ``relabel`` when given.
 
         ``step_key`` is the row field TensorBoard uses as its x axis; ``progress_line`` formats a row for the
         terminal (default: the PPO line).
@@ -43,6 +45,7 @@ class RunLog:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / CONFIG_FILE).write_text(dump_config(cfg))
         kept = [r for r in read_metrics(run_dir) if r["iteration"] <= resume_at] if resume_at is not None else []
+        kept = [relabel(r) for r in kept] if relabel else kept
         # Rows logged after the checkpoint are redone by the resumed run; drop them so none appear twice.
         (run_dir / METRICS_FILE).write_text("".join(json.dumps(r) + "\n" for r in kept))
         self.metrics_file = open(run_dir / METRICS_FILE, "a")  # noqa: SIM115 - kept open for the run

@@ -34,7 +34,7 @@ from rlfabric.actors.generator import Generator
 from rlfabric.actors.llm_learner import LLMLearner, LLMLearnerCore
 from rlfabric.config import ConfigError, config_from_dict, dump_config
 from rlfabric.grpo_config import GRPOConfig, SFTConfig
-from rlfabric.llm_driver import GRPOTrainer, concurrent_actors, train_llm
+from rlfabric.llm_driver import GRPOTrainer, concurrent_actors, latest_checkpoint, train_llm
 from rlfabric.models.hf import build_small_model_dir, load_causal_lm, load_tokenizer
 from rlfabric.models.sequences import pack_sequences
 from rlfabric.models.weights import as_state_dict
@@ -575,7 +575,7 @@ def test_resume_continues_a_grpo_run_from_its_latest_checkpoint(local_ray, tmp_p
     )
     checkpoint = run_dir / "checkpoints" / "step_000002"
     state = json.loads((checkpoint / "trainer_state.json").read_text())
-    assert state["reference_model"] == "reference_model"  # the policy after SFT, saved for the KL
+    assert state["reference_model"] == {"path": "reference_model", "in_run": True}  # the policy after SFT
 
     trainer = GRPOTrainer.from_run_dir(run_dir, ["training.total_steps=4"], quiet=True)
     try:
@@ -603,6 +603,65 @@ def test_resume_continues_a_grpo_run_from_its_latest_checkpoint(local_ray, tmp_p
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step_000002", "step_000004"]
 
 
+def test_resume_of_an_async_run_that_ended(local_ray, tmp_path):
+    """max_policy_lag 1, no SFT, the KL reference in the learner (the initial model), one checkpoint kept: a run
+    that ended continues for one more step; the prompts generated ahead are taken again; the checkpoint it
+    resumed from is pruned and the first session's final evaluation becomes a step evaluation."""
+    run_dir = tmp_path / "run"
+    run_grpo(
+        run_dir,
+        grpo={"kl_coef": 0.1, "reference": "learner"},
+        training={"total_steps": 3, "checkpoint_every": 3, "keep_checkpoints": 1, "max_policy_lag": 1},
+    )
+    state = json.loads((run_dir / "checkpoints" / "step_000003" / "trainer_state.json").read_text())
+    assert state["reference_model"] == {"path": "initial_model", "in_run": True}
+    summary = train_resumed(run_dir, ["training.total_steps=4", "training.checkpoint_every=1"])
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if r.get("phase") == "grpo"] == [1, 2, 3, 4]
+    assert [r["label"] for r in rows if r.get("phase") == "eval"] == ["initial", "step_3", "final"]
+    assert summary["steps"] == 4
+    assert [p.name for p in (run_dir / "checkpoints").iterdir()] == ["step_000004"]
+    # 1 + lag rollouts of 2 prompts were in flight at each step: 4 steps drew 2 x (4 + 1) prompts, the first
+    # session's ahead batch (2 prompts) again after the resume.
+    after = json.loads((run_dir / "checkpoints" / "step_000004" / "trainer_state.json").read_text())
+    assert len(after["order"]) == len(state["order"]) - 2
+
+
+def train_resumed(run_dir: Path, overrides: list[str]) -> dict:
+    trainer = GRPOTrainer.from_run_dir(run_dir, overrides, quiet=True)
+    try:
+        return trainer.train()
+    finally:
+        trainer.close()
+
+
+def test_trainer_state_keeps_where_the_kl_reference_is(tmp_path):
+    """Inside the run directory: relative to it (run folders move); a hub id or another folder: as given."""
+    trainer = GRPOTrainer(config_from_dict(BASE), tmp_path / "run")
+    (tmp_path / "run" / "reference_model").mkdir(parents=True)
+    (tmp_path / "elsewhere").mkdir()
+    cases = {
+        str(tmp_path / "run" / "reference_model"): {"path": "reference_model", "in_run": True},
+        "Qwen/Qwen2.5-0.5B-Instruct": {"path": "Qwen/Qwen2.5-0.5B-Instruct", "in_run": False},
+        str(tmp_path / "elsewhere"): {"path": str((tmp_path / "elsewhere").resolve()), "in_run": False},
+    }
+    for reference_dir, stored in cases.items():
+        trainer.reference_dir = reference_dir
+        state = json.loads(json.dumps(trainer._state()))
+        assert state["reference_model"] == stored
+        trainer._restore(state)
+        assert Path(trainer.reference_dir) == Path(reference_dir)
+
+
+def test_resume_skips_an_incomplete_checkpoint_and_names_an_unreadable_one(tmp_path):
+    run_dir = saved_run(tmp_path, step=2)
+    (run_dir / "checkpoints" / "step_000004").mkdir()  # a crash while saving: no trainer_state.json yet
+    assert latest_checkpoint(run_dir).name == "step_000002"
+    (run_dir / "checkpoints" / "step_000002" / "trainer_state.json").write_text('{"counters": {"st')
+    with pytest.raises(ConfigError, match=r"trainer_state.json' cannot be read .*delete that checkpoint folder"):
+        GRPOTrainer.from_run_dir(run_dir)
+
+
 def saved_run(tmp_path: Path, step: int, **sections: dict) -> Path:
     """A run directory as a GRPO run leaves it, reduced to what --resume reads before any actor starts."""
     run_dir = tmp_path / "run"
@@ -610,6 +669,7 @@ def saved_run(tmp_path: Path, step: int, **sections: dict) -> Path:
     checkpoint.mkdir(parents=True)
     (run_dir / "config.yaml").write_text(dump_config(config_from_dict(merged(BASE, sections))))
     (checkpoint / "trainer_state.json").write_text(json.dumps({"counters": {"step": step}, "reference_model": None}))
+    (run_dir / "initial_model").mkdir()
     return run_dir
 
 
@@ -641,3 +701,16 @@ def test_cli_resume_without_a_checkpoint_says_so_in_one_line(tmp_path):
     assert proc.returncode == 2, proc.stderr
     lines = error_lines(proc)
     assert len(lines) == 1 and "no checkpoint found" in lines[0], proc.stderr
+
+
+def test_cli_resume_refuses_run_dir(tmp_path):
+    run_dir = saved_run(tmp_path, step=2)
+    proc = cli([sys.executable, "-m", "rlfabric.cli", "train", "--resume", str(run_dir), "--run-dir", "x"], tmp_path)
+    assert proc.returncode == 2 and "--run-dir is for new runs" in proc.stderr, proc.stderr
+
+
+def test_resume_names_a_missing_initial_model(tmp_path):
+    run_dir = saved_run(tmp_path, step=2)
+    (run_dir / "initial_model").rmdir()
+    with pytest.raises(ConfigError, match=r"initial_model/ is missing from the run directory"):
+        GRPOTrainer.from_run_dir(run_dir)
