@@ -234,7 +234,7 @@ class GRPOTrainer:
                 f"training.total_steps = {cfg.training.total_steps} is not valid with --resume: the latest "
                 f"checkpoint ({checkpoint.name}) is at step {step} already; pass training.total_steps=N with N > {step}"
             )
-        if cfg.grpo.kl_coef > 0 and state.get("reference_model") is None:
+        if cfg.grpo.kl_coef > 0 and reference is None:
             raise ConfigError(
                 f"grpo.kl_coef = {cfg.grpo.kl_coef} is not valid with --resume: this run saved no KL reference model "
                 "(it trained without a KL term after an SFT warm-up)"

@@ -511,13 +511,13 @@ class _FastDecoder:
             """Rows of the distinct prompts -> rows of the admitted requests (repeats copied)."""
             return rows if gather is None else rows[gather]
 
-        cos, sin = self.cos[:width], self.signed_sin[:width]  # broadcast over [batch, heads, width, head_dim]
+        cos, signed_sin = self.cos[:width], self.signed_sin[:width]  # broadcast: [batch, heads, width, head_dim]
 
         x = F.embedding(ids, self.embed)
         for i, p in enumerate(self.layers):
             qk, v = _project_qkv(_rms_norm(x, p.attn_norm), p)
             qk = qk.view(batch, width, self.n_heads + self.n_kv_heads, self.head_dim).transpose(1, 2)
-            qk = _rope(qk, cos, sin)
+            qk = _rope(qk, cos, signed_sin)
             q, k = qk[:, : self.n_heads], qk[:, self.n_heads :]
             v = v.view(batch, width, self.n_kv_heads, self.head_dim).transpose(1, 2)
             self.k_cache[i, slots, :, :width] = spread(k)
@@ -543,7 +543,7 @@ class _FastDecoder:
         mask = torch.zeros(n, 1, 1, span, device=self.device, dtype=self.dtype).masked_fill_(
             hidden.view(n, 1, 1, span), float("-inf")
         )
-        cos, sin = self.cos[positions][:, None, None, :], self.signed_sin[positions][:, None, None, :]
+        cos, signed_sin = self.cos[positions][:, None, None, :], self.signed_sin[positions][:, None, None, :]
         # Where each new key/value row goes in a layer's cache seen as [slots * kv_heads * length, head_dim]:
         # one index_copy_ per cache instead of an index_put with two index tensors.
         capacity = self.k_cache.shape[3]
@@ -553,7 +553,7 @@ class _FastDecoder:
         x = F.embedding(tokens, self.embed)  # [n, hidden]
         for i, p in enumerate(self.layers):
             qk, v = _project_qkv(_rms_norm(x, p.attn_norm), p)
-            qk = _rope(qk.view(n, heads + kv_heads, 1, head_dim), cos, sin)
+            qk = _rope(qk.view(n, heads + kv_heads, 1, head_dim), cos, signed_sin)
             q, k = qk[:, :heads], qk[:, heads:]
             k_cache, v_cache = self.k_cache[i], self.v_cache[i]
             k_cache.view(-1, head_dim).index_copy_(0, rows, k.reshape(-1, head_dim))
