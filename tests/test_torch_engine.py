@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from rlfabric.engines.base import SamplingParams
-from rlfabric.engines.torch_engine import TorchEngine, sample_from_probs
+from rlfabric.engines.torch_engine import TorchEngine, _runs, sample_from_probs
 from rlfabric.models.hf import build_char_tokenizer, build_small_model_dir, build_small_qwen2
 
 PROMPTS = ["hello world", "1+2=", "the quick brown fox", "x", "(3*4)-5=?", "abc abc abc abc"]
@@ -215,6 +215,28 @@ def test_logprobs_match_full_forward(models, prompts, kind, fast):
 # ------------------------------------------------------------------------------------------------------------------
 # (c) concurrent callers
 # ------------------------------------------------------------------------------------------------------------------
+
+
+def test_repeated_prompts_share_one_prefill_and_each_gets_its_own_completion(models, prompts):
+    # Repeats in runs and scattered, as GRPO groups and mixed callers give them: the prefill runs each distinct
+    # prompt once and copies its cache to every slot that needs it.
+    model = models["qwen2-gqa"]
+    a, b = prompts[0], prompts[3]
+    batch = [a, a, b, a, b, b]
+    engine = TorchEngine(model, [], max_batch_size=8)
+    greedy = generate(engine, batch, max_new_tokens=6, temperature=0)
+    for prompt, completion in zip(batch, greedy, strict=True):
+        assert completion.token_ids == hf_greedy(model, prompt, 6, stop_ids=[])
+    sampled = generate(engine, batch, max_new_tokens=6, temperature=1.0)
+    assert len({tuple(c.token_ids) for c in sampled}) > 2  # the copies sample apart
+    for prompt, completion in zip(batch, sampled, strict=True):
+        expected = hf_logprobs(model, prompt, completion.token_ids)
+        assert torch.allclose(torch.tensor(completion.logprobs), expected, atol=1e-4)
+
+
+def test_runs_of_equal_neighbours():
+    assert _runs([4, 4, 7, 4]) == [(0, 2, 4), (2, 3, 7), (3, 4, 4)]
+    assert _runs([]) == []
 
 
 @BOTH_PATHS

@@ -354,6 +354,17 @@ def _out_proj(out: torch.Tensor, p: _LayerParams) -> torch.Tensor:
     return p.o(out.to(p.o.weight.dtype))
 
 
+def _runs(values: list[int]) -> list[tuple[int, int, int]]:
+    """Maximal runs of equal neighbours as ``(start, stop, value)``: ``[4, 4, 7]`` -> ``[(0, 2, 4), (2, 3, 7)]``."""
+    runs: list[tuple[int, int, int]] = []
+    for i, value in enumerate(values):
+        if runs and runs[-1][2] == value:
+            runs[-1] = (runs[-1][0], i + 1, value)
+        else:
+            runs.append((i, i + 1, value))
+    return runs
+
+
 class _FastDecoder:
     """Continuous batching for Llama-family models over a slot KV cache.
 
@@ -504,12 +515,14 @@ class _FastDecoder:
         lengths = [len(prompt) for prompt in prompts]
         batch, width = len(prompts), max(lengths)
         ids = torch.tensor([[*prompt, *[0] * (width - len(prompt))] for prompt in prompts], device=self.device)
-        slots = slice(first_slot, first_slot + len(admitted))
+        runs = _runs(row_of)
         gather = None if batch == len(admitted) else torch.tensor(row_of, device=self.device)
 
-        def spread(rows: torch.Tensor) -> torch.Tensor:
-            """Rows of the distinct prompts -> rows of the admitted requests (repeats copied)."""
-            return rows if gather is None else rows[gather]
+        def fill(cache: torch.Tensor, rows: torch.Tensor) -> None:
+            """Write the distinct prompts' rows into the admitted requests' slots, a run of repeats at a time (one
+            broadcast copy each, no gathered temporary)."""
+            for start, stop, row in runs:
+                cache[first_slot + start : first_slot + stop, :, :width] = rows[row]
 
         cos, signed_sin = self.cos[:width], self.signed_sin[:width]  # broadcast: [batch, heads, width, head_dim]
 
@@ -520,8 +533,8 @@ class _FastDecoder:
             qk = _rope(qk, cos, signed_sin)
             q, k = qk[:, : self.n_heads], qk[:, self.n_heads :]
             v = v.view(batch, width, self.n_kv_heads, self.head_dim).transpose(1, 2)
-            self.k_cache[i, slots, :, :width] = spread(k)
-            self.v_cache[i, slots, :, :width] = spread(v)
+            fill(self.k_cache[i], k)
+            fill(self.v_cache[i], v)
             out = self._attend(q, k, v, is_causal=True).transpose(1, 2).reshape(batch, width, -1)
             x = x + _out_proj(out, p)
             x = x + _mlp(_rms_norm(x, p.mlp_norm), p)
@@ -530,7 +543,8 @@ class _FastDecoder:
         self.lengths += [len(r.prompt) for r in admitted]
         self.pending += [0] * len(admitted)  # set from the sampled tokens
         last = x[torch.arange(batch, device=self.device), torch.tensor(lengths, device=self.device) - 1]
-        return spread(self._logits(last))
+        logits = self._logits(last)
+        return logits if gather is None else logits.index_select(0, gather)
 
     def _decode(self, n: int) -> torch.Tensor:
         """Feed each running slot its pending token at position ``lengths[slot]``; logits for the next one."""
@@ -705,7 +719,7 @@ class _Swap:
 
 @dataclass
 class _StepResult:
-    """What one worker-thread step hands back to the event loop, which alone resolves futures."""
+    """What one compute-thread step hands to the event loop, which alone resolves futures."""
 
     finished: list[_Request] = field(default_factory=list)
     swapped: list[_Swap] = field(default_factory=list)
@@ -782,6 +796,7 @@ class TorchEngine:
         self._step_lock = threading.Lock()
         self._scheduler: asyncio.Task | None = None
         self._wakeup: asyncio.Event | None = None
+        self._epoch = 0  # bumped with every new scheduler: compute loops of an older one stop
         self._closed = False
 
     @classmethod
@@ -910,10 +925,11 @@ class TorchEngine:
         loop = asyncio.get_running_loop()
         if self._scheduler is None or self._scheduler.done() or self._scheduler.get_loop() is not loop:
             # Requests and swaps left from a dead loop have futures no one can await any more.
-            with self._step_lock:  # a step of the old loop may still be finishing on the worker thread
+            with self._step_lock:  # a step of the old loop may still be finishing on the compute thread
                 self._waiting.clear()
                 self._swaps.clear()
                 self._decoder.reset()
+                self._epoch += 1
             self._wakeup = asyncio.Event()
             self._scheduler = loop.create_task(self._run(), name="torch-engine-scheduler")
         return loop
@@ -922,28 +938,50 @@ class TorchEngine:
         loop = asyncio.get_running_loop()
         try:
             while True:
-                if not (self._waiting or self._swaps or self._decoder.running):
+                if not self._has_work():
                     self._wakeup.clear()
                     await self._wakeup.wait()
                     continue
-                result = await loop.run_in_executor(self._executor, self._step)
-                for request in result.finished:
-                    if not request.future.done():  # done already: its caller was cancelled
-                        request.future.set_result(request.completion())
-                for swap in result.swapped:
-                    if not swap.future.done():
-                        swap.future.set_result(None)
-                for work in result.failed:  # a failed step fails its own requests, not the engine
-                    if not work.future.done():
-                        work.future.set_exception(result.error)
-                await asyncio.sleep(0)  # let the callers that got results run before the next step
+                await loop.run_in_executor(self._executor, self._compute, loop, self._epoch)
         except Exception as error:  # never leave callers waiting on a dead scheduler; the next call restarts it
             self._fail_all(error)
             raise
 
-    def _step(self) -> _StepResult:
-        """One scheduler step on the worker thread: a weight swap when idle, else admit + decode one token."""
+    def _has_work(self) -> bool:
+        return bool(self._waiting or self._swaps or self._decoder.running)
+
+    def _compute(self, loop: asyncio.AbstractEventLoop, epoch: int) -> None:
+        """Step on the compute thread while there is work, handing each step's results to the event loop as they
+        come. Staying here between steps saves two thread wake-ups per token (a tenth of a decode step on two
+        cores); requests that arrive meanwhile are admitted at the next step."""
+        while self._has_work():
+            result = self._step(epoch)
+            if result is None:  # a newer scheduler took over
+                return
+            if result.finished or result.swapped or result.failed:
+                try:
+                    loop.call_soon_threadsafe(self._deliver, result)
+                except RuntimeError:  # the loop has closed: its callers are gone
+                    return
+
+    @staticmethod
+    def _deliver(result: _StepResult) -> None:
+        for request in result.finished:
+            if not request.future.done():  # done already: its caller was cancelled
+                request.future.set_result(request.completion())
+        for swap in result.swapped:
+            if not swap.future.done():
+                swap.future.set_result(None)
+        for work in result.failed:  # a failed step fails its own requests, not the engine
+            if not work.future.done():
+                work.future.set_exception(result.error)
+
+    def _step(self, epoch: int) -> _StepResult | None:
+        """One scheduler step: a weight swap when idle, else admit + decode one token. None when the scheduler
+        that asked (``epoch``) has been replaced."""
         with self._step_lock, torch.inference_mode():
+            if epoch != self._epoch:
+                return None
             if self._swaps and not self._decoder.running:
                 return self._apply_swap()
             admitted = self._admit() if not self._swaps else []  # a pending swap holds admission
