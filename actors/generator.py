@@ -15,6 +15,7 @@ import torch
 
 from rlfabric.engines.base import SamplingParams
 from rlfabric.models.hf import load_tokenizer
+from rlfabric.models.shared_weights import SharedFlatWeights
 from rlfabric.models.weights import as_state_dict
 
 
@@ -45,10 +46,17 @@ class Generator:
         texts = self.tokenizer.batch_decode([c.token_ids for c in completions], skip_special_tokens=True)
         return [{**asdict(c), "text": text} for c, text in zip(completions, texts, strict=False)]
 
-    async def update_weights(self, state_ref: list[ray.ObjectRef], version: int) -> int:
-        state = as_state_dict(await state_ref[0])  # FlatWeights from a learner, or a plain state dict
-        await self.engine.load_weights(state, version)
+    async def update_weights(self, weights: list[ray.ObjectRef] | SharedFlatWeights, version: int) -> int:
+        """Load published weights: ``[ObjectRef]`` of FlatWeights (or a plain state dict), or a SharedFlatWeights
+        handle from a learner on this node (see ``LLMLearner.publish``)."""
+        published = weights if isinstance(weights, SharedFlatWeights) else await weights[0]
+        await self.engine.load_weights(as_state_dict(published), version)
+        if isinstance(published, SharedFlatWeights):
+            published.check_intact()
         return version
+
+    def node_id(self) -> str:
+        return ray.get_runtime_context().get_node_id()
 
     def version(self) -> int:
         return self.engine.version

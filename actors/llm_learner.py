@@ -25,6 +25,7 @@ from rlfabric.models.sequences import (
     response_logprobs,
     select_rows,
 )
+from rlfabric.models.shared_weights import SharedFlatWeights, SharedWeightsWriter
 from rlfabric.models.weights import FlatWeights, flatten_state_dict
 
 OPTIMIZER_FILE = "optimizer.pt"
@@ -82,6 +83,8 @@ class LLMLearnerCore:
             self.reference.requires_grad_(False)
         self.optimizer = adamw(self.model.parameters(), lr=grpo["lr"], weight_decay=grpo["weight_decay"])
         self.version = 0
+        self._shared_writer: SharedWeightsWriter | None = None
+        self.shared_unavailable: str | None = None  # why shared-memory publishing is off on this node, once known
 
     # -- distributed ----------------------------------------------------------------------------------------
 
@@ -272,6 +275,21 @@ class LLMLearnerCore:
         """The weights packed into one CPU buffer: what ``publish`` puts in the object store."""
         return flatten_state_dict(self.model.state_dict())
 
+    def shared_weights(self, node_id: str) -> SharedFlatWeights | None:
+        """The weights written to this node's shared-memory file (made at the first call); None when the node
+        cannot hold one (``shared_unavailable`` says why)."""
+        if self._shared_writer is None and self.shared_unavailable is None:
+            self._shared_writer, self.shared_unavailable = SharedWeightsWriter.create(self.model.state_dict(), node_id)
+        if self._shared_writer is None:
+            return None
+        return self._shared_writer.publish(self.model.state_dict(), self.version)
+
+    def close(self) -> None:
+        """Remove the shared-memory file, if one was made."""
+        if self._shared_writer is not None:
+            self._shared_writer.close()
+            self._shared_writer = None
+
     def save(self, path: str, with_optimizer: bool = True) -> str:
         """The model in Hugging Face format at ``path``, plus the optimizer state and version (what a resumed run
         continues from) unless ``with_optimizer`` is False."""
@@ -322,10 +340,42 @@ class LLMLearner:
     def train_step(self, batch_ref: list[ray.ObjectRef], lr: float) -> dict[str, float]:
         return self.core.train_step(ray.get(batch_ref[0]), lr)
 
-    def publish(self) -> tuple[list[ray.ObjectRef], int]:
-        """The current weights in the object store as one ``FlatWeights`` buffer (every generator reads the same
-        object, zero-copy; ``rlfabric.models.weights.as_state_dict`` unpacks it)."""
+    def node_id(self) -> str:
+        return ray.get_runtime_context().get_node_id()
+
+    @ray.method(num_returns=2)
+    def publish(self, transport: str = "object_store") -> tuple[list[ray.ObjectRef] | SharedFlatWeights, int]:
+        """The current weights for the generators, and their version (two ObjectRefs, which a generator's
+        ``update_weights`` can take as they are). ``transport`` (``learner.weight_transport``):
+
+        - ``"object_store"``: one ``FlatWeights`` buffer in the object store (every reader reads the same object,
+          zero-copy), as ``[ObjectRef]``;
+        - ``"shared_memory"``: written into this node's shared-memory file, as a ``SharedFlatWeights`` handle
+          (only readers on this node can map it); an error when the node cannot hold the file;
+        - ``"auto"``: shared memory when the node can hold the file, else the object store.
+
+        ``rlfabric.models.weights.as_state_dict`` unpacks either.
+        """
+        if transport in ("shared_memory", "auto"):
+            shared = self.core.shared_weights(self.node_id())
+            if shared is not None:
+                return shared, self.core.version
+            if transport == "shared_memory":
+                raise RuntimeError(
+                    f"learner.weight_transport = 'shared_memory': {self.core.shared_unavailable}; "
+                    "use 'auto' or 'object_store'"
+                )
+        elif transport != "object_store":
+            raise ValueError(
+                f"weight transport {transport!r} is not valid: expected 'auto', 'shared_memory' or 'object_store'"
+            )
         return [ray.put(self.core.flat_weights())], self.core.version
+
+    def shared_unavailable(self) -> str | None:
+        return self.core.shared_unavailable
+
+    def close(self) -> None:
+        self.core.close()
 
     def get_version(self) -> int:
         return self.core.version

@@ -14,6 +14,7 @@ import torch
 
 from rlfabric.models.hf import load_causal_lm
 from rlfabric.models.sequences import batched_response_logprobs
+from rlfabric.models.shared_weights import SharedFlatWeights
 from rlfabric.models.weights import as_state_dict
 
 
@@ -38,9 +39,16 @@ class Reference:
         self.matmul_dtype = matmul_dtype  # the learner's, so the KL compares like with like
         self.device = torch.device(device)
 
-    def set_weights(self, state_ref: list[ray.ObjectRef]) -> None:
-        """Become a frozen copy of published weights (after the SFT warm-up: the policy GRPO starts from)."""
-        self.model.load_state_dict(as_state_dict(ray.get(state_ref[0])))
+    def set_weights(self, weights: list[ray.ObjectRef] | SharedFlatWeights) -> None:
+        """Become a frozen copy of published weights (after the SFT warm-up: the policy GRPO starts from), given as
+        the generators get them (see ``LLMLearner.publish``)."""
+        published = weights if isinstance(weights, SharedFlatWeights) else ray.get(weights[0])
+        self.model.load_state_dict(as_state_dict(published))
+        if isinstance(published, SharedFlatWeights):
+            published.check_intact()
+
+    def node_id(self) -> str:
+        return ray.get_runtime_context().get_node_id()
 
     @torch.no_grad()
     def logprobs(self, batch_ref: list[ray.ObjectRef]) -> np.ndarray:

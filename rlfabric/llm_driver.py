@@ -39,6 +39,7 @@ from rlfabric.data import load_heldout, load_prompts, row_metadata
 from rlfabric.driver import ensure_ray, resumed_config
 from rlfabric.grpo_config import LLMConfig
 from rlfabric.models.sequences import is_row_column, pack_sequences
+from rlfabric.models.shared_weights import SharedFlatWeights, remove_stale
 from rlfabric.reward_pool import RewardPool
 from rlfabric.rewards import RewardInput, RewardResult
 from rlfabric.run_log import CONFIG_FILE, RunLog, read_metrics, write_summary
@@ -194,6 +195,10 @@ class GRPOTrainer:
         self.reference_dir: str | None = None
         self._start = time.monotonic()
         self._step_timings: dict[str, float] = {}  # where the current step's wall-clock time went
+        self._transport = "object_store"  # learner.weight_transport for where the actors run (set up in setup)
+        self._published: Any = None  # the latest published weights' handle
+        self._shared_files: set[str] = set()  # shared-memory files learners wrote (removed at close)
+        self.weights_via: str | None = None  # how the last publication reached the generators
 
     @contextmanager
     def _timed(self, key: str) -> Iterator[None]:
@@ -397,6 +402,7 @@ class GRPOTrainer:
                 f"actors did not start within {SETUP_TIMEOUT_S:.0f}s: the cluster may lack the CPUs/GPUs asked "
                 "for (generator.num_cpus/num_gpus, learner.num_cpus/num_gpus)"
             ) from None
+        self._transport = self._weight_transport()
         if state:
             assert self.resume_from is not None
             ray.get([ln.load_optimizer.remote(str(self.resume_from)) for ln in self.learners])
@@ -446,8 +452,8 @@ class GRPOTrainer:
         ray.kill(self.generators[index], no_restart=True)
         self.generators[index] = self._start_generator()
         if self.version > 0:
-            state_ref, version = ray.get(self.learners[0].publish.remote())
-            ray.get(self.generators[index].update_weights.remote(state_ref, version), timeout=SETUP_TIMEOUT_S)
+            self._transport = self._weight_transport()  # the new one may run on another node
+            self._publish([self.generators[index]], timeout=SETUP_TIMEOUT_S)
 
     def _collect(self, prompt_ids: list[list[int]], refs: list[tuple], params: dict[str, Any]) -> list[dict]:
         """Completions for every prompt, in order; a generator that fails or misses its deadline is replaced
@@ -595,18 +601,68 @@ class GRPOTrainer:
             batch["ref_logprobs"] = ray.get(self.reference.logprobs.remote([ray.put(batch)]))
         batch_ref = ray.put(batch)
         with self._timed("update_time_s"):
-            metrics = ray.get([ln.train_step.remote([batch_ref], self._lr()) for ln in self.learners])
+            steps = [ln.train_step.remote([batch_ref], self._lr()) for ln in self.learners]
+            publishing = self._start_publish(self.generators)  # queued behind the step: no round trip between
+            metrics = ray.get(steps)
         with self._timed("weight_sync_time_s"):
-            self._publish()
+            self._finish_publish(publishing)
         # Some metrics are each rank's share of the whole batch's value (one shared denominator, or counts): they add.
         return {
             k: float((np.sum if k in ADDITIVE_LEARNER_METRICS else np.mean)([m[k] for m in metrics]))
             for k in metrics[0]
         }
 
-    def _publish(self) -> None:
-        self._state_ref, self.version = ray.get(self.learners[0].publish.remote())
-        ray.get([gen.update_weights.remote(self._state_ref, self.version) for gen in self.generators])
+    def _publish(self, generators: list[Any] | None = None, timeout: float | None = None) -> None:
+        """Learner 0's current weights to the generators (all by default), each of which has loaded them when
+        this returns: a shared-memory file is rewritten only after that (see rlfabric.models.shared_weights)."""
+        self._finish_publish(self._start_publish(self.generators if generators is None else generators), timeout)
+
+    def _start_publish(self, generators: list[Any]) -> tuple[ray.ObjectRef, ray.ObjectRef, list[ray.ObjectRef]]:
+        """Queue the publication and the generators' loads; Ray hands the weights' handle from learner 0 to the
+        generators without the driver in between."""
+        handle, version = self.learners[0].publish.remote(self._transport)
+        return handle, version, [gen.update_weights.remote(handle, version) for gen in generators]
+
+    def _finish_publish(
+        self, publishing: tuple[ray.ObjectRef, ray.ObjectRef, list[ray.ObjectRef]], timeout: float | None = None
+    ) -> None:
+        handle, version, loads = publishing
+        self._published, self.version = ray.get([handle, version])
+        shared = isinstance(self._published, SharedFlatWeights)
+        if shared:
+            self._shared_files.add(self._published.path)
+        ray.get(loads, timeout=timeout)
+        used = "shared_memory" if shared else "object_store"
+        if used != self.weights_via and self.log is not None:  # the first time, and after any change
+            self.log.note(self._transport_note(used))
+        self.weights_via = used
+
+    def _transport_note(self, used: str) -> str:
+        note = f"weights reach the generators through {used.replace('_', ' ')}"
+        if used == "shared_memory" or self.cfg.learner.weight_transport == "object_store":
+            return note
+        if self._transport == "object_store":
+            return note + " (generator/reference actors run on other nodes than learner 0)"
+        reason = ray.get(self.learners[0].shared_unavailable.remote())  # no room in /dev/shm, or none
+        return note + (f" ({reason})" if reason else "")
+
+    def _weight_transport(self) -> str:
+        """``learner.weight_transport`` made concrete for where the actors run: shared memory needs every reader
+        of the weights (generators, a reference actor) on learner 0's node."""
+        wanted = self.cfg.learner.weight_transport
+        if wanted == "object_store":
+            return wanted
+        readers = [*self.generators, *([self.reference] if self.reference is not None else [])]
+        learner_node = ray.get(self.learners[0].node_id.remote())
+        elsewhere = sum(node != learner_node for node in ray.get([a.node_id.remote() for a in readers]))
+        if not elsewhere:
+            return wanted
+        if wanted == "shared_memory":
+            raise ConfigError(
+                f"learner.weight_transport = 'shared_memory': {elsewhere} generator/reference actor(s) run on "
+                "another node than learner 0; use 'auto' or 'object_store'"
+            )
+        return "object_store"
 
     # -- SFT warm-up and evaluation ---------------------------------------------------------------------------
 
@@ -632,7 +688,7 @@ class GRPOTrainer:
         if self.cfg.grpo.kl_coef > 0:  # the KL anchors GRPO to the warmed-up policy, not the untrained one
             ray.get([ln.reset_reference.remote() for ln in self.learners])
             if self.reference is not None:
-                ray.get(self.reference.set_weights.remote(self._state_ref))
+                ray.get(self.reference.set_weights.remote(self._published))
             if self.cfg.training.checkpoint_every:
                 path = self.run_dir / REFERENCE_MODEL_DIR
                 self.reference_dir = ray.get(self.learners[0].save.remote(str(path), False))
@@ -839,6 +895,7 @@ class GRPOTrainer:
             "filtered_groups": c.filtered_groups,
             "generator_restarts": c.generator_restarts,
             "reward_worker_restarts": self.pool.worker_restarts if self.pool else 0,
+            "weight_transport": self.weights_via,
             "final_model": str(model_path),
             "plot": str(plot) if plot else None,
             "sample_completions": shown,
@@ -855,6 +912,11 @@ class GRPOTrainer:
             ray.get([g.shutdown.remote() for g in self.generators], timeout=10)
         except Exception:  # a dead or stuck generator is killed below either way
             pass
+        try:
+            ray.get([ln.close.remote() for ln in self.learners], timeout=10)
+        except Exception:  # a dead learner cannot remove its shared-memory file: done below where it is ours
+            pass
+        remove_stale(sorted(self._shared_files))  # a no-op for files on other nodes (not here) or already gone
         for actor in [*self.generators, *self.learners, self.reference]:
             if actor is not None:
                 ray.kill(actor, no_restart=True)

@@ -37,6 +37,7 @@ from rlfabric.grpo_config import GRPOConfig, SFTConfig
 from rlfabric.llm_driver import GRPOTrainer, concurrent_actors, latest_checkpoint, train_llm
 from rlfabric.models.hf import build_small_model_dir, load_causal_lm, load_tokenizer
 from rlfabric.models.sequences import pack_sequences
+from rlfabric.models.shared_weights import SHM_DIR
 from rlfabric.models.weights import as_state_dict
 from rlfabric.rewards import RewardInput, register_reward
 
@@ -224,8 +225,9 @@ def faulty_run(local_ray, tmp_path_factory) -> Run:
             "timeout_s": REWARD_TIMEOUT_S,
         },
         grpo={"prompts_per_step": 4, "kl_coef": 0.1, "reference": "learner", "lr": 1e-2},
-        # Two data-parallel learners, each on half of what the failures leave (8, 12 or 16 rows).
-        learner={"num_learners": 2},
+        # Two data-parallel learners, each on half of what the failures leave (8, 12 or 16 rows); the weights go
+        # through the object store (the other runs use the node's shared memory).
+        learner={"num_learners": 2, "weight_transport": "object_store"},
     )
 
 
@@ -408,6 +410,11 @@ def test_data_parallel_learners_and_accumulation_match_one_big_batch(local_ray, 
 
 
 # -- 3. reward faults in a real run ----------------------------------------------------------------------------
+
+
+def test_weights_reach_the_generators_through_shared_memory_on_one_node_unless_told_otherwise(sync_run, faulty_run):
+    assert sync_run.summary["weight_transport"] == ("shared_memory" if SHM_DIR.is_dir() else "object_store")
+    assert faulty_run.summary["weight_transport"] == "object_store"
 
 
 def test_reward_that_raises_or_hangs_costs_only_its_groups(faulty_run):

@@ -1,12 +1,20 @@
-"""Published weights as one flat buffer: exact round trips, zero-copy reads, and the object store in between."""
+"""Published weights as one flat buffer: exact round trips, zero-copy reads, the object store in between, and the
+node-local shared-memory file that replaces the store when learner and readers share a node."""
 
 from __future__ import annotations
+
+import os
+import pickle
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
 import ray
 import torch
 
+from rlfabric.models import shared_weights
 from rlfabric.models.weights import ALIGNMENT, FlatWeights, as_state_dict, flatten_state_dict
 
 
@@ -76,3 +84,80 @@ def test_flat_weights_cross_the_object_store_as_one_read_only_buffer(local_ray):
     weights = {"weight": torch.randn(6, 4), "bias": torch.randn(6)}
     model.load_state_dict(as_state_dict(ray.get(ray.put(flatten_state_dict(weights)))))
     assert torch.equal(model.weight.detach(), weights["weight"]) and torch.equal(model.bias.detach(), weights["bias"])
+
+
+# -- node-local shared memory --------------------------------------------------------------------------------
+
+
+needs_shm = pytest.mark.skipif(not shared_weights.SHM_DIR.is_dir(), reason="no /dev/shm on this machine")
+
+
+@pytest.fixture
+def writer():
+    made, why = shared_weights.SharedWeightsWriter.create(mixed_state_dict(), node_id="this-node")
+    assert made is not None, why
+    yield made
+    made.close()
+
+
+@needs_shm
+def test_shared_weights_round_trip_exactly_and_read_only(writer):
+    state = mixed_state_dict()
+    handle = writer.publish(state, version=3)
+    assert handle.version == 3 and handle.node_id == "this-node"
+    assert pickle.loads(pickle.dumps(handle)) == handle  # travels by value: small, no buffer inside
+    unpacked = as_state_dict(handle)
+    assert_same(unpacked, state)
+    assert not shared_weights._mapped(handle.path).flags.writeable  # readers map the file read-only
+    handle.check_intact()
+
+
+@needs_shm
+def test_a_version_overwritten_while_read_is_an_error_not_a_mix(writer):
+    state = mixed_state_dict()
+    old = writer.publish(state, version=1)
+    state["embed.weight"].add_(1.0)
+    new = writer.publish(state, version=2)
+    with pytest.raises(RuntimeError, match="hold version 2, not version 1"):
+        old.check_intact()
+    with pytest.raises(RuntimeError, match="not version 1"):
+        old.state_dict()
+    assert_same(new.state_dict(), state)
+
+
+@needs_shm
+def test_shared_writer_refuses_another_layout(writer):
+    state = mixed_state_dict()
+    state["extra"] = torch.zeros(2)
+    with pytest.raises(ValueError, match="layout changed"):
+        writer.publish(state, version=1)
+
+
+@needs_shm
+def test_shared_weights_need_room_in_dev_shm(monkeypatch):
+    monkeypatch.setattr(shared_weights, "SPARE_BYTES", 2**60)  # more than any /dev/shm has free
+    made, why = shared_weights.SharedWeightsWriter.create(mixed_state_dict(), node_id="this-node")
+    assert made is None
+    assert "MiB free" in why and "/dev/shm" in why
+
+
+@needs_shm
+def test_closed_or_orphaned_files_are_removed_and_a_reader_says_so():
+    made, _ = shared_weights.SharedWeightsWriter.create({"w": torch.ones(3)}, node_id="n")
+    handle = made.publish({"w": torch.ones(3)}, version=1)
+    made.close()
+    assert not Path(handle.path).exists()
+    with pytest.raises(RuntimeError, match="are gone"):
+        handle.state_dict()  # never mapped by this process before the file went
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()  # its pid now names no process
+    orphan = shared_weights.SHM_DIR / f"{shared_weights.FILE_PREFIX}{dead.pid}-deadbeef"
+    mine = shared_weights.SHM_DIR / f"{shared_weights.FILE_PREFIX}{os.getpid()}-cafef00d"
+    orphan.write_bytes(b"x")
+    mine.write_bytes(b"x")
+    try:
+        shared_weights.remove_orphans()
+        assert not orphan.exists() and mine.exists()
+    finally:
+        orphan.unlink(missing_ok=True)
+        mine.unlink(missing_ok=True)

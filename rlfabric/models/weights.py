@@ -12,7 +12,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -62,26 +62,42 @@ def _aligned(nbytes: int) -> int:
     return -(-nbytes // ALIGNMENT) * ALIGNMENT
 
 
-def flatten_state_dict(state: Mapping[str, torch.Tensor]) -> FlatWeights:
-    """Pack ``state`` (tensors on any device, any dtypes) into one CPU buffer: one copy per tensor, no pickling."""
+def layout(state: Mapping[str, torch.Tensor]) -> tuple[tuple[WeightEntry, ...], int]:
+    """Where each tensor of ``state`` goes in a flat buffer (cache-line aligned), and the buffer's size."""
     entries, offset = [], 0
     for name, tensor in state.items():
         nbytes = tensor.numel() * tensor.element_size()
         entries.append(WeightEntry(name, dtype_name(tensor.dtype), tuple(tensor.shape), offset, nbytes))
         offset += _aligned(nbytes)
-    buffer = torch.empty(offset, dtype=torch.uint8)
+    return tuple(entries), offset
+
+
+def pack_into(buffer: torch.Tensor, entries: tuple[WeightEntry, ...], state: Mapping[str, torch.Tensor]) -> None:
+    """Copy ``state``'s tensors into ``buffer`` (uint8, CPU) where ``entries`` (its ``layout``) puts them."""
     for entry, tensor in zip(entries, state.values(), strict=True):
         if entry.nbytes:
             target = buffer[entry.offset : entry.offset + entry.nbytes].view(tensor.dtype).view(entry.shape)
             target.copy_(tensor.detach())
-    return FlatWeights(buffer.numpy(), tuple(entries))
 
 
-def as_state_dict(weights: FlatWeights | Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The tensors of published weights: a ``FlatWeights`` unpacked, or a plain state dict as it is."""
-    if isinstance(weights, FlatWeights):
+def flatten_state_dict(state: Mapping[str, torch.Tensor]) -> FlatWeights:
+    """Pack ``state`` (tensors on any device, any dtypes) into one CPU buffer: one copy per tensor, no pickling."""
+    entries, nbytes = layout(state)
+    buffer = torch.empty(nbytes, dtype=torch.uint8)
+    pack_into(buffer, entries, state)
+    return FlatWeights(buffer.numpy(), entries)
+
+
+def as_state_dict(weights: Any) -> dict[str, torch.Tensor]:
+    """The tensors of published weights: ``FlatWeights`` or ``SharedFlatWeights`` unpacked (views), or a plain
+    state dict as it is."""
+    from rlfabric.models.shared_weights import SharedFlatWeights  # it builds on this module
+
+    if isinstance(weights, FlatWeights | SharedFlatWeights):
         return weights.state_dict()
     if isinstance(weights, Mapping):
         return dict(weights)
     kind = type(weights).__name__
-    raise TypeError(f"published weights must be FlatWeights or a state dict (name -> tensor), not {kind}")
+    raise TypeError(
+        f"published weights must be FlatWeights, SharedFlatWeights or a state dict (name -> tensor), not {kind}"
+    )
