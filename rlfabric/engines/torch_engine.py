@@ -952,7 +952,7 @@ class TorchEngine:
 
     def _compute(self, loop: asyncio.AbstractEventLoop, epoch: int) -> None:
         """Step on the compute thread while there is work, handing each step's results to the event loop as they
-        come. Staying here between steps saves two thread wake-ups per token (a tenth of a decode step on two
+        come. Staying here between steps saves two thread wake-ups per token (about 5% of a generation on two
         cores); requests that arrive meanwhile are admitted at the next step."""
         while self._has_work():
             result = self._step(epoch)
@@ -964,10 +964,13 @@ class TorchEngine:
                 except RuntimeError:  # the loop has closed: its callers are gone
                     return
 
-    @staticmethod
-    def _deliver(result: _StepResult) -> None:
+    def _deliver(self, result: _StepResult) -> None:
         for request in result.finished:
-            if not request.future.done():  # done already: its caller was cancelled
+            if request.future.done():  # done already: its caller was cancelled
+                continue
+            if self._closed:  # finished, but not handed over before shutdown: it fails with the rest
+                request.future.set_exception(RuntimeError("TorchEngine was shut down"))
+            else:
                 request.future.set_result(request.completion())
         for swap in result.swapped:
             if not swap.future.done():
