@@ -8,6 +8,7 @@ weights stay identical. Rank 0 publishes the weights and saves checkpoints.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -275,11 +276,14 @@ class LLMLearnerCore:
         """The weights packed into one CPU buffer: what ``publish`` puts in the object store."""
         return flatten_state_dict(self.model.state_dict())
 
-    def shared_weights(self, node_id: str) -> SharedFlatWeights | None:
-        """The weights written to this node's shared-memory file (made at the first call); None when the node
-        cannot hold one (``shared_unavailable`` says why)."""
+    def shared_weights(self, node_id: str, reserved_bytes: Callable[[], int] = lambda: 0) -> SharedFlatWeights | None:
+        """The weights written to this node's shared-memory file (made at the first call, leaving
+        ``reserved_bytes()`` of /dev/shm free); None when the node cannot hold one (``shared_unavailable`` says
+        why)."""
         if self._shared_writer is None and self.shared_unavailable is None:
-            self._shared_writer, self.shared_unavailable = SharedWeightsWriter.create(self.model.state_dict(), node_id)
+            self._shared_writer, self.shared_unavailable = SharedWeightsWriter.create(
+                self.model.state_dict(), node_id, reserved_bytes()
+            )
         if self._shared_writer is None:
             return None
         return self._shared_writer.publish(self.model.state_dict(), self.version)
@@ -357,7 +361,7 @@ class LLMLearner:
         ``rlfabric.models.weights.as_state_dict`` unpacks either.
         """
         if transport in ("shared_memory", "auto"):
-            shared = self.core.shared_weights(self.node_id())
+            shared = self.core.shared_weights(self.node_id(), self._object_store_bytes)
             if shared is not None:
                 return shared, self.core.version
             if transport == "shared_memory":
@@ -370,6 +374,14 @@ class LLMLearner:
                 f"weight transport {transport!r} is not valid: expected 'auto', 'shared_memory' or 'object_store'"
             )
         return [ray.put(self.core.flat_weights())], self.core.version
+
+    def _object_store_bytes(self) -> int:
+        """This node's object-store capacity (which may live in /dev/shm and grow into it)."""
+        node_id = self.node_id()
+        for node in ray.nodes():
+            if node.get("NodeID") == node_id:
+                return int(node.get("Resources", {}).get("object_store_memory", 0))
+        return 0
 
     def shared_unavailable(self) -> str | None:
         return self.core.shared_unavailable

@@ -161,8 +161,8 @@ class LLMLearnerConfig:
     # LM head and logprobs stay in model.dtype). Also used by the reference model.
     matmul_dtype: Literal["float32", "bfloat16"] = "float32"
     # How published weights reach the generators (and a reference actor): "auto" (a shared-memory file when they
-    # all run on learner 0's node and its /dev/shm has room, else the object store), "shared_memory" (that, or
-    # an error), or "object_store".
+    # all run on learner 0's node and its /dev/shm has room beside Ray's object store, else the object store),
+    # "shared_memory" (that, or an error), or "object_store".
     weight_transport: Literal["auto", "shared_memory", "object_store"] = "auto"
 
 

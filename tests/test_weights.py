@@ -134,11 +134,11 @@ def test_shared_writer_refuses_another_layout(writer):
 
 
 @needs_shm
-def test_shared_weights_need_room_in_dev_shm(monkeypatch):
-    monkeypatch.setattr(shared_weights, "SPARE_BYTES", 2**60)  # more than any /dev/shm has free
-    made, why = shared_weights.SharedWeightsWriter.create(mixed_state_dict(), node_id="this-node")
+def test_shared_weights_need_room_in_dev_shm_beyond_what_is_reserved():
+    # Reserving more than any /dev/shm has free (as Ray's object store capacity would be) leaves no room.
+    made, why = shared_weights.SharedWeightsWriter.create(mixed_state_dict(), node_id="n", reserved_bytes=2**60)
     assert made is None
-    assert "MiB free" in why and "/dev/shm" in why
+    assert "MiB free" in why and "/dev/shm" in why and "object store" in why
 
 
 @needs_shm

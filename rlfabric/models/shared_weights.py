@@ -98,16 +98,25 @@ class SharedWeightsWriter:
         self._stamp.fill_(WRITING)
 
     @classmethod
-    def create(cls, state: Mapping[str, torch.Tensor], node_id: str) -> tuple[SharedWeightsWriter | None, str]:
-        """A writer for ``state``'s layout, or None and why not (no /dev/shm, too little room in it)."""
+    def create(
+        cls, state: Mapping[str, torch.Tensor], node_id: str, reserved_bytes: int = 0
+    ) -> tuple[SharedWeightsWriter | None, str]:
+        """A writer for ``state``'s layout, or None and why not (no /dev/shm, too little room in it).
+
+        ``reserved_bytes`` stay free for others that may still fill /dev/shm: Ray's object store lives there on
+        Linux and grows into its capacity as it is used, so the learner passes that capacity.
+        """
         entries, nbytes = layout(state)
-        if not SHM_DIR.is_dir():
+        if not SHM_DIR.is_dir() or not hasattr(os, "posix_fallocate"):
             return None, f"{SHM_DIR} does not exist on this node"
         remove_orphans()
         stats = os.statvfs(SHM_DIR)
         free = stats.f_bavail * stats.f_frsize
-        if free < HEADER_BYTES + nbytes + SPARE_BYTES:
-            return None, f"{SHM_DIR} has {free / 2**20:.0f} MiB free; the weights need {nbytes / 2**20:.0f} MiB + spare"
+        if free < HEADER_BYTES + nbytes + reserved_bytes + SPARE_BYTES:
+            return None, (
+                f"{SHM_DIR} has {free / 2**20:.0f} MiB free; the weights need {nbytes / 2**20:.0f} MiB, plus "
+                f"{(reserved_bytes + SPARE_BYTES) / 2**20:.0f} MiB kept for Ray's object store and spare"
+            )
         path = SHM_DIR / f"{FILE_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:8]}"
         try:
             return cls(path, entries, nbytes, node_id), ""
