@@ -55,6 +55,10 @@ class Generator:
             published.check_intact()
         return version
 
+    def attention(self) -> str | None:
+        """Which attention the torch engine decodes with (see ``TorchEngine.attention``); None for vLLM."""
+        return getattr(self.engine, "attention", None)
+
     def node_id(self) -> str:
         return ray.get_runtime_context().get_node_id()
 

@@ -403,12 +403,22 @@ class GRPOTrainer:
                 "for (generator.num_cpus/num_gpus, learner.num_cpus/num_gpus)"
             ) from None
         self._transport = self._weight_transport()
+        self._note_slow_attention()
         if state:
             assert self.resume_from is not None
             ray.get([ln.load_optimizer.remote(str(self.resume_from)) for ln in self.learners])
             self._publish()  # the generators take the checkpoint's policy version
             self.log.note(f"resumed from {self.resume_from.name} (step {self.counters.step}, v{self.version})")
         self._start = time.monotonic() - self._elapsed_before  # times and rates count every session
+
+    def _note_slow_attention(self) -> None:
+        """Say so when CPU generators decode without the native attention kernel (no compiler, say): slower."""
+        g = self.cfg.generator
+        if g.backend != "torch" or g.num_gpus > 0:
+            return
+        attention = ray.get(self.generators[0].attention.remote())
+        if attention and not attention.startswith("native"):
+            self.log.note(f"generators decode with {attention}")
 
     # -- generation -------------------------------------------------------------------------------------------
 

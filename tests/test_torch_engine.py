@@ -20,6 +20,13 @@ from rlfabric.models.hf import build_char_tokenizer, build_small_model_dir, buil
 
 PROMPTS = ["hello world", "1+2=", "the quick brown fox", "x", "(3*4)-5=?", "abc abc abc abc"]
 BOTH_PATHS = pytest.mark.parametrize("fast", [True, False], ids=["fast", "fallback"])
+# The fast path decodes with the native attention kernel where it builds (rlfabric.engines.native), else with
+# torch ops; the second case forces torch ops, so both are checked against transformers.
+ENGINE_PATHS = pytest.mark.parametrize(
+    "options",
+    [{}, {"native_kernels": False}, {"use_fast_path": False}],
+    ids=["fast", "fast-torch-attention", "fallback"],
+)
 
 
 @pytest.fixture(scope="module")
@@ -135,10 +142,11 @@ def first_token_probs(model, prompt: list[int], temperature: float = 1.0) -> tor
 
 
 @pytest.mark.parametrize("kind", FAST_KINDS + FALLBACK_KINDS)
-@BOTH_PATHS
-def test_greedy_matches_transformers(models, prompts, kind, fast):
+@ENGINE_PATHS
+def test_greedy_matches_transformers(models, prompts, kind, options):
     model = models[kind]
-    engine = TorchEngine(model, [], use_fast_path=fast)
+    fast = options.get("use_fast_path", True)
+    engine = TorchEngine(model, [], **options)
     assert engine.uses_fast_path == (fast and kind in FAST_KINDS), engine.fallback_reason
 
     results = generate(engine, prompts, max_new_tokens=12, temperature=0)
@@ -150,8 +158,8 @@ def test_greedy_matches_transformers(models, prompts, kind, fast):
     # a request's stop_token_ids (on top of the model's own EOS).
     stop = results[0].token_ids[4]
     for engine, params in [
-        (TorchEngine(model, [stop], use_fast_path=fast), {}),
-        (TorchEngine(model, use_fast_path=fast), {"stop_token_ids": (stop,)}),
+        (TorchEngine(model, [stop], **options), {}),
+        (TorchEngine(model, **options), {"stop_token_ids": (stop,)}),
     ]:
         stop_ids = engine.eos_ids | {stop}
         stopped = generate(engine, prompts, max_new_tokens=12, temperature=0, **params)
@@ -201,10 +209,10 @@ def test_fallback_reasons(models):
 
 
 @pytest.mark.parametrize("kind", ["qwen2-gqa", "llama-mqa-rope-scaled"])
-@BOTH_PATHS
-def test_logprobs_match_full_forward(models, prompts, kind, fast):
+@ENGINE_PATHS
+def test_logprobs_match_full_forward(models, prompts, kind, options):
     model = models[kind]
-    engine = TorchEngine(model, [], use_fast_path=fast, seed=1)
+    engine = TorchEngine(model, [], seed=1, **options)
     # Greedy: logprobs at temperature 1. Sampled: at the sampling temperature, never truncated by top-k/top-p.
     for params, temperature in [({"temperature": 0}, 1.0), ({"temperature": 0.7, "top_k": 5, "top_p": 0.9}, 0.7)]:
         for prompt, completion in zip(prompts, generate(engine, prompts, max_new_tokens=10, **params), strict=True):

@@ -43,10 +43,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from rlfabric.engines import native
 from rlfabric.engines.base import Completion, FinishReason, SamplingParams
 from rlfabric.models.precision import resolve_matmul_dtype
 
 T = TypeVar("T")
+# attend(layer index, qk, v) -> attention output [n, heads * head_dim], for one decode step
+DecodeAttentionStep = Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor]
 
 # Model families whose decoder layer is: RMSNorm -> attention (q/k/v/o projections, RoPE, GQA) -> residual ->
 # RMSNorm -> SwiGLU MLP -> residual. Their modules share names, so one forward serves all three.
@@ -374,7 +377,12 @@ class _FastDecoder:
     """
 
     def __init__(
-        self, model: nn.Module, max_batch_size: int, max_seq_len: int, matmul_dtype: torch.dtype | None = None
+        self,
+        model: nn.Module,
+        max_batch_size: int,
+        max_seq_len: int,
+        matmul_dtype: torch.dtype | None = None,
+        native_kernels: bool = True,
     ) -> None:
         config, body = model.config, model.model
         attn = body.layers[0].self_attn
@@ -394,6 +402,7 @@ class _FastDecoder:
         self.gqa = self.n_kv_heads != self.n_heads
         self.device, self.dtype = self.embed.device, self.embed.dtype
         self.max_slots, self.max_len = max_batch_size, max_seq_len
+        self.native, self.native_note = self._native_kernels(native_kernels)
 
         self.k_cache = self.v_cache = self._new_cache(slots=0, length=0)
         self.cos = self.signed_sin = torch.empty(0, self.head_dim, device=self.device, dtype=self.dtype)
@@ -401,6 +410,20 @@ class _FastDecoder:
         self.slots: list[_Request] = []
         self.lengths: list[int] = []
         self.pending: list[int] = []
+
+    def _native_kernels(self, wanted: bool) -> tuple[native.DecodeKernels | None, str]:
+        """(the native decode kernels or None, a note on which attention decodes and why)."""
+        if not wanted:
+            return None, "torch attention (native_kernels=False)"
+        if self.device.type != "cpu" or self.dtype != torch.float32:
+            where = f"{self.dtype} on {self.device}"
+            return None, f"torch attention (the native kernel is for float32 on CPU; this is {where})"
+        if self.head_dim > native.MAX_HEAD_DIM:
+            return None, f"torch attention (head_dim {self.head_dim} > the native kernel's {native.MAX_HEAD_DIM})"
+        kernels = native.decode_kernels()
+        if kernels is None:
+            return None, f"torch attention ({native.unavailable_reason()})"
+        return kernels, "native decode attention"
 
     @property
     def running(self) -> list[_Request]:
@@ -548,9 +571,36 @@ class _FastDecoder:
 
     def _decode(self, n: int) -> torch.Tensor:
         """Feed each running slot its pending token at position ``lengths[slot]``; logits for the next one."""
-        heads, kv_heads, head_dim = self.n_heads, self.n_kv_heads, self.head_dim
         positions = torch.tensor(self.lengths[:n], device=self.device)
         tokens = torch.tensor(self.pending[:n], device=self.device)
+        native = self.native is not None
+        attend = self._native_decode_attention(n, positions) if native else self._torch_decode_attention(n, positions)
+        x = F.embedding(tokens, self.embed)  # [n, hidden]
+        for i, p in enumerate(self.layers):
+            qk, v = _project_qkv(_rms_norm(x, p.attn_norm), p)
+            x += _out_proj(attend(i, qk, v), p)
+            x += _mlp(_rms_norm(x, p.mlp_norm), p)
+
+        for slot in range(n):
+            self.lengths[slot] += 1
+        return self._logits(x)
+
+    def _native_decode_attention(self, n: int, positions: torch.Tensor) -> DecodeAttentionStep:
+        """One decode step's attention for layer i by the native kernel (RoPE, cache write, attention in one)."""
+        kernel, max_position = self.native.attention, max(self.lengths[:n])
+        out = torch.empty(n, self.n_heads * self.head_dim, device=self.device, dtype=self.dtype)  # reused per layer
+
+        def attend(i: int, qk: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            return kernel(
+                qk, v, self.cos, self.signed_sin, positions, max_position, self.k_cache[i], self.v_cache[i],
+                self.scale, out,
+            )  # fmt: skip
+
+        return attend
+
+    def _torch_decode_attention(self, n: int, positions: torch.Tensor) -> DecodeAttentionStep:
+        """The same as ``_native_decode_attention`` in torch ops: RoPE, two cache writes and SDPA under a mask."""
+        heads, kv_heads, head_dim = self.n_heads, self.n_kv_heads, self.head_dim
         span = max(self.lengths[:n]) + 1  # cache positions any slot can see this step
         # Additive mask, made once per step (a boolean one is converted inside every attention call).
         hidden = torch.arange(span, device=self.device)[None, :] > positions[:, None]
@@ -564,21 +614,16 @@ class _FastDecoder:
         slot_heads = torch.arange(n * kv_heads, device=self.device).view(n, kv_heads)
         rows = (slot_heads * capacity + positions[:, None]).view(-1)
 
-        x = F.embedding(tokens, self.embed)  # [n, hidden]
-        for i, p in enumerate(self.layers):
-            qk, v = _project_qkv(_rms_norm(x, p.attn_norm), p)
+        def attend(i: int, qk: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             qk = _rope(qk.view(n, heads + kv_heads, 1, head_dim), cos, signed_sin)
             q, k = qk[:, :heads], qk[:, heads:]
             k_cache, v_cache = self.k_cache[i], self.v_cache[i]
             k_cache.view(-1, head_dim).index_copy_(0, rows, k.reshape(-1, head_dim))
             v_cache.view(-1, head_dim).index_copy_(0, rows, v.reshape(-1, head_dim))
             out = self._attend(q, k_cache[:n, :, :span], v_cache[:n, :, :span], attn_mask=mask)
-            x += _out_proj(out.view(n, -1), p)
-            x += _mlp(_rms_norm(x, p.mlp_norm), p)
+            return out.view(n, -1)
 
-        for slot in range(n):
-            self.lengths[slot] += 1
-        return self._logits(x)
+        return attend
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -748,6 +793,10 @@ class TorchEngine:
     engine owns ``model`` from here on: it moves it to ``device``, puts it in eval mode and updates its parameters
     in place; change them through ``load_weights`` only, which also re-makes those copies. Call it from one event
     loop at a time.
+
+    With ``native_kernels`` (the default), a float32 fast path on CPU decodes with a native attention kernel
+    (``rlfabric.engines.native``: RoPE, KV-cache write and attention in one pass, built on first use), else with
+    torch ops; both give the same tokens and logprobs to float32 rounding. ``attention`` says which is in use.
     """
 
     def __init__(
@@ -762,6 +811,7 @@ class TorchEngine:
         use_fast_path: bool = True,
         version: int = 0,
         matmul_dtype: torch.dtype | str | None = None,
+        native_kernels: bool = True,
     ) -> None:
         if max_batch_size < 1:
             raise ValueError(f"TorchEngine max_batch_size = {max_batch_size}: must be at least 1")
@@ -784,6 +834,7 @@ class TorchEngine:
             max_batch_size,
             *((self.max_seq_len,) if reason is None else ()),
             matmul_dtype=matmul_dtype,
+            **({"native_kernels": native_kernels} if reason is None else {}),
         )
         self._generator = torch.Generator(device=self.device)
         self._generator.manual_seed(seed)
@@ -822,6 +873,13 @@ class TorchEngine:
     @property
     def uses_fast_path(self) -> bool:
         return self.fallback_reason is None
+
+    @property
+    def attention(self) -> str:
+        """Which attention decodes: the native kernel, or torch ops and why."""
+        if isinstance(self._decoder, _FastDecoder):
+            return self._decoder.native_note
+        return f"the model's own (fallback decoder: {self.fallback_reason})"
 
     @property
     def num_running(self) -> int:

@@ -1,0 +1,129 @@
+"""The native decode attention kernel against the torch ops it replaces, and how it is built and turned off."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from rlfabric.engines import native
+from rlfabric.engines.torch_engine import TorchEngine
+from rlfabric.models.hf import build_char_tokenizer, build_small_qwen2
+
+needs_compiler = pytest.mark.skipif(native.find_compiler() is None, reason="no C compiler on this machine")
+
+
+def rope_tables(length: int, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    angles = torch.arange(length)[:, None] * (10000.0 ** (-torch.arange(0, dim, 2) / dim))[None]
+    angles = torch.cat((angles, angles), dim=-1)
+    half = dim // 2
+    sin = angles.sin()
+    return angles.cos(), torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)
+
+
+def reference(qk, v, cos, signed_sin, positions, k_cache, v_cache, heads, scale):
+    """RoPE, cache writes and masked attention in plain torch: what the kernel must compute."""
+    n, (_, kv_heads, _, dim) = len(positions), k_cache.shape
+    qk = qk.reshape(n, heads + kv_heads, dim)
+    rotated = (
+        qk * cos[positions][:, None]
+        + torch.cat((qk[..., dim // 2 :], qk[..., : dim // 2]), -1) * signed_sin[positions][:, None]
+    )
+    q, k = rotated[:, :heads], rotated[:, heads:]
+    for b, pos in enumerate(positions.tolist()):
+        k_cache[b, :, pos] = k[b]
+        v_cache[b, :, pos] = v.reshape(n, kv_heads, dim)[b]
+    span = int(positions.max()) + 1
+    mask = torch.arange(span)[None] > positions[:, None]
+    out = F.scaled_dot_product_attention(
+        q[:, :, None],
+        k_cache[:n, :, :span],
+        v_cache[:n, :, :span],
+        attn_mask=~mask[:, None, None],
+        scale=scale,
+        enable_gqa=heads != kv_heads,
+    )
+    return out.reshape(n, heads * dim)
+
+
+@needs_compiler
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "dim", "capacity"),
+    [(4, 4, 64, 48), (4, 2, 32, 40), (6, 1, 16, 24), (2, 2, 8, 1500)],  # MHA, GQA, MQA, scores past the stack
+)
+def test_kernel_matches_torch_ops(heads, kv_heads, dim, capacity):
+    kernels = native.decode_kernels()
+    assert kernels is not None, native.unavailable_reason()
+    torch.manual_seed(0)
+    n, slots = 5, 7
+    positions = torch.tensor([0, 3, capacity - 1, 11, 2])
+    # q/k/v as views into one stacked projection output, as the engine's stacked q|k|v matmul gives them
+    qkv = torch.randn(n, (heads + 2 * kv_heads) * dim)
+    qk, v = qkv[:, : (heads + kv_heads) * dim], qkv[:, (heads + kv_heads) * dim :]
+    cos, signed_sin = rope_tables(capacity, dim)
+    caches = torch.randn(2, slots, kv_heads, capacity, dim)
+    expected_caches = caches.clone()
+    expected = reference(qk, v, cos, signed_sin, positions, *expected_caches, heads, dim**-0.5)
+
+    out = torch.full((n, heads * dim), float("nan"))
+    k_cache, v_cache = caches
+    kernels.attention(qk, v, cos, signed_sin, positions, int(positions.max()), k_cache, v_cache, dim**-0.5, out)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(caches, expected_caches, atol=1e-6, rtol=1e-6)  # written rows, and nothing else
+
+
+@needs_compiler
+def test_kernels_refuse_what_they_cannot_read_safely():
+    kernels = native.decode_kernels()
+    assert kernels is not None, native.unavailable_reason()
+    kernel = kernels.attention
+    heads, dim, capacity = 2, 8, 16
+    cos, signed_sin = rope_tables(capacity, dim)
+    k_cache, v_cache = torch.zeros(2, 3, heads, capacity, dim)
+    qk, v, out = torch.zeros(3, 2 * heads * dim), torch.zeros(3, heads * dim), torch.zeros(3, heads * dim)
+    positions = torch.tensor([1, 2, 3])
+    with pytest.raises(ValueError, match="position 16 outside the cache"):
+        kernel(qk, v, cos, signed_sin, positions, 16, k_cache, v_cache, 1.0, out)
+    with pytest.raises(TypeError, match="float32"):
+        kernel(qk.double(), v, cos, signed_sin, positions, 3, k_cache, v_cache, 1.0, out)
+    with pytest.raises(ValueError, match="shapes do not fit"):
+        kernel(qk[:2], v, cos, signed_sin, positions, 3, k_cache, v_cache, 1.0, out)
+    with pytest.raises(TypeError, match="int64"):
+        kernel(qk, v, cos, signed_sin, positions.int(), 3, k_cache, v_cache, 1.0, out)
+
+
+@needs_compiler
+def test_a_build_error_names_the_compiler_and_its_message(tmp_path):
+    broken = tmp_path / "broken.c"
+    broken.write_text("int f(void) { return missing_name; }\n")
+    with pytest.raises(native.NativeKernelError, match="missing_name"):
+        native.build_library(broken, native.find_compiler(), tmp_path / "cache")
+    assert not list((tmp_path / "cache").glob("*.so")), "a failed build leaves no library behind"
+
+
+@needs_compiler
+def test_builds_once_per_source_and_machine(tmp_path):
+    compiler = native.find_compiler()
+    first = native.build_library(native.SOURCE, compiler, tmp_path)
+    built_at = first.stat().st_mtime_ns
+    assert native.build_library(native.SOURCE, compiler, tmp_path) == first
+    assert first.stat().st_mtime_ns == built_at
+    assert [p.name for p in tmp_path.iterdir()] == [first.name]  # no partial files left
+
+
+def test_engine_says_which_attention_decodes(monkeypatch):
+    tokenizer = build_char_tokenizer()
+    model = build_small_qwen2(tokenizer, num_layers=1, hidden_size=32, num_heads=2)
+    assert "native_kernels=False" in TorchEngine(model, [], native_kernels=False).attention
+    monkeypatch.setenv("RLFABRIC_NATIVE_KERNELS", "0")
+    assert native.decode_kernels() is None
+    assert "RLFABRIC_NATIVE_KERNELS=0" in TorchEngine(model, []).attention
+    monkeypatch.delenv("RLFABRIC_NATIVE_KERNELS")
+    reason = native.unavailable_reason()
+    expected = "native decode attention" if reason is None else f"torch attention ({reason})"
+    assert TorchEngine(model, []).attention == expected
+    assert TorchEngine(model, [], matmul_dtype="bfloat16").attention == expected  # float32 activations either way
+    if shutil.which("gcc") and native.openmp_runtime_problem() is None:
+        assert native.unavailable_reason() is None  # where it can build, it does
