@@ -14,7 +14,9 @@ Contenders, timed alternately (so machine noise hits both alike) after warm-up r
 2. ``TorchEngine``: one ``generate`` call with every prompt;
 3. ``TorchEngine, concurrent callers``: one ``generate`` call per prompt group (``--samples`` copies each), all
    at once, as a generator actor serving several env runners would see them;
-4. ``transformers generate, bf16 autocast`` and ``TorchEngine, bf16 matmuls`` (``matmul_dtype="bfloat16"``):
+4. ``TorchEngine, torch attention``: the engine with ``native_kernels=False``, its decode attention in torch ops
+   instead of the native kernel (``rlfabric.engines.native``), to show what the kernel gives;
+5. ``transformers generate, bf16 autocast`` and ``TorchEngine, bf16 matmuls`` (``matmul_dtype="bfloat16"``):
    the same two with their matrix multiplications in bfloat16 and float32 weights.
 
 All torch work (building the model, every contender) runs on the engine's compute thread: OpenMP keeps one thread
@@ -154,20 +156,23 @@ def main() -> None:
     # [] as the EOS ids: no stop tokens, like eos_token_id=None on the transformers side.
     stop = tokenizer if args.eos else []
     engine = TorchEngine(model, stop, max_batch_size=len(batch), seed=args.seed)
+    engine_torch_ops = TorchEngine(model, stop, max_batch_size=len(batch), seed=args.seed, native_kernels=False)
     engine_bf16 = TorchEngine(model, stop, max_batch_size=len(batch), seed=args.seed, matmul_dtype="bfloat16")
     assert engine.uses_fast_path, engine.fallback_reason
+    print(f"TorchEngine decodes with {engine.attention}")
     loop = asyncio.new_event_loop()
     contenders = {
         ANCHOR: hf_generate(model, tokenizer, batch, args.max_new_tokens, args.eos),
         "TorchEngine": engine_generate(engine, loop, [batch], args.max_new_tokens),
         "TorchEngine, concurrent callers": engine_generate(engine, loop, groups, args.max_new_tokens),
+        "TorchEngine, torch attention": engine_generate(engine_torch_ops, loop, [batch], args.max_new_tokens),
         ANCHOR_BF16: hf_generate(model, tokenizer, batch, args.max_new_tokens, args.eos, bf16=True),
         "TorchEngine, bf16 matmuls": engine_generate(engine_bf16, loop, [batch], args.max_new_tokens),
     }
     load_before = os.getloadavg()  # other work on the machine skews both contenders; record how much there was
     results = time_alternately(contenders, args.warmup, args.reps)
     load_after = os.getloadavg()
-    for e in (engine, engine_bf16):
+    for e in (engine, engine_torch_ops, engine_bf16):
         loop.run_until_complete(e.shutdown())
     loop.close()
 
@@ -196,6 +201,7 @@ def main() -> None:
             "prompt_lengths": [len(prompt) for prompt in prompts],
             "model": f"Qwen2 {args.layers} layers x {args.hidden} wide, char tokenizer, random weights",
             "sampling": f"temperature 1, no top-k/top-p, EOS {'enabled' if args.eos else 'disabled'}",
+            "attention": engine.attention,
             "torch": torch.__version__,
             "transformers": transformers.__version__,
         },
