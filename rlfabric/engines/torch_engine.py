@@ -573,8 +573,8 @@ class _FastDecoder:
         """Feed each running slot its pending token at position ``lengths[slot]``; logits for the next one."""
         positions = torch.tensor(self.lengths[:n], device=self.device)
         tokens = torch.tensor(self.pending[:n], device=self.device)
-        native = self.native is not None
-        attend = self._native_decode_attention(n, positions) if native else self._torch_decode_attention(n, positions)
+        attention = self._native_decode_attention if self.native is not None else self._torch_decode_attention
+        attend = attention(n, positions)
         x = F.embedding(tokens, self.embed)  # [n, hidden]
         for i, p in enumerate(self.layers):
             qk, v = _project_qkv(_rms_norm(x, p.attn_norm), p)
