@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,6 +24,7 @@ from rlfabric import registry
 from rlfabric.actors.env_runner import EnvRunner
 from rlfabric.actors.learner import Learner
 from rlfabric.config import Config, ConfigError, RayConfig, load_config
+from rlfabric.interrupts import stop_requests
 from rlfabric.run_log import CONFIG_FILE, RunLog, plot_learning_curve, write_summary
 from rlfabric.runner_pool import Completed, RunAbortedError, RunnerPool, error_summary
 
@@ -303,7 +305,8 @@ class Trainer:
         if self.pool is None:
             self.setup()
         try:
-            self._loop()
+            with stop_requests() as stop:
+                self._loop(stop)
         except (KeyboardInterrupt, RunAbortedError):
             if self._update_ref is not None:
                 self._complete_update()  # an update in flight is worth keeping: it takes a second
@@ -312,11 +315,13 @@ class Trainer:
             raise
         return self._finish()
 
-    def _loop(self) -> None:
+    def _loop(self, stop: threading.Event) -> None:
         buffer: list[Completed] = []
         self._iter_start = self._run_start = time.monotonic()
         self._start_elapsed = self.progress.elapsed_s
         while not (self._should_stop() and self._update_ref is None):
+            if stop.is_set():  # Ctrl-C, honoured here where no Ray call or write is half-done
+                raise KeyboardInterrupt
             for i in range(len(self.pool)):
                 if not self._should_stop() and self._may_sample(i, len(buffer)):
                     self.pool.submit(i)

@@ -1,0 +1,37 @@
+"""Ctrl-C during PPO training: the first one is a request the loop honours at a safe point, a second one is not."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+
+import pytest
+
+from rlfabric.interrupts import stop_requests
+
+
+def test_first_sigint_requests_a_stop_and_a_second_interrupts():
+    before = signal.getsignal(signal.SIGINT)
+    with stop_requests() as stop:
+        assert not stop.is_set()
+        os.kill(os.getpid(), signal.SIGINT)  # delivered to the main thread at the next bytecode
+        assert stop.wait(5), "the first SIGINT sets the event instead of raising"
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+            stop.wait(5)  # the handler raises here, in the main thread
+    assert signal.getsignal(signal.SIGINT) is before  # the previous handler is back
+
+
+def test_off_the_main_thread_sigint_keeps_its_usual_effect():
+    seen: list[bool] = []
+
+    def body() -> None:
+        with stop_requests() as stop:
+            seen.append(stop.is_set())
+
+    before = signal.getsignal(signal.SIGINT)
+    worker = threading.Thread(target=body)
+    worker.start()
+    worker.join()
+    assert seen == [False] and signal.getsignal(signal.SIGINT) is before
