@@ -496,7 +496,8 @@ class _FastDecoder:
         cos, sin = self.rotary(probe, positions)
         cos, sin = cos[0], sin[0]
         half = sin.shape[-1] // 2
-        return cos, torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)
+        # Both contiguous: the native attention kernel reads them by row.
+        return cos.contiguous(), torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)
 
     def _retire(self, done_slots: list[int]) -> None:
         """Free the finished slots, moving the running sequences above the new end into the holes (one copy)."""
