@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import shutil
 
 import pytest
@@ -9,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from rlfabric.engines import native
+from rlfabric.engines.base import SamplingParams
 from rlfabric.engines.torch_engine import TorchEngine
 from rlfabric.models.hf import build_char_tokenizer, build_small_qwen2
 
@@ -127,3 +129,27 @@ def test_engine_says_which_attention_decodes(monkeypatch):
     assert TorchEngine(model, [], matmul_dtype="bfloat16").attention == expected  # float32 activations either way
     if shutil.which("gcc") and native.openmp_runtime_problem() is None:
         assert native.unavailable_reason() is None  # where it can build, it does
+
+
+def test_engine_falls_back_to_torch_ops_when_the_kernel_refuses_a_layout():
+    """A layout the kernel's checks refuse mid-run costs no request: the step is redone in torch ops, for good."""
+    tokenizer = build_char_tokenizer()
+    model = build_small_qwen2(tokenizer, num_layers=2, hidden_size=64, num_heads=4)
+    prompts = [tokenizer("1+2=").input_ids, tokenizer("hello").input_ids]
+
+    class Refusing:
+        calls = 0
+
+        def attention(self, *args, **kwargs):
+            Refusing.calls += 1
+            raise ValueError("attention kernel: shapes do not fit (test)")
+
+    def greedy(engine: TorchEngine) -> list[list[int]]:
+        params = SamplingParams(max_new_tokens=8, temperature=0)
+        return [c.token_ids for c in asyncio.run(engine.generate(prompts, params))]
+
+    expected = greedy(TorchEngine(model, [], native_kernels=False))
+    engine = TorchEngine(model, [])
+    engine._decoder.native = Refusing()
+    assert greedy(engine) == expected
+    assert Refusing.calls == 1 and "the native kernel refused" in engine.attention

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import logging
 import threading
 from collections import deque
 from collections.abc import Callable, Iterable
@@ -48,6 +49,7 @@ from rlfabric.engines.base import Completion, FinishReason, SamplingParams
 from rlfabric.models.precision import resolve_matmul_dtype
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 # attend(layer index, qk, v) -> attention output [n, heads * head_dim], for one decode step
 DecodeAttentionStep = Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -574,8 +576,17 @@ class _FastDecoder:
         """Feed each running slot its pending token at position ``lengths[slot]``; logits for the next one."""
         positions = torch.tensor(self.lengths[:n], device=self.device)
         tokens = torch.tensor(self.pending[:n], device=self.device)
-        attention = self._native_decode_attention if self.native is not None else self._torch_decode_attention
-        attend = attention(n, positions)
+        if self.native is not None:
+            try:
+                return self._decode_with(self._native_decode_attention(n, positions), n, tokens)
+            except (TypeError, ValueError) as error:
+                # A layout the kernel's checks refuse (it then wrote nothing): torch ops from here on. Redoing the
+                # step is safe: it rewrites the same cache rows and moves no length until it completes.
+                self.native, self.native_note = None, f"torch attention (the native kernel refused: {error})"
+                log.warning("rlfabric: TorchEngine decodes with %s", self.native_note)
+        return self._decode_with(self._torch_decode_attention(n, positions), n, tokens)
+
+    def _decode_with(self, attend: DecodeAttentionStep, n: int, tokens: torch.Tensor) -> torch.Tensor:
         x = F.embedding(tokens, self.embed)  # [n, hidden]
         for i, p in enumerate(self.layers):
             qk, v = _project_qkv(_rms_norm(x, p.attn_norm), p)
@@ -797,7 +808,8 @@ class TorchEngine:
 
     With ``native_kernels`` (the default), a float32 fast path on CPU decodes with a native attention kernel
     (``rlfabric.engines.native``: RoPE, KV-cache write and attention in one pass, built on first use), else with
-    torch ops; both give the same tokens and logprobs to float32 rounding. ``attention`` says which is in use.
+    torch ops; both give the same tokens and logprobs to float32 rounding. ``attention`` says which is in use (a
+    layout the kernel refuses at run time switches the engine to torch ops, with a warning).
     """
 
     def __init__(
