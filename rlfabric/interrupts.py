@@ -9,6 +9,7 @@ once, for a user who does not want to wait.
 
 from __future__ import annotations
 
+import os
 import signal
 import threading
 from collections.abc import Iterator
@@ -17,8 +18,9 @@ from typing import Any
 
 
 @contextmanager
-def stop_requests() -> Iterator[threading.Event]:
-    """An event set by the first SIGINT while the block runs (the handler in force before is restored after).
+def stop_requests(notice: str | None = None) -> Iterator[threading.Event]:
+    """An event set by the first SIGINT while the block runs (the handler in force before is restored after);
+    ``notice``, when given, goes to stderr at once, for loops whose safe point may be a while away.
 
     Off the main thread (where Python cannot install signal handlers) the event is never set and SIGINT keeps its
     usual effect.
@@ -32,6 +34,8 @@ def stop_requests() -> Iterator[threading.Event]:
         if requested.is_set():
             raise KeyboardInterrupt
         requested.set()
+        if notice:  # a raw write: print() from a signal handler can collide with a print it interrupted
+            os.write(2, f"\n{notice}\n".encode())
 
     previous = signal.signal(signal.SIGINT, on_sigint)
     try:

@@ -20,6 +20,7 @@ import json
 import math
 import os
 import shutil
+import threading
 import time
 from collections import deque
 from collections.abc import Iterator
@@ -38,6 +39,7 @@ from rlfabric.config import ConfigError
 from rlfabric.data import load_heldout, load_prompts, row_metadata
 from rlfabric.driver import ensure_ray, resumed_config
 from rlfabric.grpo_config import LLMConfig
+from rlfabric.interrupts import stop_requests
 from rlfabric.models.sequences import is_row_column, pack_sequences
 from rlfabric.models.shared_weights import SharedFlatWeights, remove_stale
 from rlfabric.reward_pool import RewardPool
@@ -66,6 +68,7 @@ SAMPLES_FILE = "samples.jsonl"
 PLOT_FILE = "learning_curve.png"
 SETUP_TIMEOUT_S = 300.0
 MAX_GENERATION_RETRIES = 3
+STOP_NOTICE = "rlfabric: stopping after this step, with a checkpoint when checkpointing is on (Ctrl-C again: at once)"
 
 
 @dataclass
@@ -777,7 +780,6 @@ class GRPOTrainer:
     def train(self) -> dict[str, Any]:
         if self.log is None:
             self.setup()
-        t = self.cfg.training
         if self.resume_from is None:
             initial = self.evaluate("initial")
             if self.cfg.sft.steps:
@@ -786,8 +788,20 @@ class GRPOTrainer:
         else:  # the first session evaluated before training
             logged = [r for r in read_metrics(self.run_dir) if r.get("label") == "initial"]
             initial = logged[0] if logged else {"eval_accuracy": None}
-        in_flight = self._in_flight
+        with stop_requests(STOP_NOTICE) as stop:
+            self._grpo_steps(stop)
+        for rollout in self._in_flight:  # generated ahead for steps that will not run
+            for _, ref, _ in rollout.refs:
+                ray.cancel(ref, force=False)
+        final = self.evaluate("final")
+        return self._finish(initial, final)
+
+    def _grpo_steps(self, stop: threading.Event) -> None:
+        """GRPO steps up to ``training.total_steps``. Ctrl-C (``stop``) is honoured between steps, after a
+        checkpoint of the steps done (with checkpointing on), so an interrupted run resumes where it stopped."""
+        t, in_flight = self.cfg.training, self._in_flight
         while self.counters.step < t.total_steps:
+            self._stop_if_asked(stop)
             started = time.monotonic()
             self._step_timings = {}
             while len(in_flight) < 1 + t.max_policy_lag:  # keep the pipeline as deep as the lag allows
@@ -802,11 +816,15 @@ class GRPOTrainer:
                 self.evaluate(f"step_{self.counters.step}")
             if t.checkpoint_every and self.counters.step % t.checkpoint_every == 0:
                 self.save_checkpoint()
-        for rollout in in_flight:  # generated ahead for steps that will not run
-            for _, ref, _ in rollout.refs:
-                ray.cancel(ref, force=False)
-        final = self.evaluate("final")
-        return self._finish(initial, final)
+        self._stop_if_asked(stop)  # asked during the last step: the final evaluation is not waited for either
+
+    def _stop_if_asked(self, stop: threading.Event) -> None:
+        if not stop.is_set():
+            return
+        every = self.cfg.training.checkpoint_every
+        if every and self.counters.step % every:  # else the step just saved one
+            self.save_checkpoint()
+        raise KeyboardInterrupt
 
     # -- outputs ----------------------------------------------------------------------------------------------
 

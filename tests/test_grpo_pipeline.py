@@ -21,6 +21,7 @@ import dataclasses
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -41,6 +42,7 @@ from rlfabric.models.sequences import pack_sequences
 from rlfabric.models.shared_weights import SHM_DIR
 from rlfabric.models.weights import as_state_dict
 from rlfabric.rewards import RewardInput, register_reward
+from rlfabric.run_log import read_metrics
 
 TINY = {"num_layers": 1, "hidden_size": 32, "num_heads": 2, "max_positions": 64}
 
@@ -697,6 +699,33 @@ def test_resume_refuses_what_the_checkpoint_cannot_continue(tmp_path, overrides,
     run_dir = saved_run(tmp_path, step=2, sft={"steps": 3})
     with pytest.raises(ConfigError, match=message):
         GRPOTrainer.from_run_dir(run_dir, overrides)
+
+
+def test_ctrl_c_stops_a_grpo_run_between_steps_with_a_checkpoint_of_every_step_done(tmp_path):
+    """The first SIGINT is honoured at the next step boundary: a checkpoint of the steps done (3 is not a
+    checkpoint_every multiple), exit 130 and the --resume hint; the last logged step is the checkpoint's."""
+    run_dir = tmp_path / "run"
+    overrides = ["sft.steps=0", "training.total_steps=1000", "training.eval_every=0", "training.checkpoint_every=3"]
+    cmd = [sys.executable, "-m", "rlfabric.cli", "train", *overrides, "--run-dir", str(run_dir), "--quiet"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 150
+        while not (run_dir / "checkpoints" / "step_000003" / "trainer_state.json").exists():
+            assert proc.poll() is None, proc.communicate()
+            assert time.monotonic() < deadline, "no checkpoint within 150 s"
+            time.sleep(0.1)
+        time.sleep(0.3)  # into a step past the checkpoint, most likely
+    finally:
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err
+    assert "stopping after this step" in err and f"--resume {run_dir}" in err, err
+
+    steps = [r["step"] for r in read_metrics(run_dir) if r.get("phase") == "grpo"]
+    latest = latest_checkpoint(run_dir)
+    assert steps == list(range(1, len(steps) + 1)) and len(steps) >= 3
+    assert latest is not None and latest.name == f"step_{steps[-1]:06d}", (latest, steps)
+    assert json.loads((latest / "trainer_state.json").read_text())["counters"]["step"] == steps[-1]
 
 
 def test_a_new_run_in_a_used_directory_points_to_resume(tmp_path):
