@@ -2,9 +2,9 @@
 
 A KeyboardInterrupt raised asynchronously can land inside a Ray call or a log writer's locked section and leave
 either half-done, so the checkpoint written on the way out could hang or be inconsistent. Under
-``stop_requests()`` the first SIGINT only sets a flag that the training loop reads between its waits (at most a
-second apart), so the loop itself raises KeyboardInterrupt where nothing is half-done. A second SIGINT raises at
-once, for a user who does not want to wait.
+``stop_requests()`` the first SIGINT only sets a flag that the training loop reads at its safe points (the PPO
+driver between its waits, at most a second apart; the GRPO driver between steps), so the loop itself raises
+KeyboardInterrupt where nothing is half-done. A second SIGINT raises at once, for a user who does not want to wait.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Ctrl-C during PPO training: the first one is a request the loop honours at a safe point, a second one is not."""
+"""``stop_requests``: the first Ctrl-C is a request a training loop honours at a safe point, a second one is not."""
 
 from __future__ import annotations
 
