@@ -129,8 +129,9 @@ def openmp_runtime_problem() -> str | None:
 
 def find_compiler() -> str | None:
     for name in (os.environ.get("CC"), "cc", "gcc"):
-        if name and shutil.which(name):
-            return shutil.which(name)
+        path = shutil.which(name) if name else None
+        if path:
+            return path
     return None
 
 
