@@ -18,6 +18,7 @@ import torch
 
 from rlfabric.algorithms.grpo import aggregate_denominator, policy_objective
 from rlfabric.models.hf import load_causal_lm, load_tokenizer, save_pretrained
+from rlfabric.models.llm_batch import grpo_batch
 from rlfabric.models.sequences import (
     batched_response_logprobs,
     is_row_column,
@@ -28,6 +29,7 @@ from rlfabric.models.sequences import (
 )
 from rlfabric.models.shared_weights import SharedFlatWeights, SharedWeightsWriter
 from rlfabric.models.weights import FlatWeights, flatten_state_dict
+from rlfabric.trajectory import Trajectories
 
 OPTIMIZER_FILE = "optimizer.pt"
 
@@ -62,7 +64,9 @@ class LLMLearnerCore:
         reference_dir: str | None = None,
         num_threads: int | None = None,
         matmul_dtype: str | None = None,
+        batch_spec: dict[str, Any] | None = None,
     ) -> None:
+        """``batch_spec``: how trajectory records become the packed batch (``grpo_batch``'s keyword options)."""
         if num_threads:
             torch.set_num_threads(num_threads)
         torch.manual_seed(seed)
@@ -78,6 +82,9 @@ class LLMLearnerCore:
             self.model.gradient_checkpointing_enable()
         self.model.train()
         self.tokenizer = load_tokenizer(model_dir)
+        self.batch_spec = {"reward_weights": {}, "advantage": "grpo", "scale_by_std": True, "overlong_filter": False}
+        self.batch_spec.update(batch_spec or {})
+        self.batch_spec["world_size"] = world_size
         self.reference = None
         if reference_in_learner:  # a frozen copy of the starting weights (or of reference_dir's), for the KL
             self.reference = load_causal_lm(reference_dir or model_dir, dtype=dtype, device=device)
@@ -174,6 +181,23 @@ class LLMLearnerCore:
         """The loss aggregation's denominator over every rank's rows."""
         local = aggregate_denominator(mask, self.g["loss_aggregation"], self.g["norm_length"])
         return float(self._all_reduce_sum(torch.tensor(local)))
+
+    def batch_from(self, trajectories: list[Trajectories], groups: list[int] | None) -> dict[str, np.ndarray]:
+        """The packed batch of the chosen groups of ``trajectories`` (every rank builds the same one)."""
+        return grpo_batch(trajectories, groups, pad_id=self.tokenizer.pad_token_id, **self.batch_spec)
+
+    def train_on(
+        self,
+        trajectories: list[Trajectories],
+        groups: list[int] | None,
+        lr: float,
+        ref_logprobs: np.ndarray | None = None,
+    ) -> dict[str, float]:
+        """One GRPO-family update on the chosen groups of the records (see ``train_step``)."""
+        batch = self.batch_from(trajectories, groups)
+        if ref_logprobs is not None:
+            batch["ref_logprobs"] = ref_logprobs
+        return self.train_step(batch, lr)
 
     def train_step(self, batch: dict[str, np.ndarray], lr: float) -> dict[str, float]:
         """One GRPO-family update on a batch: ``epochs`` passes, each one optimizer step over all micro-batches.
@@ -343,6 +367,16 @@ class LLMLearner:
 
     def train_step(self, batch_ref: list[ray.ObjectRef], lr: float) -> dict[str, float]:
         return self.core.train_step(ray.get(batch_ref[0]), lr)
+
+    def train_on(
+        self,
+        trajectory_refs: list[ray.ObjectRef],
+        groups: list[int] | None,
+        lr: float,
+        ref_logprobs: np.ndarray | None = None,
+    ) -> dict[str, float]:
+        """An update on the chosen groups of the trajectory records (read from the object store here)."""
+        return self.core.train_on(ray.get(trajectory_refs), groups, lr, ref_logprobs)
 
     def node_id(self) -> str:
         return ray.get_runtime_context().get_node_id()

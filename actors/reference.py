@@ -13,6 +13,7 @@ import ray
 import torch
 
 from rlfabric.models.hf import load_causal_lm
+from rlfabric.models.llm_batch import grpo_batch
 from rlfabric.models.sequences import batched_response_logprobs
 from rlfabric.models.shared_weights import SharedFlatWeights
 from rlfabric.models.weights import as_state_dict
@@ -29,6 +30,8 @@ class Reference:
         device: str = "cpu",
         num_threads: int = 0,
         matmul_dtype: str | None = None,
+        batch_spec: dict[str, Any] | None = None,
+        pad_id: int = 0,
     ) -> None:
         if num_threads:
             torch.set_num_threads(num_threads)
@@ -38,6 +41,8 @@ class Reference:
         self.micro_batch_size = micro_batch_size
         self.matmul_dtype = matmul_dtype  # the learner's, so the KL compares like with like
         self.device = torch.device(device)
+        self.batch_spec = batch_spec or {}
+        self.pad_id = pad_id
 
     def set_weights(self, weights: list[ray.ObjectRef] | SharedFlatWeights) -> None:
         """Become a frozen copy of published weights (after the SFT warm-up: the policy GRPO starts from), given as
@@ -50,10 +55,15 @@ class Reference:
     def node_id(self) -> str:
         return ray.get_runtime_context().get_node_id()
 
+    def logprobs_of(self, trajectory_refs: list[ray.ObjectRef], groups: list[int] | None) -> np.ndarray:
+        """Response-token logprobs [N, R] of the chosen groups of trajectory records, packed as the learners pack
+        them (``grpo_batch`` with the same options), row for row."""
+        batch = grpo_batch(ray.get(trajectory_refs), groups, pad_id=self.pad_id, **self.batch_spec)
+        return self.logprobs(batch)
+
     @torch.no_grad()
-    def logprobs(self, batch_ref: list[ray.ObjectRef]) -> np.ndarray:
+    def logprobs(self, batch: dict[str, Any]) -> np.ndarray:
         """Response-token logprobs [N, R] of a packed batch (see rlfabric.models.sequences)."""
-        batch: dict[str, Any] = ray.get(batch_ref[0])
         ids = torch.as_tensor(batch["input_ids"]).to(self.device)
         mask = torch.as_tensor(batch["attention_mask"]).to(self.device)
         return batched_response_logprobs(

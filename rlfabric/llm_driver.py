@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import os
 import shutil
 import threading
@@ -25,25 +24,24 @@ import time
 from collections import deque
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import ray
-import torch
 
 from rlfabric import rewards
-from rlfabric.algorithms.grpo import compute_advantages, group_has_signal
+from rlfabric.actor_slots import ActorSlots
+from rlfabric.actors.llm_rollout import PromptSet, RolloutRequest
 from rlfabric.config import ConfigError
-from rlfabric.data import load_heldout, load_prompts, row_metadata
+from rlfabric.data import load_heldout, load_prompts
 from rlfabric.driver import ensure_ray, resumed_config
 from rlfabric.grpo_config import LLMConfig
 from rlfabric.interrupts import stop_requests
-from rlfabric.models.sequences import is_row_column, pack_sequences
+from rlfabric.models.llm_batch import pad_rows_for_learners
+from rlfabric.models.sequences import pack_sequences
 from rlfabric.models.shared_weights import SharedFlatWeights, remove_stale
-from rlfabric.reward_pool import RewardPool
-from rlfabric.rewards import RewardInput, RewardResult
 from rlfabric.run_log import CONFIG_FILE, RunLog, read_metrics, write_summary
 from rlfabric.runner_pool import RunAbortedError, error_summary
 
@@ -68,17 +66,31 @@ SAMPLES_FILE = "samples.jsonl"
 PLOT_FILE = "learning_curve.png"
 SETUP_TIMEOUT_S = 300.0
 MAX_GENERATION_RETRIES = 3
+REWARD_GRACE_S = 30.0  # the reward pool's slack per call, for starting a replacement service and transfers
+MAX_STEPS_WITHOUT_SCORES = 3  # steps in a row in which every sample failed its reward: the run stops
 STOP_NOTICE = "rlfabric: stopping after this step, with a checkpoint when checkpointing is on (Ctrl-C again: at once)"
 
 
 @dataclass
-class Rollout:
-    """One generation request in flight: prompts (rows) repeated group_size times, sent to the generators."""
+class Pending:
+    """A rollout request in flight on a rollout worker."""
 
-    indices: list[int]  # the train prompts, once each (put back in the order when a checkpoint is taken)
-    rows: list[dict[str, Any]]
-    prompt_ids: list[list[int]]
-    refs: list[tuple[int, ray.ObjectRef, slice]]  # (generator index, completions ref, rows it covers)
+    request: RolloutRequest  # its indices are put back in the prompt order when a checkpoint is taken
+    meta_ref: ray.ObjectRef
+    data_ref: ray.ObjectRef
+    attempt: int  # 0, or 1 for the one retry after a generator or rollout worker failed
+    worker_slot: int
+    worker_generation: int
+    deadline: float  # time.monotonic() by which the worker must have answered
+
+
+@dataclass
+class StepBatch:
+    """What one step trains on: record refs and the chosen groups, plus every scored rollout's metadata."""
+
+    refs: list[ray.ObjectRef] = field(default_factory=list)
+    groups: list[tuple[int, int, int]] = field(default_factory=list)  # (group id, rows, oldest policy version)
+    scored: list[dict[str, Any]] = field(default_factory=list)
 
 
 @dataclass
@@ -90,6 +102,8 @@ class Counters:
     stale_samples: int = 0
     filtered_groups: int = 0
     generator_restarts: int = 0
+    reward_worker_restarts: int = 0
+    trained_samples: int = 0
 
 
 def combine_rewards(components: dict[str, float], weights: dict[str, float]) -> float:
@@ -184,14 +198,14 @@ class GRPOTrainer:
         self.counters = Counters()
         self.version = 0
         self.rng = np.random.default_rng(cfg.training.seed)
-        self.generators: list[Any] = []
+        self.generators: ActorSlots | None = None
+        self.rollout_workers: ActorSlots | None = None
         self.learners: list[Any] = []
         self.reference: Any = None
-        self.pool: RewardPool | None = None
         self.log: RunLog | None = None
         self._order: list[int] = []
         self._group_counter = 0
-        self._in_flight: deque[Rollout] = deque()  # rollouts generating ahead (max_policy_lag > 0)
+        self._in_flight: deque[Pending] = deque()  # rollouts generating ahead (max_policy_lag > 0)
         self._elapsed_before = 0.0  # wall clock of the sessions before a resume
         # The weights the KL penalty anchors to: the initial model, or the policy after the SFT warm-up (saved
         # for --resume only when there is a KL term and checkpoints; None: not saved).
@@ -202,6 +216,10 @@ class GRPOTrainer:
         self._published: Any = None  # the latest published weights' handle
         self._shared_files: set[str] = set()  # shared-memory files learners wrote (removed at close)
         self.weights_via: str | None = None  # how the last publication reached the generators
+        self._errors_seen: set[str] = set()  # reward errors already printed (the first of each kind is)
+        self._steps_without_scores = 0
+        self._last_shown: list[dict[str, Any]] = []  # the last evaluation's sample completions
+        self._prompt_refs: dict[str, ray.ObjectRef] = {}
 
     @contextmanager
     def _timed(self, key: str) -> Iterator[None]:
@@ -343,6 +361,7 @@ class GRPOTrainer:
                 reference_dir=self.reference_dir,
                 num_threads=self._threads("learner"),
                 matmul_dtype=lc.matmul_dtype,
+                batch_spec=self._batch_spec(),
             )
             for rank in range(lc.num_learners)
         ]
@@ -378,7 +397,9 @@ class GRPOTrainer:
         self.tokenizer = load_tokenizer(self.model_dir)
         self._load_data()
         ensure_ray(self.cfg.ray, wanted_cpus(self.cfg), openmp_env())
-        self.generators = [self._start_generator() for _ in range(self.cfg.generator.num_generators)]
+        self.generators = ActorSlots(
+            "generator", lambda slot, generation: self._start_generator(), self.cfg.generator.num_generators
+        )
         self._start_learners()
         if self.cfg.grpo.kl_coef > 0 and self.cfg.grpo.reference == "actor":
             from rlfabric.actors.reference import Reference
@@ -392,13 +413,17 @@ class GRPOTrainer:
                 device="cuda" if lc.num_gpus > 0 else "cpu",
                 num_threads=self._threads("reference"),
                 matmul_dtype=lc.matmul_dtype,
+                batch_spec=self._batch_spec(),
+                pad_id=self.tokenizer.pad_token_id,
             )
-        r = self.cfg.rewards
-        self.pool = RewardPool(
-            [dataclasses.asdict(f) for f in r.functions], r.num_workers, r.timeout_s, num_cpus_per_worker=r.num_cpus
-        )
+        self._prompt_refs = {
+            "train": ray.put(PromptSet(self.train_rows, self.train_ids)),
+            "eval": ray.put(PromptSet(self.eval_rows, self.eval_ids)),
+        }
+        self.rollout_workers = ActorSlots("rollout worker", lambda slot, generation: self._start_rollout_worker(), 1)
         try:  # every actor answers before the clock starts, or setup names the one that did not
-            ray.get([g.version.remote() for g in self.generators], timeout=SETUP_TIMEOUT_S)
+            ray.get([g.version.remote() for g in self.generators.handles], timeout=SETUP_TIMEOUT_S)
+            ray.get([w.pid.remote() for w in self.rollout_workers.handles], timeout=SETUP_TIMEOUT_S)
             ray.get([ln.get_version.remote() for ln in self.learners], timeout=SETUP_TIMEOUT_S)
         except ray.exceptions.GetTimeoutError:
             raise RunAbortedError(
@@ -414,16 +439,40 @@ class GRPOTrainer:
             self.log.note(f"resumed from {self.resume_from.name} (step {self.counters.step}, v{self.version})")
         self._start = time.monotonic() - self._elapsed_before  # times and rates count every session
 
+    def _start_rollout_worker(self) -> Any:
+        from rlfabric.actors.llm_rollout import LLMRolloutWorker
+
+        r = self.cfg.rewards
+        worker = LLMRolloutWorker.options(num_cpus=0).remote(
+            reward_functions=[dataclasses.asdict(f) for f in r.functions],
+            reward_weights=dict(r.weights),
+            num_reward_workers=r.num_workers,
+            reward_timeout_s=r.timeout_s,
+            reward_cpus=r.num_cpus,
+            reward_registry=rewards.snapshot(),
+            prompt_key=self.cfg.data.prompt_key,
+        )
+        self._load_prompts_into(worker)
+        return worker
+
+    def _load_prompts_into(self, worker: Any) -> None:
+        for name, ref in self._prompt_refs.items():
+            worker.set_prompts.remote(name, ref)  # queued before any rollout the worker is sent
+
+    def _note(self, message: str) -> None:
+        if self.log is not None:
+            self.log.note(message)
+
     def _note_slow_attention(self) -> None:
         """Say so when CPU generators decode without the native attention kernel (no compiler, say): slower."""
         g = self.cfg.generator
         if g.backend != "torch" or g.num_gpus > 0:
             return
-        attention = ray.get(self.generators[0].attention.remote())
+        attention = ray.get(self.generators.handles[0].attention.remote())
         if attention and not attention.startswith("native"):
             self.log.note(f"generators decode with {attention}")
 
-    # -- generation -------------------------------------------------------------------------------------------
+    # -- rollouts ---------------------------------------------------------------------------------------------
 
     def _sample_rows(self, k: int) -> list[int]:
         """k train prompt indices: passes over a shuffled order, reshuffled each pass."""
@@ -440,168 +489,123 @@ class GRPOTrainer:
             return {"max_new_tokens": s.max_new_tokens, "temperature": 0.0}
         return {"max_new_tokens": s.max_new_tokens, "temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k}
 
-    def _dispatch(self, prompt_ids: list[list[int]], params: dict[str, Any], unit: int) -> list[tuple]:
-        """Split prompts across generators in whole units (a group stays on one generator)."""
-        n_units = len(prompt_ids) // unit
-        per = math.ceil(n_units / len(self.generators))
-        refs = []
-        for i, gen in enumerate(self.generators):
-            rows = slice(i * per * unit, min((i + 1) * per * unit, len(prompt_ids)))
-            if rows.start < rows.stop:
-                refs.append((i, gen.generate.remote(prompt_ids[rows], params), rows))
-        return refs
+    def _rollout_deadline(self, request: RolloutRequest) -> float:
+        """The backstop for a rollout worker's answer: generation, then scoring every group, plus slack."""
+        groups = len(request.indices)
+        return request.timeout_s + self.cfg.rewards.timeout_s * groups + 2 * REWARD_GRACE_S
 
-    def _submit_rollout(self, num_prompts: int) -> Rollout:
-        g = self.cfg.grpo.group_size
+    def _send(self, request: RolloutRequest, attempt: int = 0) -> Pending:
+        slot, generation, worker = self.rollout_workers.entries()[0]
+        request.generators = self.generators.entries()
+        meta_ref, data_ref = worker.rollout.remote(request)
+        deadline = time.monotonic() + self._rollout_deadline(request)
+        return Pending(request, meta_ref, data_ref, attempt, slot, generation, deadline)
+
+    def _submit_rollout(self, num_prompts: int) -> Pending:
         indices = self._sample_rows(num_prompts)
-        rows = [self.train_rows[i] for i in indices for _ in range(g)]
-        prompt_ids = [self.train_ids[i] for i in indices for _ in range(g)]
-        return Rollout(indices, rows, prompt_ids, self._dispatch(prompt_ids, self._params(False), g))
+        request = RolloutRequest(
+            "train",
+            indices,
+            self.cfg.grpo.group_size,
+            self._params(False),
+            first_group=self._group_counter,
+            generators=[],
+            timeout_s=self.cfg.generator.timeout_s,
+        )
+        self._group_counter += len(indices)
+        return self._send(request)
 
-    def _replace_generator(self, index: int, reason: str) -> None:
+    def _replace_generator(self, slot: int, generation: int, reason: str) -> None:
+        if not self.generators.replace(slot, generation, reason):
+            return  # already replaced: a late report about the actor that is gone
         self.counters.generator_restarts += 1
-        if self.log:
-            self.log.note(f"generator {index} replaced ({reason})")
-        ray.kill(self.generators[index], no_restart=True)
-        self.generators[index] = self._start_generator()
+        self._note(f"generator {slot} replaced ({reason})")
         if self.version > 0:
             self._transport = self._weight_transport()  # the new one may run on another node
-            self._publish([self.generators[index]], timeout=SETUP_TIMEOUT_S)
+            self._publish([slot], timeout=SETUP_TIMEOUT_S)
 
-    def _collect(self, prompt_ids: list[list[int]], refs: list[tuple], params: dict[str, Any]) -> list[dict]:
-        """Completions for every prompt, in order; a generator that fails or misses its deadline is replaced
-        and its share generated again."""
-        out: list[dict | None] = [None] * len(prompt_ids)
-        pending = list(refs)
-        for _attempt in range(MAX_GENERATION_RETRIES + 1):
-            retry = []
-            for index, ref, rows in pending:
-                try:
-                    out[rows] = ray.get(ref, timeout=self.cfg.generator.timeout_s)
-                except (ray.exceptions.GetTimeoutError, ray.exceptions.RayError) as exc:
-                    reason = "timed out" if isinstance(exc, ray.exceptions.GetTimeoutError) else error_summary(exc)
-                    self._replace_generator(index, reason)
-                    retry.append((index, self.generators[index].generate.remote(prompt_ids[rows], params), rows))
-            if not retry:
-                return out  # type: ignore[return-value]
-            pending = retry
-        raise RunAbortedError(f"generation failed {MAX_GENERATION_RETRIES + 1} times in a row; see the notes above")
+    def _replace_rollout_worker(self, slot: int, generation: int, reason: str) -> None:
+        if self.rollout_workers.replace(slot, generation, reason):
+            self._note(f"rollout worker {slot} replaced ({reason})")
+            self._load_prompts_into(self.rollout_workers.handles[slot])
 
-    # -- scoring ----------------------------------------------------------------------------------------------
-
-    def _reward_inputs(self, rows: list[dict], completions: list[dict]) -> list[RewardInput]:
-        key = self.cfg.data.prompt_key
-        return [
-            RewardInput(
-                prompt=row[key],
-                completion=c["text"],
-                metadata=row_metadata(row, key),
-                finish_reason=c["finish_reason"],
-                num_tokens=len(c["token_ids"]),
-            )
-            for row, c in zip(rows, completions, strict=False)
-        ]
-
-    def _score(self, rows: list[dict], completions: list[dict], group: int) -> list[RewardResult]:
-        inputs = self._reward_inputs(rows, completions)
-        groups = [inputs[i : i + group] for i in range(0, len(inputs), group)]
-        assert self.pool is not None
-        return [r for g in self.pool.score(groups) for r in g]
+    def _receive(self, pending: Pending) -> tuple[dict[str, Any], ray.ObjectRef | None]:
+        """A rollout's metadata and record ref. A failed generator or rollout worker is replaced and the rollout
+        asked again, once; when that fails too, its samples are recorded as failed (empty metadata)."""
+        request = pending.request
+        try:
+            meta = ray.get(pending.meta_ref, timeout=max(0.0, pending.deadline - time.monotonic()))
+        except (ray.exceptions.GetTimeoutError, ray.exceptions.RayError) as exc:
+            reason = "missed its deadline" if isinstance(exc, ray.exceptions.GetTimeoutError) else error_summary(exc)
+            self._replace_rollout_worker(pending.worker_slot, pending.worker_generation, reason)
+            meta = {"samples": len(request.indices) * request.group_size, "worker_failure": reason}
+        else:
+            self.rollout_workers.succeeded(pending.worker_slot, pending.worker_generation)
+        for slot, generation, reason in meta.get("generator_failures", []):
+            self._replace_generator(slot, generation, reason)
+        if "generator_failures" not in meta and "worker_failure" not in meta:
+            for slot, generation, _ in request.generators:
+                self.generators.succeeded(slot, generation)
+            return meta, pending.data_ref
+        if pending.attempt == 0:  # requeued exactly once, with the same prompts and group ids
+            return self._receive(self._send(request, attempt=1))
+        lost = len(request.indices) * request.group_size
+        self.counters.failed_samples += lost
+        self._note(f"{lost} samples lost: their rollout failed twice")
+        return {"samples": lost, "rows": 0, "failed": lost, "tokens": 0}, None
 
     # -- one training step ------------------------------------------------------------------------------------
 
-    def _rollout_samples(self, rollout: Rollout) -> list[dict[str, Any]]:
-        """Generate (collect), score and label one rollout's samples; failed and too-stale samples are dropped."""
-        with self._timed("generate_time_s"):
-            completions = self._collect(rollout.prompt_ids, rollout.refs, self._params(False))
-        with self._timed("reward_time_s"):
-            results = self._score(rollout.rows, completions, self.cfg.grpo.group_size)
-        samples = []
-        lag = self.cfg.training.max_policy_lag
-        first_group = self._group_counter
-        for i, (_row, ids, c, res) in enumerate(
-            zip(rollout.rows, rollout.prompt_ids, completions, results, strict=False)
-        ):
-            self.counters.samples += 1
-            self.counters.tokens_generated += len(c["token_ids"])
-            if res.error is not None:
-                self.counters.failed_samples += 1
+    def _accept(self, meta: dict[str, Any], ref: ray.ObjectRef | None, step: StepBatch) -> None:
+        """Count one rollout's samples and choose its groups to train on from its per-group statistics."""
+        c, lag = self.counters, self.cfg.training.max_policy_lag
+        c.samples += meta["samples"]
+        c.tokens_generated += meta.get("tokens", 0)
+        c.failed_samples += meta.get("failed", 0) if "group_stats" in meta else 0
+        for key in ("generate_time_s", "reward_time_s"):
+            self._step_timings[key] = self._step_timings.get(key, 0.0) + meta.get(key, 0.0)
+        c.reward_worker_restarts += meta.get("reward_restarts", 0)
+        for error in meta.get("errors", []):
+            self._note_reward_error(error)
+        stats = meta.get("group_stats")
+        if stats is None or not len(stats):
+            return
+        step.scored.append(meta)
+        chosen = []
+        for gid, _mean, signal, rows, oldest in stats:
+            if rows == 0:
                 continue
-            if self.version - c["version"] > lag:
-                self.counters.stale_samples += 1
+            if self.version - oldest > lag:
+                c.stale_samples += int(rows)
                 continue
-            samples.append(
-                {
-                    "group": first_group + i // self.cfg.grpo.group_size,
-                    "prompt_ids": ids,
-                    "completion": c,
-                    "components": res.components,
-                    "reward": combine_rewards(res.components, self.cfg.rewards.weights),
-                }
-            )
-        self._group_counter += len(rollout.rows) // self.cfg.grpo.group_size
-        return samples
+            if self.cfg.grpo.dynamic_sampling and not signal:
+                c.filtered_groups += 1
+                continue
+            chosen.append((int(gid), int(rows), int(oldest)))
+        if chosen and ref is not None:
+            step.refs.append(ref)
+            step.groups += chosen
 
-    def _with_signal(self, samples: list[dict]) -> list[dict]:
-        if not samples:
-            return samples
-        rewards_t = torch.tensor([s["reward"] for s in samples])
-        groups_t = torch.tensor([s["group"] for s in samples])
-        keep = group_has_signal(rewards_t, groups_t).tolist()
-        kept = [s for s, k in zip(samples, keep, strict=False) if k]
-        self.counters.filtered_groups += len({s["group"] for s in samples}) - len({s["group"] for s in kept})
-        return kept
+    def _note_reward_error(self, error: str) -> None:
+        """The first error of each kind, as it happens (later ones of that kind are counted, not printed)."""
+        if error not in self._errors_seen:
+            self._errors_seen.add(error)
+            self._note(f"reward failed: {error} ({self.counters.failed_samples} failed samples so far)")
 
-    def _gather_batch(self, in_flight: deque[Rollout]) -> tuple[list[dict], list[dict]]:
-        """(samples to train on, every scored sample) for one step, refilling groups dropped by dynamic sampling."""
+    def _gather_batch(self, in_flight: deque[Pending]) -> StepBatch:
+        """The groups to train on for one step, refilling groups dropped by dynamic sampling."""
         g = self.cfg.grpo
-        samples = self._rollout_samples(in_flight.popleft())
-        scored = list(samples)
-        if not g.dynamic_sampling:
-            return samples, scored
-        samples = self._with_signal(samples)
-        for _round in range(g.max_sampling_rounds - 1):
-            missing = g.prompts_per_step - len({s["group"] for s in samples})
+        step = StepBatch()
+        pending = in_flight.popleft()
+        self._accept(*self._receive(pending), step)
+        for _round in range(g.max_sampling_rounds - 1 if g.dynamic_sampling else 0):
+            missing = g.prompts_per_step - len(step.groups)
             if missing <= 0:
                 break
-            extra = self._rollout_samples(self._submit_rollout(missing))
-            scored += extra
-            samples += self._with_signal(extra)
-        groups = sorted({s["group"] for s in samples})[: g.prompts_per_step]
-        return [s for s in samples if s["group"] in set(groups)], scored
-
-    def _pack(self, samples: list[dict]) -> dict[str, np.ndarray]:
-        g = self.cfg.grpo
-        rewards_t = torch.tensor([s["reward"] for s in samples], dtype=torch.float32)
-        groups_t = torch.tensor([s["group"] for s in samples])
-        advantages = compute_advantages(g.advantage, rewards_t, groups_t, scale_by_std=g.scale_by_std)
-        responses = [s["completion"]["token_ids"] for s in samples]
-        batch = pack_sequences([s["prompt_ids"] for s in samples], responses, self.tokenizer.pad_token_id)
-        behaviour = np.zeros_like(batch["response_mask"])
-        for i, s in enumerate(samples):
-            lp = s["completion"]["logprobs"]
-            behaviour[i, : len(lp)] = lp
-        if g.overlong_filter:
-            truncated = np.array([s["completion"]["finish_reason"] == "length" for s in samples])
-            batch["response_mask"][truncated] = 0.0
-        batch["advantages"] = advantages.numpy().astype(np.float32)
-        batch["behaviour_logprobs"] = behaviour
-        return self._pad_for_learners(batch)
-
-    def _pad_for_learners(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """Repeat rows with a zero loss mask until every data-parallel learner gets the same number."""
-        world = self.cfg.learner.num_learners
-        n = len(batch["input_ids"])
-        extra = (-n) % world
-        if extra == 0:
-            return batch
-        for key, value in batch.items():
-            if is_row_column(value, n):
-                pad = value[:extra].copy()
-                if key == "response_mask":
-                    pad[:] = 0.0
-                batch[key] = np.concatenate([value, pad])
-        return batch
+            self._accept(*self._receive(self._submit_rollout(missing)), step)
+        if len(step.groups) > g.prompts_per_step:
+            step.groups = sorted(step.groups)[: g.prompts_per_step]
+        return step
 
     def _lr(self) -> float:
         g = self.cfg.grpo
@@ -609,13 +613,16 @@ class GRPOTrainer:
             return g.lr * (self.counters.step + 1) / g.warmup_steps
         return g.lr
 
-    def _update(self, batch: dict[str, np.ndarray]) -> dict[str, float]:
-        if self.reference is not None:
-            batch["ref_logprobs"] = ray.get(self.reference.logprobs.remote([ray.put(batch)]))
-        batch_ref = ray.put(batch)
+    def _update(self, step: StepBatch) -> dict[str, float]:
+        """One learner update on the chosen groups: the learners (and a reference actor) read the records by
+        ref and pack the batch themselves; the driver sends refs and group ids and gets the metrics back."""
+        groups = [gid for gid, _, _ in step.groups]
+        ref_logprobs = None
+        if self.reference is not None:  # an ObjectRef the learners resolve: never fetched here
+            ref_logprobs = self.reference.logprobs_of.remote(step.refs, groups)
         with self._timed("update_time_s"):
-            steps = [ln.train_step.remote([batch_ref], self._lr()) for ln in self.learners]
-            publishing = self._start_publish(self.generators)  # queued behind the step: no round trip between
+            steps = [ln.train_on.remote(step.refs, groups, self._lr(), ref_logprobs) for ln in self.learners]
+            publishing = self._start_publish(range(len(self.generators)))  # queued behind the step
             metrics = ray.get(steps)
         with self._timed("weight_sync_time_s"):
             self._finish_publish(publishing)
@@ -625,26 +632,54 @@ class GRPOTrainer:
             for k in metrics[0]
         }
 
-    def _publish(self, generators: list[Any] | None = None, timeout: float | None = None) -> None:
-        """Learner 0's current weights to the generators (all by default), each of which has loaded them when
-        this returns: a shared-memory file is rewritten only after that (see rlfabric.models.shared_weights)."""
-        self._finish_publish(self._start_publish(self.generators if generators is None else generators), timeout)
+    def _batch_spec(self) -> dict[str, Any]:
+        """How learners and the reference actor turn records into the packed batch (``grpo_batch``'s options)."""
+        g = self.cfg.grpo
+        return {
+            "reward_weights": dict(self.cfg.rewards.weights),
+            "advantage": g.advantage,
+            "scale_by_std": g.scale_by_std,
+            "overlong_filter": g.overlong_filter,
+            "world_size": self.cfg.learner.num_learners,
+        }
 
-    def _start_publish(self, generators: list[Any]) -> tuple[ray.ObjectRef, ray.ObjectRef, list[ray.ObjectRef]]:
+    def _publish(self, slots: Any = None, timeout: float | None = None) -> None:
+        """Learner 0's current weights to the generators in ``slots`` (all by default), each of which has loaded
+        them when this returns: a shared-memory file is rewritten only after that (see
+        rlfabric.models.shared_weights)."""
+        self._finish_publish(self._start_publish(range(len(self.generators)) if slots is None else slots), timeout)
+
+    def _start_publish(self, slots: Any) -> tuple[ray.ObjectRef, ray.ObjectRef, list[tuple[int, int, Any]]]:
         """Queue the publication and the generators' loads; Ray hands the weights' handle from learner 0 to the
         generators without the driver in between."""
         handle, version = self.learners[0].publish.remote(self._transport)
-        return handle, version, [gen.update_weights.remote(handle, version) for gen in generators]
+        entries = self.generators.entries()
+        return (
+            handle,
+            version,
+            [(s, entries[s][1], entries[s][2].update_weights.remote(handle, version)) for s in slots],
+        )
 
     def _finish_publish(
-        self, publishing: tuple[ray.ObjectRef, ray.ObjectRef, list[ray.ObjectRef]], timeout: float | None = None
+        self, publishing: tuple[ray.ObjectRef, ray.ObjectRef, list[tuple[int, int, Any]]], timeout: float | None = None
     ) -> None:
+        """Wait for the loads; a generator that dies or hangs while loading is replaced (and given the weights)."""
         handle, version, loads = publishing
         self._published, self.version = ray.get([handle, version])
         shared = isinstance(self._published, SharedFlatWeights)
         if shared:
             self._shared_files.add(self._published.path)
-        ray.get(loads, timeout=timeout)
+        deadline = time.monotonic() + (timeout or self.cfg.generator.timeout_s)
+        failed = []
+        for slot, generation, load in loads:
+            try:
+                ray.get(load, timeout=max(0.0, deadline - time.monotonic()))
+            except ray.exceptions.GetTimeoutError:
+                failed.append((slot, generation, "missed its weight-load deadline"))
+            except ray.exceptions.RayError as exc:
+                failed.append((slot, generation, f"weight load failed: {error_summary(exc)}"))
+        for slot, generation, reason in failed:
+            self._replace_generator(slot, generation, reason)
         used = "shared_memory" if shared else "object_store"
         if used != self.weights_via and self.log is not None:  # the first time, and after any change
             self.log.note(self._transport_note(used))
@@ -665,7 +700,7 @@ class GRPOTrainer:
         wanted = self.cfg.learner.weight_transport
         if wanted == "object_store":
             return wanted
-        readers = [*self.generators, *([self.reference] if self.reference is not None else [])]
+        readers = [*self.generators.handles, *([self.reference] if self.reference is not None else [])]
         learner_node = ray.get(self.learners[0].node_id.remote())
         elsewhere = sum(node != learner_node for node in ray.get([a.node_id.remote() for a in readers]))
         if not elsewhere:
@@ -691,7 +726,7 @@ class GRPOTrainer:
                     raise ConfigError(f"sft.answer_key = {s.answer_key!r}: train row {i} has no such column")
                 answers.append(self._encode_answer(self._demonstration(self.train_rows[i][s.answer_key])))
             batch = pack_sequences([self.train_ids[i] for i in indices], answers, self.tokenizer.pad_token_id)
-            batch = self._pad_for_learners(batch)
+            batch = pad_rows_for_learners(batch, self.cfg.learner.num_learners)
             ref = ray.put(batch)
             metrics = ray.get([ln.sft_step.remote([ref]) for ln in self.learners])
             row = {"phase": "sft", "sft_step": step, "sft_loss": float(np.mean([m["sft_loss"] for m in metrics]))}
@@ -716,21 +751,32 @@ class GRPOTrainer:
         return list(self.tokenizer(text, add_special_tokens=False).input_ids) + [self.tokenizer.eos_token_id]
 
     def evaluate(self, label: str) -> dict[str, Any]:
-        """Greedy completions of the held-out prompts, scored by the reward services."""
-        params = self._params(True)
-        completions = self._collect(self.eval_ids, self._dispatch(self.eval_ids, params, 1), params)
-        results = self._score(self.eval_rows, completions, 1)
-        correct = [r.components.get("correct", 0.0) if r.error is None else 0.0 for r in results]
-        reward = [combine_rewards(r.components, self.cfg.rewards.weights) for r in results if r.error is None]
+        """Greedy completions of the held-out prompts, scored by the reward services (on the rollout side)."""
+        request = RolloutRequest(
+            "eval",
+            list(range(len(self.eval_rows))),
+            1,
+            self._params(True),
+            first_group=0,
+            generators=[],
+            timeout_s=self.cfg.generator.timeout_s,
+            keep_samples=self.cfg.training.show_samples,
+        )
+        meta, _ = self._receive(self._send(request))
+        n, failed = meta["samples"], meta.get("failed", meta["samples"])
+        for error in meta.get("errors", []):
+            self._note_reward_error(error)
+        if n and failed == n and meta.get("errors"):
+            raise RunAbortedError(f"every held-out sample failed its reward: {meta['errors'][0]}")
         row = {
             "phase": "eval",
             "label": label,
-            "eval_accuracy": float(np.mean(correct)),
-            "eval_reward_mean": float(np.mean(reward)) if reward else None,
-            "eval_failed": sum(r.error is not None for r in results),
+            "eval_accuracy": meta.get("correct_sum", 0.0) / max(n, 1),
+            "eval_reward_mean": meta["reward_sum"] / (n - failed) if n > failed else None,
+            "eval_failed": failed,
         }
         self._log(row)
-        self._last_eval = (completions, results)
+        self._last_shown = meta.get("shown", [])
         return row
 
     # -- the loop ---------------------------------------------------------------------------------------------
@@ -746,36 +792,37 @@ class GRPOTrainer:
         else:
             self.log.log(full, show=show)
 
-    def _step_row(self, samples: list[dict], scored: list[dict], metrics: dict, started: float) -> dict:
+    def _step_row(self, step: StepBatch, metrics: dict, started: float) -> dict:
         c = self.counters
-        comps: dict[str, list[float]] = {}
-        for s in scored:
-            for name, value in s["components"].items():
-                comps.setdefault(name, []).append(value)
+        scored = step.scored
+        rows = sum(m["rows"] for m in scored)
+        samples = sum(m["samples"] for m in scored)
+        comps: dict[str, float] = {}
+        for m in scored:
+            for name, value in m["component_means"].items():
+                comps[name] = comps.get(name, 0.0) + value * m["rows"] / max(rows, 1)
+        reward_sum = sum(float(np.nansum(m["group_stats"][:, 1] * m["group_stats"][:, 3])) for m in scored)
         elapsed = max(time.monotonic() - started, 1e-9)
-        lengths = [len(s["completion"]["token_ids"]) for s in scored]
-        row = {
+        trained = sum(n for _, n, _ in step.groups)
+        return {
             "phase": "grpo",
-            "reward_mean": float(np.mean([s["reward"] for s in scored])) if scored else float("nan"),
-            **{f"reward_{name}": float(np.mean(v)) for name, v in comps.items()},
-            "accuracy": float(np.mean(comps["correct"])) if "correct" in comps else None,
-            "trained_samples": len(samples),
-            "response_length_mean": float(np.mean(lengths)) if lengths else 0.0,
-            "samples_per_s": len(scored) / elapsed,
+            "reward_mean": reward_sum / rows if rows else float("nan"),
+            **{f"reward_{name}": value for name, value in comps.items()},
+            "accuracy": comps.get("correct"),
+            "trained_samples": trained,
+            "response_length_mean": sum(m["response_length_mean"] * m["samples"] for m in scored) / max(samples, 1),
+            "samples_per_s": rows / elapsed,
             "tokens_generated": c.tokens_generated,
-            "policy_lag_mean": float(np.mean([self.version - 1 - s["completion"]["version"] for s in samples]))
-            if samples
-            else 0.0,
+            "policy_lag_mean": sum(n * (self.version - 1 - v) for _, n, v in step.groups) / trained if trained else 0.0,
             "failed_samples": c.failed_samples,
             "stale_samples": c.stale_samples,
             "filtered_groups": c.filtered_groups,
-            "reward_worker_restarts": self.pool.worker_restarts if self.pool else 0,
+            "reward_worker_restarts": c.reward_worker_restarts,
             "generator_restarts": c.generator_restarts,
             "step_time_s": elapsed,
             **self._step_timings,
             **metrics,
         }
-        return row
 
     def train(self) -> dict[str, Any]:
         if self.log is None:
@@ -790,9 +837,14 @@ class GRPOTrainer:
             initial = logged[0] if logged else {"eval_accuracy": None}
         with stop_requests(STOP_NOTICE) as stop:
             self._grpo_steps(stop)
-        for rollout in self._in_flight:  # generated ahead for steps that will not run
-            for _, ref, _ in rollout.refs:
-                ray.cancel(ref, force=False)
+        for pending in self._in_flight:  # generated ahead for steps that will not run
+            ray.cancel(pending.meta_ref, force=False)
+        self._in_flight.clear()
+        if self.counters.trained_samples == 0:
+            raise RunAbortedError(
+                f"trained on no sample in {self.counters.step} steps ({self.counters.failed_samples} failed, "
+                f"{self.counters.stale_samples} stale, {self.counters.filtered_groups} groups filtered)"
+            )
         final = self.evaluate("final")
         return self._finish(initial, final)
 
@@ -806,17 +858,31 @@ class GRPOTrainer:
             self._step_timings = {}
             while len(in_flight) < 1 + t.max_policy_lag:  # keep the pipeline as deep as the lag allows
                 in_flight.append(self._submit_rollout(self.cfg.grpo.prompts_per_step))
-            samples, scored = self._gather_batch(in_flight)
+            step = self._gather_batch(in_flight)
             metrics: dict[str, float] = {}
-            if samples:
-                metrics = self._update(self._pack(samples))
+            if step.groups:
+                metrics = self._update(step)
             self.counters.step += 1
-            self._log(self._step_row(samples, scored, metrics, started))
+            self.counters.trained_samples += sum(n for _, n, _ in step.groups)
+            self._log(self._step_row(step, metrics, started))
+            self._check_scoring(step)
             if t.eval_every and self.counters.step % t.eval_every == 0 and self.counters.step < t.total_steps:
                 self.evaluate(f"step_{self.counters.step}")
             if t.checkpoint_every and self.counters.step % t.checkpoint_every == 0:
                 self.save_checkpoint()
         self._stop_if_asked(stop)  # asked during the last step: the final evaluation is not waited for either
+
+    def _check_scoring(self, step: StepBatch) -> None:
+        """Stop a run whose rewards fail on every sample, step after step, instead of training on nothing."""
+        if any(m["rows"] for m in step.scored) or not self._errors_seen:
+            self._steps_without_scores = 0
+            return
+        self._steps_without_scores += 1
+        if self._steps_without_scores >= MAX_STEPS_WITHOUT_SCORES:
+            first = next(iter(self._errors_seen))
+            raise RunAbortedError(
+                f"every sample of the last {MAX_STEPS_WITHOUT_SCORES} steps failed its reward; first error: {first}"
+            )
 
     def _stop_if_asked(self, stop: threading.Event) -> None:
         if not stop.is_set():
@@ -854,7 +920,7 @@ class GRPOTrainer:
             reference = {"path": str(resolved.relative_to(run_dir) if inside else resolved), "in_run": inside}
         # Prompts of batches generating ahead were taken from the order but not trained on: a resumed run takes
         # them again first (pop() takes from the end).
-        ahead = [i for rollout in reversed(self._in_flight) for i in reversed(rollout.indices)]
+        ahead = [i for pending in reversed(self._in_flight) for i in reversed(pending.request.indices)]
         return {
             "counters": dataclasses.asdict(self.counters),
             "version": self.version,
@@ -879,24 +945,10 @@ class GRPOTrainer:
         self._elapsed_before = float(state.get("elapsed_s", 0.0))
 
     def _write_samples(self) -> list[dict[str, Any]]:
-        completions, results = self._last_eval
-        shown = []
-        key = self.cfg.data.prompt_key
-        for row, c, r in list(zip(self.eval_rows, completions, results, strict=False))[
-            : self.cfg.training.show_samples
-        ]:
-            shown.append(
-                {
-                    "prompt": row[key],
-                    "completion": c["text"],
-                    "metadata": row_metadata(row, key),
-                    "components": r.components,
-                    "error": r.error,
-                }
-            )
+        shown = self._last_shown[: self.cfg.training.show_samples]
         with open(self.run_dir / SAMPLES_FILE, "w") as f:
-            for s in shown:
-                f.write(json.dumps(s) + "\n")
+            for sample in shown:
+                f.write(json.dumps(sample) + "\n")
         return shown
 
     def _finish(self, initial: dict[str, Any], final: dict[str, Any]) -> dict[str, Any]:
@@ -922,7 +974,8 @@ class GRPOTrainer:
             "stale_samples": c.stale_samples,
             "filtered_groups": c.filtered_groups,
             "generator_restarts": c.generator_restarts,
-            "reward_worker_restarts": self.pool.worker_restarts if self.pool else 0,
+            "reward_worker_restarts": c.reward_worker_restarts,
+            "trained_samples": c.trained_samples,
             "weight_transport": self.weights_via,
             "final_model": str(model_path),
             "plot": str(plot) if plot else None,
@@ -934,21 +987,24 @@ class GRPOTrainer:
     def close(self) -> None:
         if self.log is not None:
             self.log.close()
-        if self.pool is not None:
-            self.pool.shutdown()
-        try:  # let engines stop their schedulers cleanly before the processes go
-            ray.get([g.shutdown.remote() for g in self.generators], timeout=10)
-        except Exception:  # a dead or stuck generator is killed below either way
+        for pending in self._in_flight:
+            ray.cancel(pending.meta_ref, force=False)
+        generators = self.generators.handles if self.generators else []
+        workers = self.rollout_workers.handles if self.rollout_workers else []
+        try:  # let engines stop their schedulers and workers their reward services before the processes go
+            ray.get([g.shutdown.remote() for g in [*generators, *workers]], timeout=10)
+        except Exception:  # a dead or stuck actor is killed below either way
             pass
         try:
             ray.get([ln.close.remote() for ln in self.learners], timeout=10)
         except Exception:  # a dead learner cannot remove its shared-memory file: done below where it is ours
             pass
         remove_stale(sorted(self._shared_files))  # a no-op for files on other nodes (not here) or already gone
-        for actor in [*self.generators, *self.learners, self.reference]:
+        for actor in [*generators, *workers, *self.learners, self.reference]:
             if actor is not None:
                 ray.kill(actor, no_restart=True)
-        self.generators, self.learners, self.reference, self.pool = [], [], None, None
+        self.generators, self.rollout_workers, self.learners, self.reference = None, None, [], None
+        self._in_flight.clear()
 
 
 ADDITIVE_LEARNER_METRICS = frozenset({"pg_loss", "kl", "entropy", "trained_rows", "skipped_rows"})

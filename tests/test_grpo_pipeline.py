@@ -596,7 +596,7 @@ def test_resume_continues_a_grpo_run_from_its_latest_checkpoint(local_ray, tmp_p
         assert (trainer.counters.step, trainer.version, trainer._order) == (2, state["version"], state["order"])
         published, version = ray.get(trainer.learners[0].publish.remote())
         assert version == state["version"]
-        assert ray.get(trainer.generators[0].version.remote()) == state["version"]
+        assert ray.get(trainer.generators.handles[0].version.remote()) == state["version"]
         saved = load_causal_lm(str(checkpoint)).state_dict()
         assert max_abs_diff(as_state_dict(ray.get(published[0])), saved) == 0.0
         summary = trainer.train()

@@ -1,0 +1,241 @@
+"""LLMRolloutWorker: turns prompt indices into scored trajectory records, next to the data.
+
+The rollout side of LLM post-training. For one request (prompt indices, group size, sampling parameters and the
+generators to use) the worker
+
+1. sends the prompts to the generator actors, a whole group per generator (the LLM policy, served), with the
+   generation deadline;
+2. scores whole groups on its reward services (``RewardPool``: deadlines, replacement of dead or poisoned
+   services) and keeps the named components;
+3. assembles one ``Trajectories`` record of the scored samples and returns it as an ObjectRef beside small
+   metadata: counts, versions and per-group reward statistics, which is all the driver reads.
+
+A generator that fails or misses its deadline fails the whole request: the metadata names it (slot and
+generation) and the driver replaces it and asks again. The worker never decides policy (which groups to train,
+staleness): the driver does that from the metadata.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import ray
+
+from rlfabric import rewards
+from rlfabric.reward_pool import RewardPool
+from rlfabric.rewards import RewardInput, RewardResult
+from rlfabric.runner_pool import error_summary
+from rlfabric.trajectory import Trajectories, from_token_sequences
+
+MAX_ERRORS_IN_META = 5
+# Columns of the per-group statistics the driver reads (GROUP_STATS[:, k]).
+GROUP_ID, GROUP_REWARD_MEAN, GROUP_HAS_SIGNAL, GROUP_ROWS, GROUP_MIN_VERSION = range(5)
+
+
+@dataclass
+class PromptSet:
+    """Prompts the worker can be asked for by index: dataset rows (text and metadata) and their token ids."""
+
+    rows: list[dict[str, Any]]
+    token_ids: list[list[int]]
+
+
+@dataclass
+class RolloutRequest:
+    """What one rollout generates: ``indices`` of ``prompt_set``, each ``group_size`` times."""
+
+    prompt_set: str  # "train" or "eval"
+    indices: list[int]
+    group_size: int
+    params: dict[str, Any]  # SamplingParams fields
+    first_group: int  # group ids first_group, first_group + 1, ... in order of ``indices``
+    generators: list[tuple[int, int, Any]]  # (slot, generation, actor handle) of each generator to use
+    timeout_s: float  # the generation deadline
+    keep_samples: int = 0  # eval: completions to return in the metadata (text, components, error)
+    meta: dict[str, Any] = field(default_factory=dict)  # echoed back (the driver's bookkeeping)
+
+
+def group_statistics(group_ids: np.ndarray, rewards: np.ndarray, versions: np.ndarray, groups: list[int]) -> np.ndarray:
+    """[G, 5] float64, one row per id in ``groups``: id, mean reward, 1.0 if its rewards differ (signal), rows
+    scored, oldest policy version among them (-1 when no row survived)."""
+    out = np.zeros((len(groups), 5))
+    for k, gid in enumerate(groups):
+        rows = group_ids == gid
+        r = rewards[rows]
+        out[k] = (gid, r.mean() if r.size else np.nan, float(r.size > 1 and np.ptp(r) > 0), r.size, -1)
+        if r.size:
+            out[k, GROUP_MIN_VERSION] = versions[rows].min()
+    return out
+
+
+class LLMRolloutCore:
+    """The worker's logic without the actor wrapper (its reward services are Ray actors all the same)."""
+
+    def __init__(
+        self,
+        *,
+        reward_functions: list[dict[str, Any]],
+        reward_weights: dict[str, float],
+        num_reward_workers: int,
+        reward_timeout_s: float,
+        reward_cpus: float,
+        reward_registry: bytes,
+        prompt_key: str,
+    ) -> None:
+        rewards.load_snapshot(reward_registry)
+        self.pool = RewardPool(
+            reward_functions,
+            num_reward_workers,
+            reward_timeout_s,
+            num_cpus_per_worker=reward_cpus,
+            snapshot=reward_registry,
+        )
+        self.weights = reward_weights
+        self.prompt_key = prompt_key
+        self.prompt_sets: dict[str, PromptSet] = {}
+        self.lock = threading.Lock()  # the reward pool is not thread-safe; rollouts run concurrently
+
+    def set_prompts(self, name: str, prompts: PromptSet) -> int:
+        self.prompt_sets[name] = prompts
+        return len(prompts.rows)
+
+    def _generate(self, request: RolloutRequest, prompt_ids: list[list[int]]) -> tuple[list[dict] | None, list]:
+        """Completions for every prompt in order, or (None, [(slot, generation, reason)]) for failed generators."""
+        unit, shares = request.group_size, len(request.generators)
+        n_units = len(prompt_ids) // unit
+        per = -(-n_units // shares)
+        calls = []
+        for k, (slot, generation, handle) in enumerate(request.generators):
+            rows = slice(k * per * unit, min((k + 1) * per * unit, len(prompt_ids)))
+            if rows.start < rows.stop:
+                calls.append((slot, generation, rows, handle.generate.remote(prompt_ids[rows], request.params)))
+        out: list[dict | None] = [None] * len(prompt_ids)
+        failures = []
+        deadline = time.monotonic() + request.timeout_s
+        for slot, generation, rows, ref in calls:
+            try:
+                out[rows] = ray.get(ref, timeout=max(0.0, deadline - time.monotonic()))
+            except ray.exceptions.GetTimeoutError:
+                ray.cancel(ref, force=False)
+                failures.append((slot, generation, f"missed its {request.timeout_s:g}s generation deadline"))
+            except ray.exceptions.RayError as exc:
+                failures.append((slot, generation, error_summary(exc)))
+        return (None, failures) if failures else (out, [])  # type: ignore[return-value]
+
+    def _score(self, rows: list[dict], completions: list[dict], group_size: int) -> tuple[list[RewardResult], int]:
+        inputs = [
+            RewardInput(
+                prompt=row[self.prompt_key],
+                completion=c["text"],
+                metadata={k: v for k, v in row.items() if k != self.prompt_key},
+                finish_reason=c["finish_reason"],
+                num_tokens=len(c["token_ids"]),
+            )
+            for row, c in zip(rows, completions, strict=True)
+        ]
+        groups = [inputs[i : i + group_size] for i in range(0, len(inputs), group_size)]
+        with self.lock:
+            restarts = self.pool.worker_restarts
+            results = [r for g in self.pool.score(groups) for r in g]
+            return results, self.pool.worker_restarts - restarts
+
+    def rollout(self, request: RolloutRequest) -> tuple[dict[str, Any], Trajectories | None]:
+        """(metadata, record of the scored samples) for one request; see the module docstring."""
+        started = time.perf_counter()
+        prompts = self.prompt_sets[request.prompt_set]
+        g = request.group_size
+        rows = [prompts.rows[i] for i in request.indices for _ in range(g)]
+        prompt_ids = [prompts.token_ids[i] for i in request.indices for _ in range(g)]
+        meta: dict[str, Any] = {**request.meta, "samples": len(rows)}
+        completions, failures = self._generate(request, prompt_ids)
+        if completions is None:
+            return {**meta, "generator_failures": failures}, None
+        generated = time.perf_counter()
+        results, restarts = self._score(rows, completions, g)
+        ok = np.array([r.error is None for r in results], bool)
+        group_ids = np.repeat(np.arange(request.first_group, request.first_group + len(request.indices)), g)
+        components = sorted({k for r in results if r.error is None for k in r.components})
+        final = {k: [r.components.get(k, 0.0) for r, good in zip(results, ok, strict=True) if good] for k in components}
+        kept = np.flatnonzero(ok)
+        trajectories = from_token_sequences(
+            [prompt_ids[i] for i in kept],
+            [completions[i]["token_ids"] for i in kept],
+            [completions[i]["logprobs"] for i in kept],
+            [[completions[i]["version"]] * len(completions[i]["token_ids"]) for i in kept],
+            episode_ids=[request.first_group * g + int(i) for i in kept],
+            group_ids=group_ids[kept],
+            final_rewards=final,
+            truncated=[completions[i]["finish_reason"] == "length" for i in kept],
+        )
+        scalar = trajectories.total_reward(self.weights)
+        versions = np.array([completions[i]["version"] for i in kept], np.int64)
+        meta.update(
+            {
+                "rows": len(kept),
+                "failed": int((~ok).sum()),
+                "tokens": int(sum(len(c["token_ids"]) for c in completions)),
+                "group_stats": group_statistics(
+                    trajectories.group_id, scalar, versions, list(range(request.first_group, group_ids[-1] + 1))
+                ),
+                "component_means": {k: float(np.mean(v)) for k, v in final.items()} if len(kept) else {},
+                "response_length_mean": float(np.mean([len(c["token_ids"]) for c in completions])),
+                "reward_restarts": restarts,
+                "generate_time_s": generated - started,
+                "reward_time_s": time.perf_counter() - generated,
+            }
+        )
+        errors = list(dict.fromkeys(r.error for r in results if r.error is not None))[:MAX_ERRORS_IN_META]
+        if errors:
+            meta["errors"] = errors
+        if request.keep_samples:
+            meta["shown"] = [
+                {
+                    "prompt": row[self.prompt_key],
+                    "completion": c["text"],
+                    "metadata": {k: v for k, v in row.items() if k != self.prompt_key},
+                    "components": r.components,
+                    "error": r.error,
+                }
+                for row, c, r in list(zip(rows, completions, results, strict=True))[: request.keep_samples]
+            ]
+        if request.prompt_set == "eval":  # an evaluation reports sums over its samples; nobody trains on them
+            meta["correct_sum"] = float(sum(r.components.get("correct", 0.0) for r in results if r.error is None))
+            meta["reward_sum"] = float(scalar.sum())
+            return meta, None
+        return meta, trajectories
+
+    def reward_pids(self) -> list[int]:
+        return self.pool.pids()
+
+    def shutdown(self) -> None:
+        self.pool.shutdown()
+
+
+@ray.remote(max_concurrency=8)
+class LLMRolloutWorker:
+    """The Ray actor (threaded: several rollouts and an evaluation can be in flight at once)."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
+        self.core = LLMRolloutCore(**kwargs)
+
+    def set_prompts(self, name: str, prompts: PromptSet) -> int:
+        return self.core.set_prompts(name, prompts)
+
+    @ray.method(num_returns=2)
+    def rollout(self, request: RolloutRequest) -> tuple[dict[str, Any], Trajectories | None]:
+        return self.core.rollout(request)
+
+    def reward_pids(self) -> list[int]:
+        return self.core.reward_pids()
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def shutdown(self) -> None:
+        self.core.shutdown()

@@ -1,0 +1,349 @@
+"""The trajectory record: the one thing rollouts produce and learners consume, for every kind of env.
+
+``Trajectories`` is columnar. A **row** is one agent's contiguous segment of one episode: an LLM episode (prompt
+and response tokens, later several turns with tool tokens between them), or one env's fragment of T steps in
+classic RL. A **position** is a token (LLM) or an env step (classic RL). Per-position columns are ``[N, L]``
+arrays, right-padded past ``length[i]``; per-row columns are ``[N]``. Every field, its shape and who fills it:
+docs/trajectories.md.
+
+The record lives in Ray's object store: producers return it as an ObjectRef next to small metadata, and learners
+``ray.get`` it (zero-copy for the numpy columns on one node). Nothing here imports Ray or torch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+NO_VERSION = -1  # policy_version of positions no policy produced: prompt, tool and env tokens, padding
+NO_GROUP = -1
+
+# Columns with one entry per row / per position; the reward dicts and step spans are handled by name below.
+ROW_COLUMNS = ("episode_id", "group_id", "agent_id", "policy_id", "length", "prompt_length", "bootstrap_obs")
+POSITION_COLUMNS = (
+    "loss_mask",
+    "policy_version",
+    "logprobs",
+    "terminated",
+    "truncated",
+    "tokens",
+    "obs",
+    "actions",
+    "values",
+)
+
+
+@dataclass
+class Trajectories:
+    """A batch of trajectory rows (see the module docstring and docs/trajectories.md)."""
+
+    # -- per row [N] --
+    episode_id: np.ndarray  # int64: unique within a run
+    group_id: np.ndarray  # int64: rows compared with each other (a GRPO group, one prompt's samples); -1: none
+    agent_id: np.ndarray  # str: the agent that acted ("agent_0" in single-agent envs)
+    policy_id: np.ndarray  # str: the policy that acted for it ("default")
+    length: np.ndarray  # int32: positions used in this row; the rest is padding
+    # -- per position [N, L] --
+    loss_mask: np.ndarray  # float32: 1 where the learner's loss counts (model tokens, agent steps), else 0
+    policy_version: np.ndarray  # int32: the policy version that produced each position; -1 where none did
+    logprobs: np.ndarray  # float32: behaviour log-probability of each produced token/action; 0 elsewhere
+    terminated: np.ndarray  # bool: the episode ended at this position (no bootstrap)
+    truncated: np.ndarray  # bool: the episode was cut at this position (bootstrap from the next observation)
+    # -- token sequences (LLM envs) --
+    tokens: np.ndarray | None = None  # int32 [N, L]: prompt, then response (and tool/env tokens), as sampled
+    prompt_length: np.ndarray | None = None  # int32 [N]: the first prompt's tokens at the start of each row
+    # -- observations and actions (classic envs) --
+    obs: np.ndarray | None = None  # float32 [N, L, D]: what the policy saw (normalized when normalizing)
+    actions: np.ndarray | None = None  # [N, L] int64 (discrete) or [N, L, A] float32 (continuous)
+    values: np.ndarray | None = None  # float32 [N, L]: the critic's values, where the producer has them
+    bootstrap_obs: np.ndarray | None = None  # float32 [N, D]: the observation after each row's last position
+    truncation_index: np.ndarray | None = None  # int64 [K, 2]: (row, position) of truncations inside rows
+    truncation_obs: np.ndarray | None = None  # float32 [K, D]: the final observation at each of those
+    # -- rewards, by named component --
+    rewards: dict[str, np.ndarray] = field(default_factory=dict)  # float32 [N, L]: received at each position
+    final_rewards: dict[str, np.ndarray] = field(default_factory=dict)  # float32 [N]: outcome of the row
+    step_spans: np.ndarray | None = None  # int32 [S, 3]: (row, start, end) per agent turn / reasoning step
+    step_rewards: dict[str, np.ndarray] = field(default_factory=dict)  # float32 [S]: per step span
+    state_keys: np.ndarray | None = None  # object [S]: hashable env-state key per step span (step grouping)
+    extras: dict[str, Any] = field(default_factory=dict)  # small producer data (e.g. normalizer statistics)
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.episode_id)
+
+    @property
+    def width(self) -> int:
+        """L: positions per row including padding."""
+        return self.loss_mask.shape[1] if self.loss_mask.ndim == 2 else 0
+
+    def validate(self) -> None:
+        """Raise ValueError naming the first column whose shape does not fit the record."""
+        n, width = self.num_rows, self.width
+        for name in ROW_COLUMNS:
+            value = getattr(self, name)
+            if value is not None and len(value) != n:
+                raise ValueError(f"Trajectories.{name}: {len(value)} rows, expected {n}")
+        for name in POSITION_COLUMNS:
+            value = getattr(self, name)
+            if value is not None and tuple(value.shape[:2]) != (n, width):
+                raise ValueError(f"Trajectories.{name}: shape {tuple(value.shape)}, expected ({n}, {width}, ...)")
+        for name, value in self.rewards.items():
+            if value.shape != (n, width):
+                raise ValueError(f"Trajectories.rewards[{name!r}]: shape {value.shape}, expected ({n}, {width})")
+        for name, value in self.final_rewards.items():
+            if value.shape != (n,):
+                raise ValueError(f"Trajectories.final_rewards[{name!r}]: shape {value.shape}, expected ({n},)")
+        spans = 0 if self.step_spans is None else len(self.step_spans)
+        for name, value in self.step_rewards.items():
+            if value.shape != (spans,):
+                raise ValueError(f"Trajectories.step_rewards[{name!r}]: shape {value.shape}, expected ({spans},)")
+        if self.length.size and (self.length.max() > width or self.length.min() < 0):
+            raise ValueError(f"Trajectories.length: values must lie in [0, {width}]")
+
+    def nbytes(self) -> int:
+        """Bytes of the record's arrays (what moves through the object store, give or take pickling)."""
+        total = 0
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, np.ndarray):
+                total += value.nbytes
+            elif isinstance(value, dict):
+                total += sum(v.nbytes for v in value.values() if isinstance(v, np.ndarray))
+        return total
+
+    # -- token sequences ----------------------------------------------------------------------------------
+
+    def prompt(self, row: int) -> np.ndarray:
+        """Row ``row``'s prompt token ids."""
+        assert self.tokens is not None and self.prompt_length is not None
+        return self.tokens[row, : self.prompt_length[row]]
+
+    def completion(self, row: int) -> slice:
+        """The positions after the prompt: the response (and later turns) of row ``row``."""
+        assert self.prompt_length is not None
+        return slice(int(self.prompt_length[row]), int(self.length[row]))
+
+    def total_reward(self, weights: dict[str, float]) -> np.ndarray:
+        """[N] scalar outcome reward: sum_c weights[c] * final_rewards[c] (weight 1 for unlisted components)."""
+        total = np.zeros(self.num_rows, np.float32)
+        for name, value in self.final_rewards.items():
+            total += np.float32(weights.get(name, 1.0)) * value
+        return total
+
+    # -- rows ---------------------------------------------------------------------------------------------
+
+    def select(self, rows: np.ndarray) -> Trajectories:
+        """The rows where the boolean mask ``rows`` [N] is True (or the listed row indices), in order."""
+        index = np.flatnonzero(rows) if rows.dtype == bool else np.asarray(rows, np.int64)
+        out: dict[str, Any] = {}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.name in ROW_COLUMNS or f.name in POSITION_COLUMNS:
+                out[f.name] = None if value is None else value[index]
+            elif f.name in ("rewards", "final_rewards"):
+                out[f.name] = {k: v[index] for k, v in value.items()}
+        remap = np.full(self.num_rows, -1, np.int64)
+        remap[index] = np.arange(len(index))
+        spans = _select_spans(self.step_spans, remap)
+        out["step_spans"] = None if self.step_spans is None else _renumber(self.step_spans[spans], remap)
+        out["step_rewards"] = {k: v[spans] for k, v in self.step_rewards.items()}
+        out["state_keys"] = None if self.state_keys is None else self.state_keys[spans]
+        out["truncation_index"], out["truncation_obs"] = self.truncation_index, self.truncation_obs
+        if self.truncation_index is not None:
+            kept = remap[self.truncation_index[:, 0]] >= 0
+            out["truncation_index"] = _renumber(self.truncation_index[kept], remap)
+            out["truncation_obs"] = None if self.truncation_obs is None else self.truncation_obs[kept]
+        out["extras"] = dict(self.extras)
+        return Trajectories(**out)
+
+
+def _select_spans(spans: np.ndarray | None, remap: np.ndarray) -> np.ndarray:
+    if spans is None:
+        return np.zeros(0, bool)
+    return remap[spans[:, 0]] >= 0
+
+
+def _renumber(index: np.ndarray, remap: np.ndarray) -> np.ndarray:
+    """Rows in column 0 of ``index`` renumbered through ``remap`` (old row -> new row)."""
+    out = index.copy()
+    out[:, 0] = remap[index[:, 0]]
+    return out
+
+
+def _pad_stack(rows: Sequence[np.ndarray], width: int, dtype: Any, fill: Any = 0) -> np.ndarray:
+    out = np.full((len(rows), width, *rows[0].shape[1:]) if rows else (0, width), fill, dtype=dtype)
+    for i, r in enumerate(rows):
+        out[i, : len(r)] = r
+    return out
+
+
+def concat(parts: Sequence[Trajectories]) -> Trajectories:
+    """One record of every row of ``parts``, in order (per-position columns re-padded to the widest)."""
+    if not parts:
+        raise ValueError("concat: no Trajectories to concatenate")
+    if len(parts) == 1:
+        return parts[0]
+    width = max(p.width for p in parts)
+    offsets = np.cumsum([0] + [p.num_rows for p in parts])
+    out: dict[str, Any] = {}
+    for f in dataclasses.fields(Trajectories):
+        values = [getattr(p, f.name) for p in parts]
+        if f.name in ROW_COLUMNS:
+            out[f.name] = None if any(v is None for v in values) else np.concatenate(values)
+        elif f.name in POSITION_COLUMNS:
+            out[f.name] = None if any(v is None for v in values) else _concat_padded(values, width)
+        elif f.name == "rewards":
+            out[f.name] = {k: _concat_padded([v[k] for v in values], width) for k in _common_keys(values)}
+        elif f.name == "final_rewards":
+            out[f.name] = {k: np.concatenate([v[k] for v in values]) for k in _common_keys(values)}
+        elif f.name == "step_rewards":
+            out[f.name] = {k: np.concatenate([v[k] for v in values]) for k in _common_keys(values)}
+        elif f.name in ("step_spans", "truncation_index"):
+            out[f.name] = None if any(v is None for v in values) else _concat_row_index(values, offsets)
+        elif f.name in ("state_keys", "truncation_obs"):
+            out[f.name] = None if any(v is None for v in values) else np.concatenate(values)
+        elif f.name == "extras":
+            out[f.name] = {k: v for p in parts for k, v in p.extras.items()}
+    return Trajectories(**out)
+
+
+def _common_keys(dicts: Sequence[dict[str, np.ndarray]]) -> list[str]:
+    keys = set(dicts[0])
+    for d in dicts[1:]:
+        if set(d) != keys:
+            raise ValueError(f"concat: reward components differ between parts: {sorted(keys)} vs {sorted(d)}")
+    return sorted(keys)
+
+
+def _concat_padded(values: Sequence[np.ndarray], width: int) -> np.ndarray:
+    padded = []
+    for v in values:
+        if v.shape[1] < width:
+            pad = np.zeros((v.shape[0], width - v.shape[1], *v.shape[2:]), v.dtype)
+            v = np.concatenate([v, pad], axis=1)
+        padded.append(v)
+    return np.concatenate(padded)
+
+
+def _concat_row_index(values: Sequence[np.ndarray], offsets: np.ndarray) -> np.ndarray:
+    shifted = []
+    for v, offset in zip(values, offsets, strict=False):
+        s = v.copy()
+        s[:, 0] += offset
+        shifted.append(s)
+    return np.concatenate(shifted)
+
+
+# -- constructors for the two producers of today ----------------------------------------------------------------
+
+
+def from_token_sequences(
+    prompts: Sequence[Sequence[int]],
+    responses: Sequence[Sequence[int]],
+    logprobs: Sequence[Sequence[float]],
+    versions: Sequence[Sequence[int]],
+    *,
+    episode_ids: Sequence[int],
+    group_ids: Sequence[int],
+    final_rewards: dict[str, Sequence[float]],
+    truncated: Sequence[bool],
+    agent_id: str = "agent_0",
+    policy_id: str = "default",
+) -> Trajectories:
+    """Single-turn LLM episodes: row i = prompt i then response i, one step span over the response.
+
+    The loss mask is 1 on the response tokens; ``versions[i][t]`` is the policy version that sampled response
+    token t; ``truncated[i]``: the response was cut at the length limit (else it ended, ``terminated``).
+    """
+    n = len(prompts)
+    lengths = np.array([len(p) + len(r) for p, r in zip(prompts, responses, strict=True)], np.int32)
+    prompt_length = np.array([len(p) for p in prompts], np.int32)
+    width = int(lengths.max()) if n else 0
+    tokens = np.zeros((n, width), np.int32)
+    loss_mask = np.zeros((n, width), np.float32)
+    behaviour = np.zeros((n, width), np.float32)
+    policy_version = np.full((n, width), NO_VERSION, np.int32)
+    ended = np.zeros((n, width), bool)
+    cut = np.zeros((n, width), bool)
+    for i, (p, r) in enumerate(zip(prompts, responses, strict=True)):
+        start, end = len(p), len(p) + len(r)
+        tokens[i, :start] = p
+        tokens[i, start:end] = r
+        loss_mask[i, start:end] = 1.0
+        behaviour[i, start:end] = logprobs[i]
+        policy_version[i, start:end] = versions[i]
+        if end > 0:
+            (cut if truncated[i] else ended)[i, end - 1] = True
+    spans = np.stack([np.arange(n), prompt_length, lengths], axis=1).astype(np.int32) if n else None
+    return Trajectories(
+        episode_id=np.asarray(episode_ids, np.int64),
+        group_id=np.asarray(group_ids, np.int64),
+        agent_id=np.full(n, agent_id, dtype=object),
+        policy_id=np.full(n, policy_id, dtype=object),
+        length=lengths,
+        loss_mask=loss_mask,
+        policy_version=policy_version,
+        logprobs=behaviour,
+        terminated=ended,
+        truncated=cut,
+        tokens=tokens,
+        prompt_length=prompt_length,
+        final_rewards={k: np.asarray(v, np.float32) for k, v in final_rewards.items()},
+        step_spans=spans if spans is not None else np.zeros((0, 3), np.int32),
+    )
+
+
+def from_time_major(
+    *,
+    obs: np.ndarray,
+    actions: np.ndarray,
+    logprobs: np.ndarray,
+    rewards: np.ndarray,
+    terminated: np.ndarray,
+    truncated: np.ndarray,
+    version: int,
+    bootstrap_obs: np.ndarray,
+    truncation_index: np.ndarray,
+    truncation_obs: np.ndarray,
+    first_episode_id: int = 0,
+    extras: dict[str, Any] | None = None,
+) -> Trajectories:
+    """A classic-RL fragment of T steps of N envs, given time-major ([T, N, ...]) as a vector env yields it:
+    row i = env i's T steps (one version for the whole fragment). ``truncation_index`` rows are (t, env)."""
+    t, n = rewards.shape
+
+    def swap(a: np.ndarray) -> np.ndarray:
+        return np.ascontiguousarray(np.swapaxes(a, 0, 1))
+
+    trunc = np.asarray(truncation_index, np.int64).reshape(-1, 2)[:, ::-1].copy()  # (t, env) -> (row, position)
+    return Trajectories(
+        episode_id=np.arange(first_episode_id, first_episode_id + n, dtype=np.int64),
+        group_id=np.full(n, NO_GROUP, np.int64),
+        agent_id=np.full(n, "agent_0", dtype=object),
+        policy_id=np.full(n, "default", dtype=object),
+        length=np.full(n, t, np.int32),
+        loss_mask=np.ones((n, t), np.float32),
+        policy_version=np.full((n, t), version, np.int32),
+        logprobs=swap(logprobs),
+        terminated=swap(terminated),
+        truncated=swap(truncated),
+        obs=swap(obs),
+        actions=swap(actions),
+        bootstrap_obs=bootstrap_obs,
+        truncation_index=trunc,
+        truncation_obs=truncation_obs,
+        rewards={"env": swap(rewards)},
+        extras=extras or {},
+    )
+
+
+def time_major(column: np.ndarray) -> np.ndarray:
+    """A per-position column [N, L, ...] as [L, N, ...] (a view), the layout GAE runs over."""
+    return np.swapaxes(column, 0, 1)
