@@ -1,125 +1,16 @@
-"""Verifiable single-turn text tasks that generate their own data from a seed (no downloads).
+"""The built-in text tasks (``task:arithmetic``, ``task:countdown``), for envs and benchmarks.
 
-Each generator is ``rows(n, seed, **options) -> list[dict]``: ``n`` rows, the same for the same arguments. A row
-holds the prompt under ``"prompt"``, the reference ``"answer"``, and whatever else the task's reward needs; every
-key but the prompt reaches the reward functions as per-sample metadata.
-
-Prompts and answers use only characters of ``rlfabric.models.hf.DEFAULT_ALPHABET`` and stay short, because the
-small CPU model reads them one character per token.
+They live in ``rlfabric.tasks``, in the data layer beside ``rlfabric.data`` that reads the ``TASKS`` table: a new
+task is a ``rows(n, seed, **options)`` generator added there. This module re-exports them under their old names.
 """
 
-from __future__ import annotations
+from rlfabric.tasks import (
+    ARITHMETIC_OPS,
+    COUNTDOWN_OPS,
+    TASKS,
+    TEACHER_SAMPLES,
+    arithmetic_rows,
+    countdown_rows,
+)
 
-import random
-from collections.abc import Callable
-from typing import Any
-
-ARITHMETIC_OPS = "+-*/"
-COUNTDOWN_OPS = "+-*"
-TEACHER_SAMPLES = 5  # demonstrations per row from the unreliable arithmetic teacher
-
-
-def _check_count(n: int, seed: int) -> None:
-    if not isinstance(n, int) or n < 0:
-        raise ValueError(f"n = {n!r}: must be an integer >= 0")
-    if not isinstance(seed, int):
-        raise ValueError(f"seed = {seed!r}: must be an integer")
-
-
-def arithmetic_rows(
-    n: int,
-    seed: int,
-    min_operand: int = 0,
-    max_operand: int = 99,
-    ops: str = "+-",
-    teacher_error: float = 0.0,
-) -> list[dict]:
-    """Rows like ``{"prompt": "12+35=", "answer": "47"}``: one binary operation on two integer operands.
-
-    ``ops`` picks the operators from ``+-*/``, uniformly per row. Operands are drawn uniformly from
-    ``[min_operand, max_operand]``. Subtraction may give a negative answer (``"3-8="`` -> ``"-5"``). Division is
-    exact: the prompt is ``"{a*b}/{b}="`` with ``b >= max(1, min_operand)`` and the answer ``a``.
-
-    ``teacher_error`` > 0 adds a ``"teacher"`` column: five demonstrations from an unreliable teacher, each off by
-    one (answer + 1) with that probability, for a supervised warm-up (which picks one per use) that the verifiable
-    reward then corrects.
-    """
-    _check_count(n, seed)
-    if not isinstance(min_operand, int) or not isinstance(max_operand, int) or not 0 <= min_operand <= max_operand:
-        raise ValueError(
-            f"min_operand = {min_operand!r}, max_operand = {max_operand!r}: need integers with 0 <= min <= max"
-        )
-    if not isinstance(ops, str) or not ops or set(ops) - set(ARITHMETIC_OPS):
-        raise ValueError(f"ops = {ops!r}: must be a non-empty string of operators from {ARITHMETIC_OPS!r}")
-    if not isinstance(teacher_error, (int, float)) or not 0 <= teacher_error <= 1:
-        raise ValueError(f"teacher_error = {teacher_error!r}: must be a number in [0, 1]")
-    if "/" in ops and max_operand < 1:
-        raise ValueError(f"ops = {ops!r}: division needs max_operand >= 1 (a nonzero divisor), got {max_operand}")
-    rng = random.Random(seed)
-    operators = sorted(set(ops), key=ARITHMETIC_OPS.index)  # the same draws whatever order ops lists them in
-    rows = []
-    for _ in range(n):
-        op = rng.choice(operators)
-        a = rng.randint(min_operand, max_operand)
-        b = rng.randint(max(min_operand, 1) if op == "/" else min_operand, max_operand)
-        if op == "/":
-            prompt, answer = f"{a * b}/{b}=", a
-        else:
-            answer = {"+": a + b, "-": a - b, "*": a * b}[op]
-            prompt = f"{a}{op}{b}="
-        rows.append({"prompt": prompt, "answer": str(answer)})
-    if teacher_error > 0:  # its own stream, so the prompts do not depend on the error rate
-        teacher_rng = random.Random(seed + 1)
-        for row in rows:
-            off_by = [int(teacher_rng.random() < teacher_error) for _ in range(TEACHER_SAMPLES)]
-            row["teacher"] = [str(int(row["answer"]) + k) for k in off_by]
-    return rows
-
-
-def _value_of(numbers: list[int], ops: list[str]) -> int:
-    """Value of ``n0 op0 n1 op1 n2 ...`` with the usual precedence: a sum of signed products."""
-    terms = [numbers[0]]
-    for op, x in zip(ops, numbers[1:], strict=True):
-        if op == "*":
-            terms[-1] *= x
-        else:
-            terms.append(x if op == "+" else -x)
-    return sum(terms)
-
-
-def countdown_rows(n: int, seed: int, num_numbers: int = 3, max_number: int = 20) -> list[dict]:
-    """Countdown-style rows: reach a target from given numbers with + - * (each number at most once).
-
-    Prompt format: the numbers separated by spaces, ``" -> "``, the target, ``":"``; e.g. ``"3 5 7 -> 22:"``.
-    The row also holds ``numbers`` (list of int, in prompt order), ``target`` (int, always >= 1) and ``answer``:
-    one expression that reaches the target using every number once (e.g. ``"3*5+7"``), so the target is
-    reachable by construction. Numbers are drawn uniformly from ``[1, max_number]``.
-    """
-    _check_count(n, seed)
-    if not isinstance(num_numbers, int) or num_numbers < 2:
-        raise ValueError(f"num_numbers = {num_numbers!r}: must be an integer >= 2")
-    if not isinstance(max_number, int) or max_number < 1:
-        raise ValueError(f"max_number = {max_number!r}: must be an integer >= 1")
-    rng = random.Random(seed)
-    rows = []
-    for _ in range(n):
-        numbers = [rng.randint(1, max_number) for _ in range(num_numbers)]
-        order = rng.sample(numbers, k=num_numbers)  # the answer need not use them in prompt order
-        for _attempt in range(10):  # redraw the operators until the target is positive
-            ops = [rng.choice(COUNTDOWN_OPS) for _ in range(num_numbers - 1)]
-            if _value_of(order, ops) >= 1:
-                break
-        else:
-            ops = ["+"] * (num_numbers - 1)  # a sum of positive numbers is always positive
-        target = _value_of(order, ops)
-        answer = str(order[0]) + "".join(op + str(x) for op, x in zip(ops, order[1:], strict=True))
-        prompt = " ".join(map(str, numbers)) + f" -> {target}:"
-        rows.append({"prompt": prompt, "answer": answer, "numbers": numbers, "target": target})
-    return rows
-
-
-# Data specs name these as "task:<name>" (see rlfabric.data); the reward of the same name scores them.
-TASKS: dict[str, Callable[..., list[dict[str, Any]]]] = {
-    "arithmetic": arithmetic_rows,
-    "countdown": countdown_rows,
-}
+__all__ = ["ARITHMETIC_OPS", "COUNTDOWN_OPS", "TASKS", "TEACHER_SAMPLES", "arithmetic_rows", "countdown_rows"]

@@ -1,7 +1,8 @@
 """Typed configuration for LLM post-training (``algo: grpo``): model, data, generators, rewards, the GRPO family.
 
-Built and validated by ``rlfabric.config.load_config`` with the same rules as the PPO config: unknown keys,
-wrong types and out-of-range values are one-line ``ConfigError``s naming the field, before any actor starts.
+Built and validated by ``rlfabric.config.load_config`` with the rules of ``rlfabric.config_base``, like the PPO
+config: unknown keys, wrong types and out-of-range values are one-line ``ConfigError``s naming the field, before
+any actor starts.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from rlfabric.config import ConfigError, RayConfig, _require
+from rlfabric.config_base import ConfigError, RayConfig, require
 
 ADVANTAGES = ("grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline")
 AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
@@ -206,7 +207,7 @@ class LLMConfig:
 
 def _positive(path: str, value: float, *, allow_zero: bool = False) -> None:
     ok = value >= 0 if allow_zero else value > 0
-    _require(ok, path, value, "must be >= 0" if allow_zero else "must be > 0")
+    require(ok, path, value, "must be >= 0" if allow_zero else "must be > 0")
 
 
 def validate_llm(cfg: LLMConfig) -> LLMConfig:
@@ -226,10 +227,10 @@ def validate_llm(cfg: LLMConfig) -> LLMConfig:
         ("data.num_eval", cfg.data.num_eval),
         ("sft.batch_size", cfg.sft.batch_size),
     ):
-        _require(value >= 1, path, value, "must be at least 1")
-    _require(g.group_size >= 2, "grpo.group_size", g.group_size, "must be at least 2 (advantages compare a group)")
-    _require(g.advantage in ADVANTAGES, "grpo.advantage", g.advantage, f"must be one of {', '.join(ADVANTAGES)}")
-    _require(
+        require(value >= 1, path, value, "must be at least 1")
+    require(g.group_size >= 2, "grpo.group_size", g.group_size, "must be at least 2 (advantages compare a group)")
+    require(g.advantage in ADVANTAGES, "grpo.advantage", g.advantage, f"must be one of {', '.join(ADVANTAGES)}")
+    require(
         g.loss_aggregation in AGGREGATIONS,
         "grpo.loss_aggregation",
         g.loss_aggregation,
@@ -245,7 +246,7 @@ def validate_llm(cfg: LLMConfig) -> LLMConfig:
         ("rewards.timeout_s", cfg.rewards.timeout_s),
     ):
         _positive(path, value)
-    _require(g.clip_low < 1, "grpo.clip_low", g.clip_low, "must be < 1 (the ratio's lower bound is 1 - clip_low)")
+    require(g.clip_low < 1, "grpo.clip_low", g.clip_low, "must be < 1 (the ratio's lower bound is 1 - clip_low)")
     for path, value in (
         ("grpo.kl_coef", g.kl_coef),
         ("grpo.entropy_coef", g.entropy_coef),
@@ -266,35 +267,35 @@ def validate_llm(cfg: LLMConfig) -> LLMConfig:
         ("learner.num_gpus", cfg.learner.num_gpus),
     ):
         _positive(path, value, allow_zero=True)
-    _require(s.temperature > 0, "sampling.temperature", s.temperature, "must be > 0 for training (exploration)")
-    _require(0 < s.top_p <= 1, "sampling.top_p", s.top_p, "must be in (0, 1]")
-    _require(0 <= t.seed < 2**32, "training.seed", t.seed, "must be in [0, 2**32)")
-    _require(
+    require(s.temperature > 0, "sampling.temperature", s.temperature, "must be > 0 for training (exploration)")
+    require(0 < s.top_p <= 1, "sampling.top_p", s.top_p, "must be in (0, 1]")
+    require(0 <= t.seed < 2**32, "training.seed", t.seed, "must be in [0, 2**32)")
+    require(
         cfg.batch_size % cfg.learner.num_learners == 0,
         "learner.num_learners",
         cfg.learner.num_learners,
         f"must divide the batch (grpo.prompts_per_step * grpo.group_size = {cfg.batch_size})",
     )
-    _require(
+    require(
         cfg.generator.backend != "vllm" or cfg.generator.num_gpus > 0,
         "generator.backend",
         cfg.generator.backend,
         "'vllm' needs generator.num_gpus > 0 (vLLM runs on GPUs; use 'torch' on CPU)",
     )
-    _require(
+    require(
         cfg.learner.device != "cuda" or cfg.learner.num_gpus > 0,
         "learner.device",
         cfg.learner.device,
         "'cuda' needs learner.num_gpus > 0 (Ray hides GPUs from actors that did not ask for one)",
     )
-    _require(
+    require(
         cfg.model.path != "builtin" or not cfg.data.chat_template,
         "data.chat_template",
         cfg.data.chat_template,
         "the builtin character model has no chat template; set it false",
     )
     for i, fn in enumerate(cfg.rewards.functions):
-        _require(bool(fn.name), f"rewards.functions[{i}].name", fn.name, "must name a reward function")
+        require(bool(fn.name), f"rewards.functions[{i}].name", fn.name, "must name a reward function")
     if not cfg.rewards.functions:
         raise ConfigError("rewards.functions = [] is not valid: list at least one reward function")
     return cfg

@@ -9,9 +9,16 @@ import pytest
 
 from rlfabric.config import ConfigError
 from rlfabric.data import load_heldout, load_prompts, parse_task_spec, row_metadata
-from rlfabric.envs.text_tasks import TASKS, TEACHER_SAMPLES, arithmetic_rows, countdown_rows
 from rlfabric.models.hf import DEFAULT_ALPHABET
 from rlfabric.rewards.builtin import evaluate_expression, expression_numbers, parse_expression
+from rlfabric.tasks import TASKS, TEACHER_SAMPLES, arithmetic_rows, countdown_rows
+
+
+def test_envs_see_the_same_task_table_the_data_specs_read():
+    from rlfabric.envs import text_tasks
+
+    assert text_tasks.TASKS is TASKS and text_tasks.arithmetic_rows is arithmetic_rows
+    assert load_prompts("task:countdown", num_rows=3, seed=1) == countdown_rows(3, 1)
 
 
 def test_generators_are_deterministic_in_the_seed():

@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from rlfabric.models.weights import WeightEntry, layout, pack_into, tensor_from_bytes
+from rlfabric.models.weights import PublishedWeights, WeightEntry, layout, pack_into, tensor_from_bytes
 
 SHM_DIR = Path("/dev/shm")
 FILE_PREFIX = "rlfabric-weights-"
@@ -33,7 +33,7 @@ SPARE_BYTES = 256 * 2**20  # left free in /dev/shm for everything else on the no
 
 
 @dataclass(frozen=True)
-class SharedFlatWeights:
+class SharedFlatWeights(PublishedWeights):
     """One published version in a shared-memory file on node ``node_id``: what a reader needs to map it."""
 
     path: str

@@ -9,6 +9,7 @@ other side. So the learner packs its state dict into one buffer, every generator
 
 from __future__ import annotations
 
+import abc
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -43,8 +44,20 @@ def tensor_from_bytes(data: np.ndarray | bytes, dtype: str, shape: tuple[int, ..
     return raw.view(torch_dtype).view(tuple(shape))
 
 
+class PublishedWeights(abc.ABC):
+    """A published version of a state dict packed into one flat buffer; ``state_dict()`` gives its tensors.
+
+    ``FlatWeights`` (below) holds the buffer itself, for the object store; ``SharedFlatWeights``
+    (``rlfabric.models.shared_weights``, which builds on this module) names a shared-memory file holding it.
+    """
+
+    @abc.abstractmethod
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """Name -> CPU tensor viewing the buffer (read-only: copy it, do not write to it)."""
+
+
 @dataclass(frozen=True)
-class FlatWeights:
+class FlatWeights(PublishedWeights):
     """A state dict packed into one uint8 buffer; ``entries`` say where each tensor lies in it."""
 
     buffer: np.ndarray
@@ -89,11 +102,9 @@ def flatten_state_dict(state: Mapping[str, torch.Tensor]) -> FlatWeights:
 
 
 def as_state_dict(weights: Any) -> dict[str, torch.Tensor]:
-    """The tensors of published weights: ``FlatWeights`` or ``SharedFlatWeights`` unpacked (views), or a plain
-    state dict as it is."""
-    from rlfabric.models.shared_weights import SharedFlatWeights  # it builds on this module
-
-    if isinstance(weights, FlatWeights | SharedFlatWeights):
+    """The tensors of published weights: any ``PublishedWeights`` (``FlatWeights``, ``SharedFlatWeights``) unpacked
+    (views), or a plain state dict as it is."""
+    if isinstance(weights, PublishedWeights):
         return weights.state_dict()
     if isinstance(weights, Mapping):
         return dict(weights)

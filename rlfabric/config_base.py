@@ -1,0 +1,151 @@
+"""The config machinery every schema shares: the error type, the Ray section, and typed building and checking.
+
+``build_config`` turns nested plain data (a YAML file after overrides) into a config dataclass, checking every value
+against its annotation; ``require`` is the one-line range check the schemas' validators are made of. The schemas
+(``rlfabric.ppo_config``, ``rlfabric.grpo_config``) build on this module, and ``rlfabric.config`` loads a file into
+whichever schema its ``algo`` names.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+import types
+import typing
+from dataclasses import dataclass
+from typing import Any, Literal, Union
+
+
+class ConfigError(ValueError):
+    """A config value that is missing, unknown, of the wrong type or out of range."""
+
+
+@dataclass
+class RayConfig:
+    # null: start a local Ray instance; "auto" or "ray://host:port" for an existing cluster.
+    address: str | None = None
+    # Logical CPUs for the local instance (null: enough for every actor this config asks for).
+    num_cpus: int | None = None
+    # Placement group strategy for all actors (null: no placement group).
+    placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] | None = None
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Building a typed config from plain data
+
+
+def _type_name(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
+    if origin in (Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        return " or ".join(_type_name(a) for a in args) + " or null"
+    if origin is list:
+        return f"a list of {_type_name(typing.get_args(tp)[0])}"
+    if origin is dict:
+        return "a mapping"
+    if dataclasses.is_dataclass(tp):
+        return "a mapping"
+    return {int: "an integer", float: "a number", bool: "true or false", str: "a string"}.get(tp, str(tp))
+
+
+def coerce(value: Any, tp: Any, path: str) -> Any:
+    """Check ``value`` against the annotation ``tp`` and return it in that type, or raise ConfigError."""
+    origin = typing.get_origin(tp)
+    bad = ConfigError(f"{path} = {value!r} is not valid: expected {_type_name(tp)}")
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            raise bad
+        return build_config(tp, value, path)
+    if origin in (Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return coerce(value, arg, path)
+            except ConfigError:
+                pass
+        raise bad
+    if origin is Literal:
+        if value in typing.get_args(tp):
+            return value
+        raise bad
+    if origin is list:
+        if not isinstance(value, (list, tuple)):
+            raise bad
+        (item_tp,) = typing.get_args(tp)
+        return [coerce(v, item_tp, f"{path}[{i}]") for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise bad
+        _, val_tp = typing.get_args(tp)
+        return {str(k): (v if val_tp is Any else coerce(v, val_tp, f"{path}.{k}")) for k, v in value.items()}
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise bad
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        raise bad
+    if tp is float:
+        number: float | None = None
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            number = float(value)
+        elif isinstance(value, str):  # YAML 1.1 reads "3e-4" as a string; accept the number meant
+            try:
+                number = float(value)
+            except ValueError:
+                raise bad from None
+        if number is None:
+            raise bad
+        if not math.isfinite(number):  # no setting means anything at inf or nan; they only poison the math
+            raise ConfigError(f"{path} = {value!r} is not valid: expected a finite number")
+        return number
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        raise bad
+    if tp is Any:
+        return value
+    raise TypeError(f"unsupported config annotation {tp!r} at {path}")
+
+
+def _unknown_key_error(cls: type, key: Any, path: str) -> ConfigError:
+    names = [f.name for f in dataclasses.fields(cls)]
+    key = str(key)  # YAML reads keys like 2048, null or yes as int, None or bool
+    full = f"{path}.{key}" if path else key
+    hint = difflib.get_close_matches(key, names, n=1)
+    suggestion = f" (did you mean {hint[0]!r}?)" if hint else ""
+    return ConfigError(f"unknown config key {full!r}{suggestion}; allowed here: {', '.join(names)}")
+
+
+def build_config(cls: type, data: dict[str, Any], path: str = "") -> Any:
+    """An instance of the dataclass ``cls`` from nested plain data: unknown keys, wrong types and non-finite numbers
+    are ``ConfigError``s naming the dotted field (under ``path``); missing keys take the defaults."""
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    for key in data:
+        if key not in names:
+            raise _unknown_key_error(cls, key, path)
+    kwargs = {}
+    for key, value in data.items():
+        kwargs[key] = coerce(value, hints[key], f"{path}.{key}" if path else key)
+    return cls(**kwargs)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Range checks that types alone cannot express
+
+
+def require(ok: bool, path: str, value: Any, allowed: str) -> None:
+    """Raise ``ConfigError`` naming ``path``, its ``value`` and what is ``allowed`` unless ``ok``."""
+    if not ok:
+        raise ConfigError(f"{path} = {value!r} is not valid: {allowed}")
