@@ -12,9 +12,9 @@ from pathlib import Path
 
 from ray.exceptions import RayError
 
+from rlfabric.actor_slots import RunAbortedError, error_summary
 from rlfabric.config import ConfigError, load_config
 from rlfabric.run_log import CONFIG_FILE
-from rlfabric.runner_pool import RunAbortedError, error_summary
 
 _ANSI_COLOR = re.compile(r"\x1b\[[0-9;]*m")
 
@@ -127,7 +127,12 @@ def cmd_train(args: argparse.Namespace) -> int:
     else:
         run_dir = Path(args.run_dir) if args.run_dir else _default_run_dir(cfg.env.id)
         trainer = Trainer(cfg, run_dir, quiet=args.quiet)
-    print(f"rlfabric: training {trainer.cfg.env.id} -> {trainer.run_dir}", file=sys.stderr)
+    where = ""
+    if args.resume:
+        from rlfabric.driver import latest_checkpoint
+
+        where = f" (resuming from {latest_checkpoint(trainer.run_dir).name})"  # type: ignore[union-attr]
+    print(f"rlfabric: training {trainer.cfg.env.id} -> {trainer.run_dir}{where}", file=sys.stderr)
     try:
         summary = trainer.train()
     finally:
@@ -209,18 +214,49 @@ def cmd_envs_check(args: argparse.Namespace) -> int:
 
 
 def _import_user_modules(names: list[str] | None) -> None:
-    """Import modules that call register_env, so their names show up."""
+    """Import modules that call register_env or register_reward, so their names show up.
+
+    A module is looked up in the current directory first, as ``python -m`` does. What such a module registers
+    reaches the Ray workers by value (``rlfabric.shipping``), so they need not import it themselves.
+    """
     import importlib
 
+    if names:
+        cwd = os.getcwd()
+        if cwd not in sys.path:
+            sys.path.insert(0, cwd)
     for name in names or []:
         try:
             importlib.import_module(name)
         except ImportError as exc:
-            raise ConfigError(f"--import {name!r}: {exc}") from None
+            if exc.name == name or name.startswith(f"{exc.name}."):  # the module itself, not an import inside it
+                raise ConfigError(
+                    f"--import {name!r}: no such module in the current directory ({cwd}) or on the Python path"
+                ) from None
+            raise ConfigError(f"--import {name!r}: {exc.__class__.__name__}: {exc}") from None
+
+
+class _AnyOrderParser(argparse.ArgumentParser):
+    """Options and positionals in any order (``train a=1 --import m b=2``): a parser without subcommands parses
+    intermixed (``parse_known_intermixed_args``), which a plain parser does not (its ``b=2`` would be unknown)."""
+
+    _intermixing = False
+
+    def parse_known_args(  # type: ignore[override]
+        self, args: list[str] | None = None, namespace: argparse.Namespace | None = None
+    ) -> tuple[argparse.Namespace, list[str]]:
+        if self._subparsers is not None or self._intermixing:  # older Pythons re-enter here from the intermixed parse
+            return super().parse_known_args(args, namespace)
+        self._intermixing = True
+        try:
+            return self.parse_known_intermixed_args(args, namespace)
+        finally:
+            self._intermixing = False
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="rlfabric", description="Distributed RL on Ray.")
+    """The ``rlfabric`` command line; under every subcommand, options and positionals may come in any order."""
+    parser = _AnyOrderParser(prog="rlfabric", description="Distributed RL on Ray.")
     sub = parser.add_subparsers(dest="command", required=True)
 
     train = sub.add_parser(

@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import hashlib
 import inspect
-from collections.abc import Callable
+import json
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -41,9 +42,13 @@ def load_prompts(
         rows = _generate(generate, options, num_rows, seed, spec, field)
     else:
         rows = _read_file(spec, field)
+        _check_prompt_column(rows, spec, prompt_key, field)
         if num_rows is not None:
             if len(rows) < num_rows:
-                raise ConfigError(f"{field} = {spec!r}: has {len(rows)} rows, fewer than the {num_rows} asked for")
+                raise ConfigError(
+                    f"{field} = {spec!r}: has {len(rows)} rows, fewer than the {num_rows} asked for "
+                    f"(data.num_train: at most {len(rows)}, or null for every row)"
+                )
             rows = rows[:num_rows]
     _check_rows(rows, spec, prompt_key, field)
     return rows
@@ -69,7 +74,7 @@ def load_heldout(
         if num_rows is not None and len(rows) < num_rows:
             raise ConfigError(
                 f"{field} = {spec!r}: has {len(rows)} rows whose prompt is not a training prompt, "
-                f"fewer than the {num_rows} asked for"
+                f"fewer than the {num_rows} asked for (data.num_eval)"
             )
         return rows
     if num_rows is None:
@@ -86,6 +91,36 @@ def load_heldout(
         f"{field} = {spec!r}: found only {len(rows)} prompts that are not among the {len(train_rows)} training "
         f"prompts, {num_rows} asked for; ask for fewer rows or widen the task's options"
     )
+
+
+def check_prompt_lengths(
+    prompt_ids: Mapping[str, Sequence[Sequence[int]]], *, max_new_tokens: int, max_positions: int | None, model: str
+) -> None:
+    """Refuse prompts that do not fit the model's context with ``max_new_tokens`` generated after them.
+
+    ``prompt_ids`` maps a data field ("data.train", "data.eval") to its encoded prompts; ``max_positions`` is the
+    model's context length (None: unknown, nothing is checked); ``model`` is ``model.path``, named in the error.
+    """
+    if max_positions is None:
+        return
+    room = max_positions - max_new_tokens
+    for field, prompts in prompt_ids.items():
+        too_long = [i for i, ids in enumerate(prompts) if len(ids) > room]
+        if not too_long:
+            continue
+        row = max(too_long, key=lambda i: len(prompts[i]))
+        longest = len(prompts[row])
+        limit = (
+            "model.builtin.max_positions"
+            if model == "builtin"
+            else f"max_position_embeddings of model.path = {model!r}"
+        )
+        raise ConfigError(
+            f"{field}: {len(too_long)} of {len(prompts)} prompts are too long for the model: the longest (row {row}) "
+            f"is {longest} tokens, and with sampling.max_new_tokens = {max_new_tokens} it needs "
+            f"{longest + max_new_tokens} positions, more than the model's {max_positions} ({limit}); shorten or drop "
+            "those prompts, lower sampling.max_new_tokens, or use a model with a longer context"
+        )
 
 
 def row_metadata(row: dict[str, Any], prompt_key: str = "prompt") -> dict[str, Any]:
@@ -123,7 +158,7 @@ def _parse_value(text: str) -> Any:
 
 
 def _task(spec: str, field: str) -> tuple[Callable[..., list[dict[str, Any]]], dict[str, Any]]:
-    from rlfabric.envs.text_tasks import TASKS
+    from rlfabric.tasks import TASKS
 
     name, options = parse_task_spec(spec, field)
     if name not in TASKS:
@@ -158,11 +193,40 @@ def _read_file(spec: str, field: str) -> list[dict[str, Any]]:
     try:
         table = datasets.load_dataset(FILE_FORMATS[path.suffix], data_files=str(path.resolve()), split="train")
     except Exception as exc:  # malformed JSON or parquet: one line naming the file, not a long arrow trace
+        if _holds_no_rows(path):  # datasets fails on empty files with errors that do not say so
+            raise ConfigError(f"{field} = {spec!r}: the file holds no rows") from None
         raise ConfigError(f"{field} = {spec!r}: could not be read: {exc.__class__.__name__}: {exc}") from exc
     finally:
         if bars_were_on:
             datasets.enable_progress_bars()
+    if len(table) == 0:
+        raise ConfigError(f"{field} = {spec!r}: the file holds no rows")
     return table.to_list()
+
+
+def _holds_no_rows(path: Path) -> bool:
+    """True for an empty or blank JSONL file, a JSON file holding ``[]``, and a parquet file of zero rows."""
+    try:
+        if path.suffix == ".parquet":
+            import pyarrow.parquet as pq
+
+            return pq.ParquetFile(path).metadata.num_rows == 0
+        if path.suffix == ".json":
+            text = path.read_text().strip()
+            return not text or json.loads(text) == []
+        with path.open() as f:
+            return not any(line.strip() for line in f)
+    except (OSError, ValueError):  # unreadable or malformed: not "empty", the datasets error says what it is
+        return False
+
+
+def _check_prompt_column(rows: list[dict[str, Any]], spec: str, prompt_key: str, field: str) -> None:
+    """A file's rows share their columns: refuse a file without the prompt column, naming the columns it has."""
+    if rows and prompt_key not in rows[0]:
+        raise ConfigError(
+            f"{field} = {spec!r}: no {prompt_key!r} column (data.prompt_key); its columns are "
+            f"{', '.join(map(repr, rows[0]))}: set data.prompt_key to the one holding the prompt text"
+        )
 
 
 def _check_rows(rows: list[dict[str, Any]], spec: str, prompt_key: str, field: str) -> None:

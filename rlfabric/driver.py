@@ -85,14 +85,40 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
 
 
 def ensure_ray(ray_cfg: RayConfig, wanted_cpus: float, env_vars: dict[str, str] | None = None) -> None:
-    """Connect to the configured cluster, or start a local Ray instance with at least ``wanted_cpus``.
+    """Join the cluster at ``ray.address`` (else at ``$RAY_ADDRESS``, as ``ray.init`` reads it), or start a local
+    Ray instance with at least ``wanted_cpus``. A cluster that is not there is a one-line ConfigError.
 
-    ``env_vars`` are set in every worker process of a local instance.
+    ``env_vars`` are set in every worker process of a local instance. ``ray.num_cpus`` sizes only a local instance;
+    a cluster has the CPUs its nodes were started with.
     """
+    import socket
+    import sys
+
     if ray.is_initialized():
         return
-    if ray_cfg.address is not None:
-        ray.init(address=ray_cfg.address, log_to_driver=True)
+    address = ray_cfg.address or os.environ.get("RAY_ADDRESS") or None
+    if address is not None and address != "local":
+        where = f"ray.address = {address!r}" if ray_cfg.address else f"RAY_ADDRESS={address!r} (from the environment)"
+        hint = (
+            "start a cluster there (`ray start --head`), or unset it (ray.address: null, no RAY_ADDRESS) to run on "
+            "a local Ray instance"
+        )
+        host, _, port = address.removeprefix("ray://").rpartition(":")
+        if host and port.isdigit():  # Ray would wait minutes on an address where nothing listens: look first
+            try:
+                socket.create_connection((host, int(port)), timeout=10).close()
+            except OSError as exc:
+                raise ConfigError(f"{where}: no Ray cluster answers there ({exc.strerror or exc}); {hint}") from None
+        if ray_cfg.num_cpus is not None:
+            print(
+                f"rlfabric: joining the Ray cluster at {where}; ray.num_cpus = {ray_cfg.num_cpus} sizes only a local "
+                "instance and is ignored",
+                file=sys.stderr,
+            )
+        try:
+            ray.init(address=address, log_to_driver=True)
+        except ConnectionError as exc:  # "auto" with no cluster on this machine
+            raise ConfigError(f"{where}: {str(exc).strip().splitlines()[0]}; {hint}") from None
         return
     num_cpus = ray_cfg.num_cpus or max(os.cpu_count() or 1, math.ceil(wanted_cpus))
     runtime_env = {"env_vars": env_vars} if env_vars else None

@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+from rlfabric.config import ConfigError
+
 # Characters the built-in tokenizer knows: enough for arithmetic, countdown and short English prompts.
 DEFAULT_ALPHABET = string.digits + "+-*/=()., :?<>\n" + string.ascii_letters
 SPECIAL_TOKENS = ("<pad>", "<eos>", "<bos>")
@@ -75,6 +77,69 @@ def build_small_qwen2(
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     return model.eval()
+
+
+BUILTIN = "builtin"  # model.path that builds the small character-level model instead of loading one
+MODEL_SOURCES = (
+    "a Hugging Face model folder (one with config.json), a hub id such as 'Qwen/Qwen2.5-0.5B-Instruct', or 'builtin'"
+)
+
+
+def check_model_source(path: str, field: str = "model.path", cache_dir: str | Path | None = None) -> None:
+    """Raise a one-line ConfigError naming ``field`` unless ``path`` is a model transformers can load.
+
+    Accepted: ``"builtin"``; an existing folder holding ``config.json``; a hub id (``"org/name"`` that is not a
+    local path) found in the Hugging Face cache (``cache_dir``, default the hub's own) or, when that misses, whose
+    ``config.json`` the hub serves (fetched into the cache, as transformers would first thing). A path that looks
+    local (absolute, ``./``, ``../``, ``~``) must exist.
+    """
+    if path == BUILTIN:
+        return
+    local = Path(path).expanduser()
+    if local.is_dir():
+        if not (local / "config.json").is_file():
+            raise ConfigError(
+                f"{field} = {path!r} is not valid: the folder has no config.json, so it is not a Hugging Face model "
+                f"folder; allowed: {MODEL_SOURCES}"
+            )
+        return
+    if local.exists():
+        raise ConfigError(
+            f"{field} = {path!r} is not valid: a file, not a model folder (give the folder holding config.json); "
+            f"allowed: {MODEL_SOURCES}"
+        )
+    from huggingface_hub import hf_hub_download, try_to_load_from_cache
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    looks_local = path.startswith(("/", "./", "../", "~")) or path in (".", "..")
+    try:
+        validate_repo_id(path)
+    except HFValidationError:
+        looks_local = True
+    if looks_local:
+        where = "" if local.is_absolute() else f" ({local.absolute()})"
+        raise ConfigError(f"{field} = {path!r} is not valid: no such folder{where}; allowed: {MODEL_SOURCES}")
+    if isinstance(try_to_load_from_cache(path, "config.json", cache_dir=cache_dir), str):
+        return
+    try:
+        hf_hub_download(path, "config.json", cache_dir=cache_dir)
+    except Exception as exc:  # not on the hub, gated, offline, no network: the first line of the hub's reason
+        reason = f"{exc.__class__.__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
+        raise ConfigError(
+            f"{field} = {path!r} is not valid: no such folder here, and not a hub model in the local Hugging Face "
+            f"cache or on the hub ({reason}); allowed: {MODEL_SOURCES}"
+        ) from None
+
+
+def model_max_positions(path: str | Path) -> int | None:
+    """The context length of the model at ``path`` (its config's ``max_position_embeddings``); None if unstated."""
+    from transformers import AutoConfig
+
+    _quiet_transformers()
+    config = AutoConfig.from_pretrained(str(path))
+    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    value = getattr(text_config, "max_position_embeddings", None)
+    return value if isinstance(value, int) and value > 0 else None
 
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

@@ -1,0 +1,362 @@
+"""Bad input fails fast, through the public CLI and API: one line naming the field or file and what is allowed,
+exit code 2, and, where the check can run before Ray starts, before it does.
+
+Covered: a ``model.path`` that holds no model, a prompt file without its prompt column or without rows, prompts
+too long for the model, ``--import`` of a module in the current directory (on the driver and on Ray workers),
+options and overrides in any order, and joining the cluster that ``RAY_ADDRESS`` names.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import ray
+from ray.cluster_utils import Cluster
+
+from rlfabric import registry
+from rlfabric.cli import build_parser, main
+from rlfabric.config import ConfigError, RayConfig, load_config
+from rlfabric.data import check_prompt_lengths, load_prompts
+from rlfabric.driver import ensure_ray
+from rlfabric.llm_driver import GRPOTrainer
+from rlfabric.models.hf import check_model_source
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY = ["model.builtin.num_layers=1", "model.builtin.hidden_size=32", "model.builtin.num_heads=2", "sft.steps=0"]
+
+
+@pytest.fixture(autouse=True)
+def no_ray_before_or_after():
+    """Each test starts without a Ray connection (so "Ray did not start" can be checked) and leaves none."""
+    if ray.is_initialized():
+        ray.shutdown()
+    yield
+    if ray.is_initialized():
+        ray.shutdown()
+
+
+def run_cli(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, list[str]]:
+    """``rlfabric <argv>`` in this process: (exit code, stdout, stderr lines)."""
+    capsys.readouterr()
+    code = main(argv)
+    out, err = capsys.readouterr()
+    return code, out, err.splitlines()
+
+
+def assert_one_config_error(code: int, out: str, err: list[str], *names: str) -> None:
+    assert code == 2, err
+    assert out == "" and len(err) == 1, err
+    assert err[0].startswith("rlfabric: config error: "), err
+    for name in names:
+        assert name in err[0], err
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
+# -- 1. model.path --------------------------------------------------------------------------------------------
+
+
+def _missing_relative(tmp: Path) -> str:
+    return "./no_such_model"
+
+
+def _missing_absolute(tmp: Path) -> str:
+    return str(tmp / "no_such_model")
+
+
+def _missing_in_home(tmp: Path) -> str:
+    return "~/no_such_model_folder_for_rlfabric_tests"
+
+
+def _empty_folder(tmp: Path) -> str:
+    (tmp / "empty").mkdir()
+    return str(tmp / "empty")
+
+
+def _weights_without_config(tmp: Path) -> str:
+    (tmp / "weights").mkdir()
+    (tmp / "weights" / "model.safetensors").write_bytes(b"\0" * 16)
+    return str(tmp / "weights")
+
+
+def _a_file(tmp: Path) -> str:
+    (tmp / "config.json").write_text("{}")
+    return str(tmp / "config.json")
+
+
+@pytest.mark.parametrize(
+    "make_path",
+    [_missing_relative, _missing_absolute, _missing_in_home, _empty_folder, _weights_without_config, _a_file],
+)
+def test_model_path_without_a_model_is_one_line_before_ray(make_path, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    path = make_path(tmp_path)
+    code, out, err = run_cli(["train", f"model.path={path}", "--run-dir", "run"], capsys)
+    assert_one_config_error(code, out, err, f"model.path = {path!r}", "Hugging Face model folder", "hub id")
+    assert not ray.is_initialized()
+    assert not (tmp_path / "run").exists()  # nothing was written either
+
+
+def test_hub_id_neither_cached_nor_reachable_is_one_line(tmp_path, monkeypatch, capsys):
+    import huggingface_hub.constants as hub
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(hub, "HF_HUB_CACHE", str(tmp_path / "hub-cache"))  # an empty cache
+    monkeypatch.setattr(hub, "HF_HUB_OFFLINE", True)  # no network here: say so instead of retrying for a minute
+    code, out, err = run_cli(["train", "model.path=no-such-org/no-such-model"], capsys)
+    assert_one_config_error(code, out, err, "model.path = 'no-such-org/no-such-model'", "cache", "hub id")
+    assert not ray.is_initialized()
+
+
+def test_hub_id_in_the_local_cache_is_accepted(tmp_path, monkeypatch):
+    import huggingface_hub.constants as hub
+
+    monkeypatch.setattr(hub, "HF_HUB_OFFLINE", True)  # accepted from the cache alone, without asking the hub
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    repo = tmp_path / "models--some-org--some-model"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(commit)
+    (repo / "snapshots" / commit).mkdir(parents=True)
+    (repo / "snapshots" / commit / "config.json").write_text('{"model_type": "qwen2"}')
+    check_model_source("some-org/some-model", cache_dir=tmp_path)
+    with pytest.raises(ConfigError, match="'some-org/other-model'"):
+        check_model_source("some-org/other-model", cache_dir=tmp_path)
+
+
+# -- 2. prompt files ------------------------------------------------------------------------------------------
+
+
+def test_prompt_file_without_the_prompt_column_names_it_and_the_columns(tmp_path):
+    path = write_jsonl(
+        tmp_path / "qa.jsonl", [{"question": "1+1=", "answer": "2"}, {"question": "2+2=", "answer": "4"}]
+    )
+    with pytest.raises(ConfigError) as err:
+        load_prompts(str(path), num_rows=2000)  # the default data.num_train: the missing column is the news
+    assert "no 'prompt' column (data.prompt_key)" in str(err.value)
+    assert "'question', 'answer'" in str(err.value)
+    assert load_prompts(str(path), num_rows=2, prompt_key="question")[1] == {"question": "2+2=", "answer": "4"}
+
+
+def _write_empty(path: Path) -> None:
+    if path.suffix == ".parquet":
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        pq.write_table(pa.table({"prompt": pa.array([], pa.string())}), path)
+    elif path.name == "list.json":
+        path.write_text("[]")
+    elif path.name == "blank.jsonl":
+        path.write_text("\n  \n")
+    else:
+        path.write_text("")
+
+
+@pytest.mark.parametrize("name", ["empty.jsonl", "blank.jsonl", "list.json", "empty.parquet"])
+def test_prompt_file_without_rows_says_so(name, tmp_path):
+    path = tmp_path / name
+    _write_empty(path)
+    with pytest.raises(ConfigError, match=f"^data.eval = {re.escape(repr(str(path)))}: the file holds no rows$"):
+        load_prompts(str(path), field="data.eval")
+
+
+def test_bad_prompt_file_fails_in_setup_before_ray(tmp_path):
+    path = write_jsonl(tmp_path / "qa.jsonl", [{"question": "1+1=", "answer": "2"}])
+    trainer = GRPOTrainer(load_config(None, [*TINY, f"data.train={path}"]), tmp_path / "run", quiet=True)
+    try:
+        with pytest.raises(ConfigError, match=r"^data.train = .*: no 'prompt' column .* 'question', 'answer'"):
+            trainer.setup()
+        assert not ray.is_initialized()
+    finally:
+        trainer.log.close()
+
+
+# -- 3. --import from the current directory -------------------------------------------------------------------
+
+ENV_MODULE = '''
+import os
+from pathlib import Path
+
+import gymnasium as gym
+import numpy as np
+
+import rlfabric
+
+MARKS = Path({marks!r})
+
+
+class Corridor(gym.Env):
+    """Walk right to the end; each process that builds one leaves a mark with its pid."""
+
+    def __init__(self, length=4):
+        MARKS.mkdir(exist_ok=True)
+        (MARKS / str(os.getpid())).touch()
+        self.length, self.pos = length, 0
+        self.observation_space = gym.spaces.Box(0.0, 1.0, shape=(1,), dtype=np.float32)
+        self.action_space = gym.spaces.Discrete(2)
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        self.pos = 0
+        return np.array([0.0], np.float32), {{}}
+
+    def step(self, action):
+        self.pos = max(0, self.pos + (1 if action == 1 else -1))
+        done = self.pos >= self.length
+        return np.array([self.pos / self.length], np.float32), float(done) - 0.1, done, False, {{}}
+
+
+rlfabric.register_env({name!r}, lambda **kw: Corridor(**kw))
+'''
+
+
+@pytest.fixture
+def cwd_env_module(tmp_path, monkeypatch):
+    """A module in a fresh current directory (not on sys.path) that registers an env; (module, env name, marks)."""
+    module = f"bad_input_envs_{os.getpid()}_{time.monotonic_ns()}"
+    name = f"corridor-{module}"
+    marks = tmp_path / "marks"
+    (tmp_path / f"{module}.py").write_text(ENV_MODULE.format(marks=str(marks), name=name))
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", list(sys.path))  # what --import adds is undone after the test
+    monkeypatch.setattr(registry, "_REGISTRY", dict(registry._REGISTRY))
+    yield module, name, marks
+    sys.modules.pop(module, None)
+
+
+def test_import_finds_a_module_in_the_current_directory(cwd_env_module, capsys):
+    module, name, _ = cwd_env_module
+    assert str(Path.cwd()) not in sys.path
+    code, out, err = run_cli(["envs", "check", name, "--import", module], capsys)
+    assert code == 0, err
+    assert out.startswith(f"OK {name}: observation Box(0.0, 1.0, (1,), float32), action Discrete(2)")
+
+
+def test_import_of_a_missing_module_is_one_line(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    code, out, err = run_cli(["train", "--import", "no_such_module_here", "training.total_steps=5"], capsys)
+    assert_one_config_error(code, out, err, "--import 'no_such_module_here'", f"current directory ({tmp_path})")
+    assert not ray.is_initialized()
+
+
+# -- 4. options and overrides in any order --------------------------------------------------------------------
+
+
+def test_options_and_overrides_in_any_order(capsys):
+    args = build_parser().parse_args(
+        ["train", "grpo.lr=1e-3", "--import", "m", "training.seed=2", "--run-dir", "x", "sft.steps=0", "--quiet"]
+    )
+    assert (args.config, args.overrides) == ("grpo.lr=1e-3", ["training.seed=2", "sft.steps=0"])
+    assert (args.import_modules, args.run_dir, args.quiet) == (["m"], "x", True)
+    # Through main: the override after the options reaches the config (and is checked there).
+    code, out, err = run_cli(["train", "grpo.lr=1e-3", "--run-dir", "x", "--quiet", "grpo.lrr=2"], capsys)
+    assert_one_config_error(code, out, err, "unknown config key 'grpo.lrr'")
+    code, out, err = run_cli(["train", str(ROOT / "examples/cartpole_ppo.yaml"), "--quiet", "ppo.lr=-1"], capsys)
+    assert_one_config_error(code, out, err, "ppo.lr = -1")
+
+
+# -- 5. prompts longer than the model's context ---------------------------------------------------------------
+
+
+def test_check_prompt_lengths_names_the_longest_prompt_the_limit_and_the_fields():
+    prompts = {"data.train": [[1] * 10, [1] * 57, [1] * 60, [1] * 56], "data.eval": [[1] * 5]}
+    check_prompt_lengths(prompts, max_new_tokens=4, max_positions=64, model="builtin")  # 60 + 4 fits exactly
+    with pytest.raises(ConfigError) as err:
+        check_prompt_lengths(prompts, max_new_tokens=8, max_positions=64, model="builtin")
+    message = str(err.value)
+    assert message.startswith("data.train: 2 of 4 prompts are too long for the model: the longest (row 2) is 60 ")
+    assert "sampling.max_new_tokens = 8" in message and "68 positions" in message
+    assert "the model's 64 (model.builtin.max_positions)" in message
+    with pytest.raises(ConfigError, match=r"^data.eval: .*max_position_embeddings of model.path = 'org/m'"):
+        check_prompt_lengths({"data.eval": [[1] * 30]}, max_new_tokens=8, max_positions=32, model="org/m")
+    check_prompt_lengths({"data.train": [[1] * 10_000]}, max_new_tokens=8, max_positions=None, model="org/m")
+
+
+def test_prompts_too_long_for_the_model_fail_in_setup_before_ray(tmp_path):
+    train = write_jsonl(tmp_path / "train.jsonl", [{"prompt": "1+1="}, {"prompt": "1+" * 30 + "1="}])
+    held_out = write_jsonl(tmp_path / "eval.jsonl", [{"prompt": "2+2="}])
+    overrides = [*TINY, f"data.train={train}", f"data.eval={held_out}", "data.num_train=null", "data.num_eval=1"]
+    cfg = load_config(None, [*overrides, "model.builtin.max_positions=64", "sampling.max_new_tokens=8"])
+    trainer = GRPOTrainer(cfg, tmp_path / "run", quiet=True)
+    try:
+        with pytest.raises(ConfigError, match=r"^data.train: 1 of 2 prompts .* \(row 1\) is 62 tokens.* 70 positions"):
+            trainer.setup()
+        assert not ray.is_initialized()
+    finally:
+        trainer.log.close()
+
+
+# -- 6. RAY_ADDRESS ---------------------------------------------------------------------------------------------
+
+
+def test_ray_address_where_nothing_listens_is_one_line(tmp_path, monkeypatch, capsys):
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    monkeypatch.setenv("RAY_ADDRESS", f"127.0.0.1:{port}")
+    monkeypatch.chdir(tmp_path)
+    started = time.monotonic()
+    code, out, err = run_cli(["train", str(ROOT / "examples/cartpole_ppo.yaml"), "--quiet"], capsys)
+    assert err[0].startswith("rlfabric: training gym:CartPole-v1 -> ")  # the run's own first line, then the error
+    assert_one_config_error(
+        code, out, err[1:], f"RAY_ADDRESS='127.0.0.1:{port}'", "no Ray cluster answers", "ray start"
+    )
+    assert time.monotonic() - started < 30  # Ray itself would wait minutes
+    assert not ray.is_initialized()
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """A running Ray cluster of 3 CPUs that this process is not connected to (as after `ray start --head`)."""
+    if ray.is_initialized():
+        ray.shutdown()
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 3, "include_dashboard": False})
+    yield cluster
+    if ray.is_initialized():
+        ray.shutdown()
+    cluster.shutdown()
+
+
+def test_ray_address_from_the_environment_joins_that_cluster(cluster, monkeypatch, capsys):
+    monkeypatch.setenv("RAY_ADDRESS", cluster.address)
+    ensure_ray(RayConfig(num_cpus=8), wanted_cpus=8)  # a local instance would have 8 CPUs
+    assert ray.get_runtime_context().gcs_address == cluster.address
+    assert ray.cluster_resources()["CPU"] == 3
+    assert "ray.num_cpus = 8 sizes only a local instance and is ignored" in capsys.readouterr().err
+
+
+def test_env_of_an_imported_cwd_module_runs_on_the_joined_cluster(cluster, cwd_env_module, monkeypatch, capsys):
+    """A plain `rlfabric train` joins the cluster RAY_ADDRESS names, and its workers run the env registered by an
+    --import'ed module of the current directory (options and overrides intermixed)."""
+    module, name, marks = cwd_env_module
+    monkeypatch.setenv("RAY_ADDRESS", cluster.address)
+    argv = [
+        "train",
+        str(ROOT / "examples/cartpole_ppo.yaml"),
+        f"env.id={name}",
+        "--import",
+        module,
+        "training.total_env_steps=512",
+        "--run-dir",
+        "run",
+        "training.eval_episodes=1",
+        "ppo.num_epochs=1",
+        "--quiet",
+    ]
+    code, out, err = run_cli(argv, capsys)
+    assert code == 0, err
+    assert ray.cluster_resources()["CPU"] == 3  # the cluster's, not a new local instance
+    summary = json.loads(Path("run/summary.json").read_text())
+    assert summary["env_steps"] >= 512 and summary["env"] == name
+    worker_pids = {int(p.name) for p in marks.iterdir()} - {os.getpid()}
+    assert len(worker_pids) >= 2  # the two runners built it in their own processes
