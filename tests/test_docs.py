@@ -9,16 +9,23 @@ at its default. After changing a default, rewrite both (defaults only; comments 
 
 from __future__ import annotations
 
+import ast
 import dataclasses
+import functools
+import importlib
+import inspect
 import re
+import shlex
 import sys
+import types
 import typing
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from rlfabric.config import Config, ConfigError, _coerce
+from rlfabric.config import Config, ConfigError, load_config
+from rlfabric.config_base import coerce
 from rlfabric.grpo_config import LLMConfig
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -92,7 +99,7 @@ def _wrong_doc_defaults(cls: type, part: str) -> list[str]:
     for _, key, text, _ in DEFAULT_ROW.findall(part):
         default, annotation = _default(cls, key)
         try:
-            documented = _coerce(yaml.safe_load(text), annotation, key)
+            documented = coerce(yaml.safe_load(text), annotation, key)
         except (ConfigError, yaml.YAMLError) as exc:
             problems.append(f"{key}: documented default `{text}` does not read as the field's type ({exc})")
             continue
@@ -136,7 +143,7 @@ def test_yaml_text_reads_back_as_the_same_value():
     for cls in (LLMConfig, Config):
         for key in _leaf_fields(cls):
             default, annotation = _default(cls, key)
-            assert _coerce(yaml.safe_load(yaml_text(default)), annotation, key) == default, key
+            assert coerce(yaml.safe_load(yaml_text(default)), annotation, key) == default, key
 
 
 def test_readme_quickstart_is_what_ci_runs():
@@ -184,19 +191,287 @@ def test_arithmetic_example_spells_out_the_embedded_default():
     assert _yaml_leaf_keys(data, LLMConfig) == set(_leaf_fields(LLMConfig))
 
 
-def test_readme_python_api_names_exist():
+# -- the Python in README.md and docs/*.md ----------------------------------------------------------------------
+
+DOC_FILES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+PYTHON_BLOCK = re.compile(r"^```python\n(.*?)^```", flags=re.MULTILINE | re.DOTALL)
+# Where the classes the docs list field by field live.
+DOC_CLASS_HOMES = ("rlfabric.rewards", "rlfabric.engines.base")
+# Calls that start a training run: running a doc example stops before the first of these.
+TRAINING_CALLS = {"train", "train_llm", "Trainer", "GRPOTrainer"}
+
+
+def _python_blocks(path: Path) -> list[tuple[str, str]]:
+    """(file:line, code) of every python code block in a markdown file."""
+    text = path.read_text()
+    return [(f"{path.name}:{text[: m.start()].count(chr(10)) + 2}", m.group(1)) for m in PYTHON_BLOCK.finditer(text)]
+
+
+def _parse_listing(code: str) -> ast.Module | None:
+    """A block as Python; a listing that opens with a signature line (not Python) parses from its next line on."""
+    lines = code.splitlines()
+    for start in range(len(lines)):
+        try:
+            return ast.parse("\n".join(lines[start:]))
+        except SyntaxError:
+            continue
+    return None
+
+
+@dataclasses.dataclass
+class _Instance:
+    """A doc example's object made by calling an rlfabric class (``trainer = GRPOTrainer(...)``)."""
+
+    cls: type
+
+
+def _doc_block(name: str) -> str:
+    """The README block that starts with the comment ``# <name>`` (the file the README tells the user to write)."""
+    blocks = [code for _, code in _python_blocks(ROOT / "README.md") if code.startswith(f"# {name}\n")]
+    assert len(blocks) == 1, f"README.md: no python block starting with '# {name}'"
+    return blocks[0]
+
+
+def _cli_train_line(text: str, marker: str) -> tuple[Path | None, list[str], list[str]]:
+    """(config path, overrides, --import modules) of the ``rlfabric train`` command line that contains ``marker``."""
+    line = next(line for line in text.splitlines() if "rlfabric train" in line and marker in line)
+    words = shlex.split(line, comments=True)
+    words = words[words.index("train") + 1 :]
+    path, overrides, imports = None, [], []
+    while words:
+        word = words.pop(0)
+        if word == "--import":
+            imports.append(words.pop(0))
+        elif "=" in word:
+            overrides.append(word)
+        else:
+            path = ROOT / word
+    return path, overrides, imports
+
+
+def _check_names(where: str, tree: ast.Module) -> list[str]:
+    """Every rlfabric name the code imports or reaches by attribute exists, and every call of an rlfabric callable
+    binds to its signature (positional count and keyword names)."""
+    problems: list[str] = []
+    names: dict[str, Any] = {}
+    for node in ast.walk(tree):
+        try:
+            if isinstance(node, ast.Import):
+                for alias in node.names:
+                    if alias.name.split(".")[0] == "rlfabric":
+                        module = importlib.import_module(alias.name)
+                        names[alias.asname or "rlfabric"] = (
+                            module if alias.asname else importlib.import_module("rlfabric")
+                        )
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "rlfabric":
+                module = importlib.import_module(node.module)
+                for alias in node.names:
+                    names[alias.asname or alias.name] = getattr(module, alias.name)
+        except (ImportError, AttributeError) as exc:
+            problems.append(f"{where}: line {node.lineno}: {ast.unparse(node)}: {exc}")
+
+    def resolve(expr: ast.expr) -> Any:
+        if isinstance(expr, ast.Name):
+            return names.get(expr.id)
+        if isinstance(expr, ast.Attribute):
+            owner = resolve(expr.value)
+            if owner is None:
+                return None
+            target = owner.cls if isinstance(owner, _Instance) else owner
+            if not hasattr(target, expr.attr):
+                problems.append(f"{where}: line {expr.lineno}: {ast.unparse(expr)}: no attribute {expr.attr!r}")
+                return None
+            found = getattr(target, expr.attr)
+            if isinstance(owner, _Instance) and inspect.isfunction(found):
+                static = isinstance(inspect.getattr_static(owner.cls, expr.attr), staticmethod)
+                return found if static else functools.partial(found, None)  # bound to the instance
+            return found
+        return None
+
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute):
+            resolve(node)
+        elif isinstance(node, ast.Assign) and isinstance(node.value, ast.Call):
+            made = resolve(node.value.func)
+            for target in node.targets:
+                if isinstance(target, ast.Name) and isinstance(made, type):
+                    names[target.id] = _Instance(made)
+        if isinstance(node, ast.Call) and not any(isinstance(a, ast.Starred) for a in node.args):
+            fn = resolve(node.func)
+            if callable(fn) and all(k.arg is not None for k in node.keywords):
+                try:
+                    inspect.signature(fn).bind(*[None] * len(node.args), **{k.arg: None for k in node.keywords})
+                except TypeError as exc:
+                    problems.append(f"{where}: line {node.lineno}: {ast.unparse(node.func)}(...) does not fit: {exc}")
+    return list(dict.fromkeys(problems))  # an attribute is met again as the callee of its call
+
+
+def _run_until_training(code: str, namespace: dict[str, Any]) -> dict[str, Any]:
+    """Run a doc example's statements in order, stopping before the first that starts a training run."""
+    for statement in ast.parse(code).body:
+        calls = [n.func for n in ast.walk(statement) if isinstance(n, ast.Call)]
+        called = {c.id if isinstance(c, ast.Name) else getattr(c, "attr", None) for c in calls}
+        if called & TRAINING_CALLS:
+            break
+        exec(compile(ast.Module([statement], []), "<doc>", "exec"), namespace)
+    return namespace
+
+
+def _reward_inputs(*samples: dict[str, Any]) -> list[Any]:
+    """RewardInputs made with exactly the fields docs/llm.md lists for them."""
+    from rlfabric.rewards import RewardInput
+
+    listed = _documented_classes()["RewardInput"]
+    return [RewardInput(**{name: sample[name] for name, _ in listed[0]}) for sample in samples]
+
+
+def _documented_classes() -> dict[str, tuple[list[tuple[str, bool]], list[tuple[str, list[str]]]]]:
+    """Class name -> (fields as (name, has a default), methods as (name, parameter names)) as the docs list them."""
+    classes = {}
+    for path in DOC_FILES:
+        for _, code in _python_blocks(path):
+            tree = _parse_listing(code)
+            for node in tree.body if tree else []:
+                if not isinstance(node, ast.ClassDef):
+                    continue
+                fields = [
+                    (item.target.id, item.value is not None)
+                    for item in node.body
+                    if isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name)
+                ]
+                methods = [
+                    (item.name, [a.arg for a in item.args.args + item.args.kwonlyargs])
+                    for item in node.body
+                    if isinstance(item, ast.FunctionDef | ast.AsyncFunctionDef)
+                ]
+                classes[node.name] = (fields, methods)
+    return classes
+
+
+def test_python_in_the_docs_uses_names_that_exist_with_their_signatures():
+    """README.md and docs/*.md: each rlfabric import, attribute and call in a python block is real and fits."""
+    blocks = [(where, _parse_listing(code)) for path in DOC_FILES for where, code in _python_blocks(path)]
+    assert len(blocks) >= 6 and all(tree is not None for _, tree in blocks), [w for w, t in blocks if t is None]
+    problems = [p for where, tree in blocks for p in _check_names(where, tree)]
+    assert not problems, "\n".join(problems)
+
+
+def test_the_names_checker_notices_a_wrong_name_or_call():
+    tree = ast.parse(
+        "import rlfabric\nfrom rlfabric.rewards import register_reward\nrlfabric.load_configs(None)\n"
+        "register_reward('x', print, 3)\nrlfabric.load_config(None, overrides=[], strict=True)\n"
+    )
+    problems = _check_names("example", tree)
+    assert len(problems) == 3 and "load_configs" in problems[0], problems
+
+
+def test_classes_the_docs_list_have_those_fields_and_methods():
+    documented = _documented_classes()
+    assert {"RewardInput", "RewardResult", "Completion", "Engine"} <= set(documented)
+    problems = []
+    for name, (fields, methods) in documented.items():
+        homes = [importlib.import_module(m) for m in DOC_CLASS_HOMES]
+        real = next((getattr(home, name) for home in homes if hasattr(home, name)), None)
+        if real is None:
+            problems.append(f"{name}: the docs list it, but none of {', '.join(DOC_CLASS_HOMES)} has it")
+            continue
+        if dataclasses.is_dataclass(real):
+            actual = [
+                (f.name, f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING)
+                for f in dataclasses.fields(real)
+            ]
+        else:
+            actual = [(key, hasattr(real, key)) for key in real.__annotations__]
+        if actual != fields:
+            problems.append(f"{name}: the docs list fields {fields}, the code has {actual}")
+        for method, params in methods:
+            fn = getattr(real, method, None)
+            if fn is None or list(inspect.signature(fn).parameters) != params:
+                got = None if fn is None else list(inspect.signature(fn).parameters)
+                problems.append(f"{name}.{method}: the docs show parameters {params}, the code has {got}")
+    assert not problems, "\n".join(problems)
+
+
+def test_readme_reward_example_scores_as_the_readme_says():
+    """README's my_rewards.py, registered and configured exactly as its command line does, scores a group."""
+    from rlfabric.rewards import resolve_reward
+
+    module = types.ModuleType("my_rewards")
+    exec(_doc_block("my_rewards.py"), module.__dict__)
+    path, overrides, imports = _cli_train_line((ROOT / "README.md").read_text(), "--import my_rewards")
+    assert imports == ["my_rewards"] and path is None
+    cfg = load_config(path, overrides)
+    assert isinstance(cfg, LLMConfig) and cfg.rewards.weights == {"correct": 1.0, "short": 0.5}
+    (spec,) = cfg.rewards.functions
+    score = resolve_reward(dataclasses.asdict(spec))
+    group = _reward_inputs(
+        {
+            "prompt": "12+35=",
+            "completion": " 47\n",
+            "metadata": {"answer": "47"},
+            "finish_reason": "stop",
+            "num_tokens": 5,
+        },
+        {
+            "prompt": "12+35=",
+            "completion": "46",
+            "metadata": {"answer": "47"},
+            "finish_reason": "length",
+            "num_tokens": 12,
+        },
+    )
+    assert score(group) == [{"correct": 1.0, "short": -0.05}, {"correct": 0.0, "short": -0.12}]
+
+
+def test_readme_env_example_registers_an_env_the_trainer_builds(tmp_path, monkeypatch):
+    """README's my_envs.py (with a stand-in for its MyEnv) and its command line and Python give a Trainer of it."""
+    import gymnasium as gym
+
     import rlfabric
-    from rlfabric import driver
+    from rlfabric.driver import Trainer
 
-    assert rlfabric.train is driver.train and rlfabric.Trainer is driver.Trainer
-    assert callable(rlfabric.load_config) and callable(rlfabric.register_env)
+    class MyEnv(gym.Env):
+        observation_space = gym.spaces.Box(-1.0, 1.0, (2,))
+        action_space = gym.spaces.Discrete(2)
+
+        def __init__(self, size: int) -> None:
+            self.size = size
+
+    module = types.ModuleType("my_envs")
+    module.MyEnv = MyEnv
+    exec(_doc_block("my_envs.py"), module.__dict__)
+    monkeypatch.setitem(sys.modules, "my_envs", module)
+    path, overrides, imports = _cli_train_line((ROOT / "README.md").read_text(), "--import my_envs")
+    assert imports == ["my_envs"]
+    cfg = load_config(path, overrides)
+    assert cfg.env.id == "my-env" and rlfabric.make_env(cfg.env.id, cfg.env.kwargs).size == 7
+
+    python = next(code for _, code in _python_blocks(ROOT / "README.md") if code.startswith("import my_envs"))
+    monkeypatch.chdir(ROOT)  # the example's config path is relative to the checkout
+    namespace = _run_until_training(python, {})
+    assert isinstance(namespace["cfg"], Config) and namespace["cfg"].env.id == "my-env"
+    trainer = Trainer(namespace["cfg"], tmp_path / "run")  # resolves the registered env; starts nothing yet
+    assert trainer.pool is None
 
 
-def test_llm_guide_python_api_names_exist():
-    from rlfabric import llm_driver, rewards
+def test_llm_guide_python_api_example_configures_and_scores_as_shown():
+    """docs/llm.md's Python API example up to its training call: the reward it registers and the config it loads."""
+    from rlfabric.rewards import resolve_reward
 
-    assert callable(llm_driver.train_llm) and callable(llm_driver.GRPOTrainer)
-    assert callable(rewards.register_reward) and rewards.RewardInput and rewards.RewardResult
+    (code,) = [c for _, c in _python_blocks(ROOT / "docs" / "llm.md") if "register_reward(" in c]
+    namespace = _run_until_training(code, {})
+    cfg = namespace["cfg"]
+    assert isinstance(cfg, LLMConfig) and cfg.training.total_steps == 50
+    names = [spec.name for spec in cfg.rewards.functions]
+    assert names == ["arithmetic", "ends_cleanly"]
+    score = resolve_reward(dataclasses.asdict(cfg.rewards.functions[1]))
+    group = _reward_inputs(
+        {"prompt": "1+1=", "completion": "2", "metadata": {"answer": "2"}, "finish_reason": "stop", "num_tokens": 2},
+        {"prompt": "1+1=", "completion": "22", "metadata": {"answer": "2"}, "finish_reason": "length", "num_tokens": 8},
+    )
+    assert score(group) == [{"clean_stop": 0.2}, {"clean_stop": 0.0}]
+    arithmetic = resolve_reward(dataclasses.asdict(cfg.rewards.functions[0]))
+    assert [c["correct"] for c in arithmetic(group)] == [1.0, 0.0]
 
 
 # -- python tests/test_docs.py --sync ---------------------------------------------------------------------------

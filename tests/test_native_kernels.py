@@ -3,7 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import json
+import os
+import platform
 import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -115,20 +120,62 @@ def test_builds_once_per_source_and_machine(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == [first.name]  # no partial files left
 
 
+def _torch_on_gnu_openmp() -> bool:
+    """This machine's facts, read here rather than asked of ``native``: Linux, and torch running on libgomp."""
+    if platform.system() != "Linux" or "OpenMP" not in torch.__config__.parallel_info():
+        return False
+    with open("/proc/self/maps") as maps:
+        return "libgomp" in maps.read()
+
+
+HAS_COMPILER = any(shutil.which(name) for name in (os.environ.get("CC"), "cc", "gcc") if name)
+ENGINE_ATTENTION = """
+import json, sys
+from rlfabric.engines.torch_engine import TorchEngine
+from rlfabric.models.hf import build_char_tokenizer, build_small_qwen2
+model = build_small_qwen2(build_char_tokenizer(), num_layers=1, hidden_size=32, num_heads=2)
+print(json.dumps([TorchEngine(model, []).attention, TorchEngine(model, [], matmul_dtype="bfloat16").attention]))
+"""
+
+
+def _attention_in_fresh_process(env: dict[str, str]) -> list[str]:
+    """What a TorchEngine says about its attention in a new process (the kernels are loaded once per process)."""
+    out = subprocess.run([sys.executable, "-c", ENGINE_ATTENTION], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
 def test_engine_says_which_attention_decodes(monkeypatch):
     tokenizer = build_char_tokenizer()
     model = build_small_qwen2(tokenizer, num_layers=1, hidden_size=32, num_heads=2)
-    assert "native_kernels=False" in TorchEngine(model, [], native_kernels=False).attention
+    assert TorchEngine(model, [], native_kernels=False).attention == "torch attention (native_kernels=False)"
     monkeypatch.setenv("RLFABRIC_NATIVE_KERNELS", "0")
     assert native.decode_kernels() is None
-    assert "RLFABRIC_NATIVE_KERNELS=0" in TorchEngine(model, []).attention
-    monkeypatch.delenv("RLFABRIC_NATIVE_KERNELS")
-    reason = native.unavailable_reason()
-    expected = "native decode attention" if reason is None else f"torch attention ({reason})"
-    assert TorchEngine(model, []).attention == expected
-    assert TorchEngine(model, [], matmul_dtype="bfloat16").attention == expected  # float32 activations either way
-    if shutil.which("gcc") and native.openmp_runtime_problem() is None:
-        assert native.unavailable_reason() is None  # where it can build, it does
+    assert TorchEngine(model, []).attention == "torch attention (RLFABRIC_NATIVE_KERNELS=0)"
+
+
+@pytest.mark.skipif(not (HAS_COMPILER and _torch_on_gnu_openmp()), reason="needs a C compiler and torch on libgomp")
+def test_where_a_compiler_and_gnu_openmp_are_the_engine_decodes_with_the_native_kernel(tmp_path):
+    """On a machine with a C compiler on PATH and torch on libgomp, a fresh process builds the kernel into an empty
+    cache and the engine uses it, in float32 and bfloat16 matmuls alike (attention stays float32)."""
+    env = {**os.environ, "RLFABRIC_KERNEL_CACHE": str(tmp_path / "kernels")}
+    env.pop("RLFABRIC_NATIVE_KERNELS", None)
+    assert _attention_in_fresh_process(env) == ["native decode attention"] * 2
+    assert len(list((tmp_path / "kernels").glob("decode_attention-*.so"))) == 1  # built here, not found elsewhere
+
+
+@pytest.mark.skipif(not _torch_on_gnu_openmp(), reason="the compiler is only looked for where torch runs on libgomp")
+def test_without_a_compiler_the_engine_decodes_with_torch_ops_and_says_why(tmp_path):
+    """CC naming a compiler that does not exist, no cc or gcc on PATH, and nothing built before: the engine falls
+    back to its torch path and names the reason."""
+    empty_bin = tmp_path / "bin"
+    empty_bin.mkdir()
+    env = {**os.environ, "CC": str(tmp_path / "no-such-cc"), "PATH": str(empty_bin)}
+    env["RLFABRIC_KERNEL_CACHE"] = str(tmp_path / "kernels")  # empty: no library built by an earlier run
+    env.pop("RLFABRIC_NATIVE_KERNELS", None)
+    expected = "torch attention (no C compiler found (set CC, or install gcc))"
+    assert _attention_in_fresh_process(env) == [expected] * 2
+    assert not (tmp_path / "kernels").exists() or not list((tmp_path / "kernels").iterdir())
 
 
 def test_engine_falls_back_to_torch_ops_when_the_kernel_refuses_a_layout():

@@ -186,14 +186,29 @@ def test_default_size_model_from_pretrained(tmp_path, tokenizer):
         )
 
 
+BF16_NOISE = 0.05  # log-probability differences bf16 rounding makes between two correct implementations
+
+
 def test_bfloat16_fast_path(tokenizer, prompts):
-    """bf16 as on GPU: the same greedy tokens as transformers; logprobs within bf16 noise of a full forward."""
+    """bf16 as on GPU: transformers' greedy tokens, except where two tokens tie to within bf16 noise (another
+    summation order may round either way; the sequences then part); logprobs within that noise of a full forward."""
     model = tiny_model("llama-mqa-rope-scaled", tokenizer).to(torch.bfloat16)
     engine = TorchEngine(model, [])
+    exact = 0
     for prompt, completion in zip(prompts, generate(engine, prompts, max_new_tokens=10, temperature=0), strict=True):
-        assert completion.token_ids == hf_greedy(model, prompt, 10, ())
-        expected = hf_logprobs(model, prompt, completion.token_ids)
-        assert torch.allclose(torch.tensor(completion.logprobs), expected, atol=0.05)
+        ours, theirs = completion.token_ids, hf_greedy(model, prompt, 10, ())
+        expected = hf_logprobs(model, prompt, ours)
+        assert torch.allclose(torch.tensor(completion.logprobs), expected, atol=BF16_NOISE)
+        parted = next((t for t, (a, b) in enumerate(zip(ours, theirs, strict=True)) if a != b), None)
+        if parted is None:
+            exact += 1
+            continue
+        # where they part, transformers' own logits rank both tokens within the noise of each other
+        with torch.inference_mode():
+            logits = model(input_ids=torch.tensor([prompt + ours[:parted]])).logits[0, -1].float()
+        logp = logits.log_softmax(-1)
+        assert logp[theirs[parted]] - logp[ours[parted]] <= BF16_NOISE, (prompt, parted)
+    assert exact >= len(prompts) // 2  # a near-tie is the exception, not the rule
 
 
 def test_fallback_reasons(models):

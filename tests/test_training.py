@@ -7,14 +7,17 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
+import gymnasium as gym
 import numpy as np
 import pytest
 import ray
 import torch
 
+import rlfabric
 from rlfabric.config import ppo_config_from_dict as config_from_dict
 from rlfabric.driver import Trainer, latest_checkpoint
 
@@ -78,20 +81,84 @@ def test_async_mode_bounds_policy_lag(local_ray, tmp_path, train):
     assert rows[-1]["env_steps_sampled"] >= rows[-1]["env_steps"]
 
 
-def test_stale_fragments_are_dropped_and_counted(local_ray, tmp_path):
-    """A fragment older than max_policy_lag versions never reaches the learner; the drop is counted."""
-    from rlfabric.runner_pool import Completed
+MARKER_OBS = 1000.0  # what a stalled runner's first fragment observes: far outside anything CartPole shows
 
-    cfg = config_from_dict({"training": {"max_policy_lag": 1}})
-    trainer = Trainer(cfg, tmp_path, quiet=True)
-    trainer.version = 5
-    buffer: list = []
-    meta = {"env_steps": 256, "episode_returns": [10.0], "episode_lengths": [10]}
-    for version in (5, 4, 3, 0):
-        trainer._accept(Completed(0, {**meta, "version": version}, None), buffer)
-    assert [c.meta["version"] for c in buffer] == [5, 4]
-    assert trainer.progress.dropped_fragments == 2
-    assert trainer.progress.env_steps_sampled == 4 * 256
+
+class StallFirstFragmentEnv(gym.Wrapper):
+    """CartPole in which one runner (whichever creates its env first) stalls its first fragment until the learner
+    has made ``wait_rows`` updates (rows in ``metrics``), and marks that fragment's observations ``MARKER_OBS``.
+
+    The stalled fragment was sampled with policy version 0, so it arrives too stale to train on; the marked
+    observations would show in the learner's observation statistics if it were trained on anyway.
+    """
+
+    def __init__(self, claim: str, metrics: str, wait_rows: int, fragment_length: int) -> None:
+        super().__init__(gym.make("CartPole-v1"))
+        self.metrics, self.wait_rows, self.fragment_length, self.steps = Path(metrics), wait_rows, fragment_length, 0
+        mine = Path(f"{claim}.{os.getpid()}")
+        mine.write_text(str(os.getpid()))
+        try:
+            os.link(mine, claim)  # atomic: the first process to link is the stalling one
+        except FileExistsError:
+            pass
+        self.stalling = Path(claim).read_text() == str(os.getpid())
+
+    def _marked(self, obs: np.ndarray) -> np.ndarray:
+        # Observations 0..fragment_length-1 (the reset's and the first steps') make up the runner's first fragment.
+        return np.full_like(obs, MARKER_OBS) if self.stalling and self.steps < self.fragment_length else obs
+
+    def reset(self, **kwargs):
+        obs, info = self.env.reset(**kwargs)
+        return self._marked(obs), info
+
+    def step(self, action):
+        if self.stalling and self.steps == 0:
+            deadline = time.monotonic() + 60
+            while len(_lines(self.metrics)) < self.wait_rows and time.monotonic() < deadline:
+                time.sleep(0.05)
+        self.steps += 1
+        obs, reward, terminated, truncated, info = self.env.step(action)
+        return self._marked(obs), reward, terminated, truncated, info
+
+
+def _lines(path: Path) -> list[str]:
+    return path.read_text().splitlines() if path.exists() else []
+
+
+def test_stale_fragments_are_dropped_and_counted(local_ray, tmp_path):
+    """A fragment older than max_policy_lag versions never reaches the learner; the drop is counted, and its steps
+    count as sampled but not as trained."""
+    rlfabric.register_env("stall-first-fragment", StallFirstFragmentEnv)
+    run_dir, lag, wait_rows = tmp_path / "run", 2, 4
+    cfg = config_from_dict(
+        {
+            "env": {"id": "stall-first-fragment"},
+            "training": {"max_policy_lag": lag, "total_env_steps": 12 * 256, "eval_episodes": 0},
+        }
+    )
+    cfg.env.kwargs = {
+        "claim": str(tmp_path / "claim"),
+        "metrics": str(run_dir / "metrics.jsonl"),
+        "wait_rows": wait_rows,
+        "fragment_length": cfg.fragment_length,
+    }
+    trainer = Trainer(cfg, run_dir, quiet=True)
+    try:
+        summary = trainer.train()
+    finally:
+        trainer.close()
+    rows = _rows(run_dir)
+    fragment_steps = cfg.fragment_length * cfg.runners.envs_per_runner
+    # The stalled fragment (version 0) arrived once the learner had made at least wait_rows > lag updates.
+    assert summary["dropped_fragments"] >= 1 and rows[-1]["dropped_fragments"] == summary["dropped_fragments"]
+    assert all(r["policy_lag_mean"] <= lag for r in rows), [r["policy_lag_mean"] for r in rows]
+    assert [r["env_steps"] for r in rows] == [256 * r["iteration"] for r in rows]  # every batch: fresh fragments
+    dropped_steps = summary["dropped_fragments"] * fragment_steps
+    assert rows[-1]["env_steps_sampled"] >= rows[-1]["env_steps"] + dropped_steps
+    # What the learner trained on: exactly the counted steps, and none of the stalled fragment's marked observations.
+    learner = torch.load(latest_checkpoint(run_dir), weights_only=False)["learner"]
+    assert learner["obs_stats"]["count"] == summary["env_steps"]
+    assert np.abs(learner["obs_stats"]["mean"]).max() < 5, learner["obs_stats"]["mean"]
 
 
 def test_resume_continues_at_the_same_step_and_statistics(local_ray, tmp_path):
@@ -185,31 +252,46 @@ def test_placement_group_and_per_role_resources(local_ray, tmp_path):
     assert summary["env_steps"] >= 2_000
 
 
-def test_interrupt_while_publishing_keeps_checkpoint_and_metrics_in_step(local_ray, tmp_path):
-    """Ctrl-C landing between an update and its weight broadcast: the checkpoint, the learner's version and
-    metrics.jsonl all agree on the iteration, so a resumed run neither skips nor repeats one."""
-    cfg = config_from_dict({"training": {"total_env_steps": 100_000, "checkpoint_every": 0}})
-    trainer = Trainer(cfg, tmp_path, quiet=True)
-    publish = trainer._publish
-    calls = []
+def test_ctrl_c_during_an_update_keeps_checkpoint_metrics_and_weights_in_step(local_ray, tmp_path):
+    """Ctrl-C (a real SIGINT) while the learner is busy with an update: the run finishes that update, then stops
+    with a checkpoint whose iteration, learner version and env steps agree with the last metrics row, so a resumed
+    run (see test_resume_continues_at_the_same_step_and_statistics) neither skips nor repeats an iteration."""
+    cfg = config_from_dict(
+        {
+            # Async sampling and slow updates (160 minibatch steps each): the next batch is sampled before an update
+            # ends, so the next update starts at once and is in flight whenever the stop request is honoured.
+            "ppo": {"num_epochs": 20, "minibatch_size": 32},
+            "training": {"max_policy_lag": 1, "total_env_steps": 100_000, "checkpoint_every": 0, "eval_episodes": 0},
+        }
+    )
+    run_dir, signal_at_rows = tmp_path / "run", 2
+    done = threading.Event()
 
-    def interrupted_publish() -> None:
-        calls.append(1)
-        if len(calls) == 5:  # one publish per iteration once training runs: this is right after update 5
-            raise KeyboardInterrupt
-        publish()
+    def press_ctrl_c() -> None:  # as soon as update 2's metrics row is written
+        while not done.is_set():
+            if len(_lines(run_dir / "metrics.jsonl")) >= signal_at_rows:
+                os.kill(os.getpid(), signal.SIGINT)
+                return
+            time.sleep(0.005)
 
+    trainer = Trainer(cfg, run_dir, quiet=True)
+    presser = threading.Thread(target=press_ctrl_c, daemon=True)
     try:
         trainer.setup()
-        trainer._publish = interrupted_publish
+        presser.start()
         with pytest.raises(KeyboardInterrupt):
             trainer.train()
     finally:
+        done.set()
+        presser.join()
         trainer.close()
-    ckpt = torch.load(latest_checkpoint(tmp_path), weights_only=False)
-    rows = _rows(tmp_path)
-    assert ckpt["progress"]["iteration"] == rows[-1]["iteration"] == ckpt["learner"]["version"] == 5
-    assert ckpt["progress"]["env_steps"] == rows[-1]["env_steps"] == 5 * 256
+    ckpt = torch.load(latest_checkpoint(run_dir), weights_only=False)
+    rows = _rows(run_dir)
+    stopped_at = rows[-1]["iteration"]
+    assert stopped_at > signal_at_rows  # the update in flight at the signal was finished and kept
+    assert ckpt["progress"]["iteration"] == stopped_at == ckpt["learner"]["version"]
+    assert ckpt["progress"]["env_steps"] == rows[-1]["env_steps"] == stopped_at * 256
+    assert [r["iteration"] for r in rows] == list(range(1, stopped_at + 1))
 
 
 def test_seeded_sync_runs_are_repeatable(local_ray, tmp_path, train):
