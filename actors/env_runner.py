@@ -1,7 +1,7 @@
 """EnvRunner: a vector of envs plus a local copy of the policy; produces trajectory fragments.
 
-A fragment is columnar numpy, time-major ([T, N, ...] for T steps of N envs), and carries the policy version
-that produced it. Observations are stored normalized exactly as the policy saw them, so the learner's ratio is
+A fragment is a trajectory record (rlfabric.trajectory) with one row per env of T steps, carrying the policy
+version that produced it. Observations are stored normalized exactly as the policy saw them, so the learner's ratio is
 1 before its first gradient step.
 """
 
@@ -18,6 +18,7 @@ from rlfabric import registry
 from rlfabric.models import ActionSpec, NumpyPolicy
 from rlfabric.models.mlp import obs_dim_of
 from rlfabric.normalization import Normalizer, RunningStats, discounted_returns
+from rlfabric.trajectory import Trajectories, from_time_major
 from rlfabric.vector import EnvVector
 
 
@@ -51,6 +52,7 @@ class EnvRunnerCore:
         self.policy: NumpyPolicy | None = None
         self.version = -1
         self.normalizer: Normalizer | None = None  # None: the policy sees raw observations
+        self.rows_made = 0  # rows (env fragments) produced so far: their episode_id counter
 
     def spaces(self) -> dict[str, Any]:
         return {"obs_dim": self.obs_dim, "action": self.action}
@@ -66,8 +68,9 @@ class EnvRunnerCore:
     def _policy_input(self, raw: np.ndarray) -> np.ndarray:
         return raw if self.normalizer is None else self.normalizer(raw)
 
-    def sample(self) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
-        """Step every env ``fragment_length`` times; return (small metadata, the fragment's arrays)."""
+    def sample(self) -> tuple[dict[str, Any], Trajectories]:
+        """Step every env ``fragment_length`` times; return (small metadata, the fragment as a trajectory record:
+        one row per env, see rlfabric.trajectory)."""
         if self.policy is None:
             raise RuntimeError("EnvRunner.sample called before set_weights")
         start = time.perf_counter()
@@ -102,20 +105,25 @@ class EnvRunnerCore:
         dones = np.logical_or(terminated, truncated)
         returns, self.return_carry = discounted_returns(rewards, dones, self.gamma, self.return_carry)
         trunc_raw = np.asarray(trunc_raw_obs, np.float32).reshape(-1, D)
-        fragment = {
-            "obs": obs,
-            "actions": actions,
-            "logp": logp,
-            "rewards": rewards,
-            "terminated": terminated,
-            "truncated": truncated,
-            "last_obs": self._policy_input(current),
-            "truncated_index": np.asarray(trunc_index, np.int64).reshape(-1, 2),
-            "truncated_obs": self._policy_input(trunc_raw),
+        fragment = from_time_major(
+            obs=obs,
+            actions=actions,
+            logprobs=logp,
+            rewards=rewards,
+            terminated=terminated,
+            truncated=truncated,
+            version=self.version,
+            bootstrap_obs=self._policy_input(current),
+            truncation_index=np.asarray(trunc_index, np.int64).reshape(-1, 2),
+            truncation_obs=self._policy_input(trunc_raw),
+            first_episode_id=self.rows_made,
             # What this fragment adds to the global statistics; the learner merges them.
-            "obs_stats": RunningStats.of(raw_obs.reshape(T * N, D)).to_dict(),
-            "return_stats": RunningStats.of(returns.reshape(-1, 1)).to_dict(),
-        }
+            extras={
+                "obs_stats": RunningStats.of(raw_obs.reshape(T * N, D)).to_dict(),
+                "return_stats": RunningStats.of(returns.reshape(-1, 1)).to_dict(),
+            },
+        )
+        self.rows_made += N
         meta = {
             "version": self.version,
             "env_steps": T * N,
@@ -156,5 +164,5 @@ class EnvRunner(EnvRunnerCore):
         return ray.get_runtime_context().get_node_id()
 
     @ray.method(num_returns=2)
-    def sample(self) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+    def sample(self) -> tuple[dict[str, Any], Trajectories]:
         return super().sample()

@@ -19,6 +19,7 @@ from rlfabric.algorithms import ppo
 from rlfabric.config import Config, config_from_dict
 from rlfabric.models import ActionSpec, ActorCritic
 from rlfabric.normalization import RunningStats, scale_rewards
+from rlfabric.trajectory import Trajectories, time_major
 
 
 class LearnerCore:
@@ -67,37 +68,42 @@ class LearnerCore:
             # Fragments arrive read-only (zero-copy from the object store); torch wants a writable array.
             return self.model.value(torch.as_tensor(np.array(obs), device=self.device)).cpu().numpy()
 
-    def _advantages(self, frag: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """Values, GAE advantages and returns for one fragment, flattened to [T * N]."""
-        T, N, D = frag["obs"].shape
+    def _advantages(self, frag: Trajectories) -> dict[str, np.ndarray]:
+        """Values, GAE advantages and returns for one fragment (a record of one row per env), flattened to
+        [T * N] in time-major order."""
+        assert frag.obs is not None and frag.actions is not None and frag.truncation_index is not None
+        obs = time_major(frag.obs)
+        T, N, D = obs.shape
         p = self.cfg.ppo
-        values = self._values(frag["obs"].reshape(T * N, D)).reshape(T, N)
+        values = self._values(obs.reshape(T * N, D)).reshape(T, N)
         next_values = ppo.next_state_values(
             values,
-            self._values(frag["last_obs"]),
-            frag["truncated_index"],
-            self._values(frag["truncated_obs"]),
+            self._values(frag.bootstrap_obs),
+            frag.truncation_index[:, ::-1],  # (row, position) -> (t, env)
+            self._values(frag.truncation_obs),
         )
-        rewards = frag["rewards"]
+        rewards = time_major(frag.rewards["env"])
         if p.normalize_reward:
             rewards = scale_rewards(rewards, self.return_stats, p.reward_clip)
-        adv, ret = ppo.gae(rewards, values, next_values, frag["terminated"], frag["truncated"], p.gamma, p.gae_lambda)
+        terminated, truncated = time_major(frag.terminated), time_major(frag.truncated)
+        adv, ret = ppo.gae(rewards, values, next_values, terminated, truncated, p.gamma, p.gae_lambda)
+        actions = time_major(frag.actions)
         flat = {
-            "obs": frag["obs"].reshape(T * N, D),
-            "actions": frag["actions"].reshape(T * N, *frag["actions"].shape[2:]),
-            "logp": frag["logp"].reshape(-1),
+            "obs": obs.reshape(T * N, D),
+            "actions": actions.reshape(T * N, *actions.shape[2:]),
+            "logp": time_major(frag.logprobs).reshape(-1),
             "values": values.reshape(-1),
             "advantages": adv.reshape(-1),
             "returns": ret.reshape(-1),
         }
         return flat
 
-    def _merge_stats(self, fragments: list[dict[str, Any]]) -> None:
+    def _merge_stats(self, fragments: list[Trajectories]) -> None:
         for frag in fragments:
-            self.obs_stats = self.obs_stats.merge(RunningStats.from_dict(frag["obs_stats"]))
-            self.return_stats = self.return_stats.merge(RunningStats.from_dict(frag["return_stats"]))
+            self.obs_stats = self.obs_stats.merge(RunningStats.from_dict(frag.extras["obs_stats"]))
+            self.return_stats = self.return_stats.merge(RunningStats.from_dict(frag.extras["return_stats"]))
 
-    def update(self, fragments: list[dict[str, Any]]) -> dict[str, float]:
+    def update(self, fragments: list[Trajectories]) -> dict[str, float]:
         """One PPO update on a train batch; returns loss statistics. Bumps the policy version."""
         start = time.perf_counter()
         p = self.cfg.ppo

@@ -280,6 +280,10 @@ class LLMLearnerCore:
                 metrics["logprob_gap"] = gap_sum / max(float(mask.sum()), 1.0)
                 metrics["trained_rows"] = float(len(mask))
                 metrics["skipped_rows"] = float(full_rows - len(mask))
+                # What the forward/backward ran over: real tokens, and positions including padding.
+                metrics["trained_tokens"] = float(b["attention_mask"].sum())
+                metrics["trained_positions"] = float(b["attention_mask"].numel())
+                metrics["trained_response_positions"] = float(mask.numel())
             else:
                 metrics.update({f"{k}_last_epoch": v for k, v in sums.items() if k == "clip_fraction"})
         self.version += 1  # one policy version per batch, however many epochs it took
@@ -380,6 +384,9 @@ class LLMLearner:
 
     def node_id(self) -> str:
         return ray.get_runtime_context().get_node_id()
+
+    def pid(self) -> int:
+        return os.getpid()
 
     @ray.method(num_returns=2)
     def publish(self, transport: str = "object_store") -> tuple[list[ray.ObjectRef] | SharedFlatWeights, int]:

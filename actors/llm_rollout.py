@@ -27,9 +27,9 @@ import numpy as np
 import ray
 
 from rlfabric import rewards
+from rlfabric.actor_slots import error_summary
 from rlfabric.reward_pool import RewardPool
 from rlfabric.rewards import RewardInput, RewardResult
-from rlfabric.runner_pool import error_summary
 from rlfabric.trajectory import Trajectories, from_token_sequences
 
 MAX_ERRORS_IN_META = 5
@@ -185,6 +185,7 @@ class LLMRolloutCore:
                 "component_means": {k: float(np.mean(v)) for k, v in final.items()} if len(kept) else {},
                 "response_length_mean": float(np.mean([len(c["token_ids"]) for c in completions])),
                 "reward_restarts": restarts,
+                "record_bytes": trajectories.nbytes(),
                 "generate_time_s": generated - started,
                 "reward_time_s": time.perf_counter() - generated,
             }

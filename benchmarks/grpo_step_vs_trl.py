@@ -93,9 +93,79 @@ def rlfabric_seconds_per_step(
         "parts_median": {part: statistics.median(r[part] for r in rows) for part in PARTS},
         "logprob_gap_median": statistics.median(r["logprob_gap"] for r in rows),
         "trained_rows_mean": statistics.fmean(r["trained_rows"] for r in rows),
+        "reward_mean": statistics.fmean(r["reward_mean"] for r in rows),
+        "driver_received_bytes_median": statistics.median(r["driver_received_bytes"] for r in rows),
+        "trajectory_bytes_median": statistics.median(r["trajectory_bytes"] for r in rows),
+        "update_flops_median": statistics.median(training_flops(model_dir, r) for r in rows),
+        "update_seconds_per_row_median": statistics.median(r["update_time_s"] / r["trained_rows"] for r in rows),
         "steps": len(times),
         "samples_per_step": 64,
     }
+
+
+def training_flops(model_dir: str, row: dict) -> float:
+    """FLOPs of one learner update as run (padding included): forward 2 x (body parameters) per position plus
+    2 x hidden x vocab per response position (the LM head sees only those) plus attention 4 x layers x hidden x
+    (positions per row) per position; backward twice the forward."""
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    h, layers, vocab = config["hidden_size"], config["num_hidden_layers"], config["vocab_size"]
+    heads, kv_heads = config["num_attention_heads"], config.get("num_key_value_heads", config["num_attention_heads"])
+    head_dim = h // heads
+    attn_params = h * h * 2 + 2 * h * kv_heads * head_dim  # q and o, k and v
+    mlp_params = 3 * h * config["intermediate_size"]
+    body = layers * (attn_params + mlp_params)
+    positions, responses, rows = row["trained_positions"], row["trained_response_positions"], row["trained_rows"]
+    width = positions / max(rows, 1)
+    forward = 2 * body * positions + 2 * h * vocab * responses + 4 * layers * h * width * positions
+    return 3.0 * forward
+
+
+def sgemm_peak_flops(threads: int, dtype: str = "float32") -> float:
+    """The machine's matmul peak as torch reaches it: best of 5 timed 1024 x 1024 x 1024 products."""
+    import torch
+
+    torch.set_num_threads(threads)
+    kind = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
+    a, b = torch.randn(1024, 1024, dtype=kind), torch.randn(1024, 1024, dtype=kind)
+    best = float("inf")
+    for _ in range(5):
+        started = time.perf_counter()
+        for _ in range(4):
+            torch.mm(a, b)
+        best = min(best, (time.perf_counter() - started) / 4)
+    return 2 * 1024**3 / best
+
+
+def warm_start_model(model_dir: str, out_dir: Path, steps: int, seed: int = 0) -> str:
+    """The benchmark model after ``steps`` supervised steps on the unreliable arithmetic teacher (the quickstart's
+    warm-up): it now answers some prompts right and some wrong, so GRPO groups have reward spread and the learner
+    trains on most rows."""
+    import dataclasses
+    import random
+
+    from rlfabric.actors.llm_learner import LLMLearnerCore
+    from rlfabric.envs.text_tasks import arithmetic_rows
+    from rlfabric.grpo_config import GRPOConfig
+    from rlfabric.models.sequences import pack_sequences
+
+    learner = LLMLearnerCore(
+        model_dir,
+        {**dataclasses.asdict(GRPOConfig()), "norm_length": 32},
+        {"lr": 1e-3},
+        temperature=1.0,
+        seed=seed,
+    )
+    tok = learner.tokenizer
+    rows = arithmetic_rows(2000, seed=seed, teacher_error=0.6)
+    rng = random.Random(seed)
+    for _ in range(steps):
+        batch = rng.sample(rows, 64)
+        prompts = [tok(r["prompt"], add_special_tokens=False).input_ids for r in batch]
+        answers = [
+            tok(rng.choice(r["teacher"]), add_special_tokens=False).input_ids + [tok.eos_token_id] for r in batch
+        ]
+        learner.sft_step(pack_sequences(prompts, answers, tok.pad_token_id))
+    return learner.save(str(out_dir), with_optimizer=False)
 
 
 def per_round_ratio(anchor_runs: list[dict], runs: list[dict]) -> list[float]:
@@ -116,6 +186,14 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--lr", type=float, default=1e-5)
     parser.add_argument("--precisions", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"])
+    parser.add_argument(
+        "--starts",
+        nargs="+",
+        default=["random", "sft"],
+        choices=["random", "sft"],
+        help="random: the untrained model (most groups without signal); sft: after a supervised warm-up",
+    )
+    parser.add_argument("--sft-steps", type=int, default=300, help="supervised steps of the 'sft' start")
     parser.add_argument("--rounds", type=int, default=1, help="repeat every contender, in turn (medians reported)")
     args = parser.parse_args()
     if args.rounds < 1:
@@ -129,71 +207,106 @@ def main() -> None:
     from rlfabric.rewards import resolve_reward
 
     torch.set_num_threads(args.threads)
+    peaks = {precision: sgemm_peak_flops(args.threads, precision) for precision in args.precisions}
+    print("matmul peak: " + ", ".join(f"{p} {f / 1e9:.0f} GFLOP/s" for p, f in peaks.items()))
     ours: dict[str, list[dict]] = {}
     trl: dict[str, list[dict]] = {}
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = str(build_small_model_dir(Path(tmp) / "model", num_layers=4, hidden_size=256, num_heads=4))
+        random_dir = str(build_small_model_dir(Path(tmp) / "model", num_layers=4, hidden_size=256, num_heads=4))
+        models = {"random": random_dir}
+        if "sft" in args.starts:
+            started = time.perf_counter()
+            models["sft"] = warm_start_model(random_dir, Path(tmp) / "sft_model", args.sft_steps)
+            print(f"sft start: {args.sft_steps} supervised steps ({time.perf_counter() - started:.0f}s)")
         for round_index in range(1, args.rounds + 1):
-            for precision in args.precisions:
-                for label, skip in (("", True), (EVERY_ROW, False)):
-                    started = time.perf_counter()
-                    run = rlfabric_seconds_per_step(
-                        model_dir, args.steps, args.warmup, args.threads, args.lr, precision, skip
+            for start in args.starts:
+                for precision in args.precisions:
+                    key = f"{start} {precision}"
+                    for label, skip in (("", True), (EVERY_ROW, False)):
+                        started = time.perf_counter()
+                        run = rlfabric_seconds_per_step(
+                            models[start], args.steps, args.warmup, args.threads, args.lr, precision, skip
+                        )
+                        ours.setdefault(key + label, []).append(run)
+                        median, took = run["seconds_per_step_median"], time.perf_counter() - started
+                        print(f"[round {round_index}] rlfabric {key}{label}: {median:.3f} s/step ({took:.0f}s)")
+                    run = run_trl_grpo(
+                        models[start],
+                        arithmetic_rows(2000, seed=0),
+                        resolve_reward("arithmetic"),
+                        steps=args.steps,
+                        warmup_steps=args.warmup,
+                        threads=args.threads,
+                        lr=args.lr,
+                        reward_weights=WEIGHTS,
+                        bf16=precision == "bfloat16",
+                        output_dir=str(Path(tmp) / f"trl-{start}-{precision}-{round_index}"),
                     )
-                    ours.setdefault(precision + label, []).append(run)
-                    median, took = run["seconds_per_step_median"], time.perf_counter() - started
-                    print(f"[round {round_index}] rlfabric {precision}{label}: {median:.3f} s/step ({took:.0f}s)")
-                run = run_trl_grpo(
-                    model_dir,
-                    arithmetic_rows(2000, seed=0),
-                    resolve_reward("arithmetic"),
-                    steps=args.steps,
-                    warmup_steps=args.warmup,
-                    threads=args.threads,
-                    lr=args.lr,
-                    reward_weights=WEIGHTS,
-                    bf16=precision == "bfloat16",
-                    output_dir=str(Path(tmp) / f"trl-{precision}-{round_index}"),
-                )
-                trl.setdefault(precision, []).append(run)
-                print(f"[round {round_index}] TRL      {precision}: {run['seconds_per_step_median']:.3f} s/step")
+                    trl.setdefault(key, []).append(run)
+                    print(f"[round {round_index}] TRL      {key}: {run['seconds_per_step_median']:.3f} s/step")
 
-    anchor_precision = "float32" if "float32" in trl else args.precisions[0]
-    anchor_runs = trl[anchor_precision]
     speedups = {}
     rounds = f" (median of {args.rounds} rounds)" if args.rounds > 1 else ""
-    print(f"\n{'contender' + rounds:<40}{'s/step':>8}{'vs TRL ' + anchor_precision:>18}{'vs TRL same precision':>24}")
-    for name, runs in ours.items():
-        precision = name.removesuffix(EVERY_ROW)
-        vs_anchor = per_round_ratio(anchor_runs, runs)
-        vs_same = per_round_ratio(trl[precision], runs)
-        speedups[name] = {
-            "vs_trl_anchor": statistics.median(vs_anchor),
-            "vs_trl_same_precision": statistics.median(vs_same),
-            "vs_trl_anchor_per_round": vs_anchor,
-            "vs_trl_same_precision_per_round": vs_same,
-        }
-        mine = statistics.median(r["seconds_per_step_median"] for r in runs)
-        s = speedups[name]
-        print(f"{'rlfabric ' + name:<40}{mine:>8.3f}{s['vs_trl_anchor']:>17.2f}x{s['vs_trl_same_precision']:>23.2f}x")
-        parts = ", ".join(
-            f"{k.removesuffix('_time_s')} {statistics.median(r['parts_median'][k] for r in runs):.3f}" for k in PARTS
-        )
-        rows = statistics.fmean(r["trained_rows_mean"] for r in runs)
-        print(f"    parts (s): {parts}; rows trained per step {rows:.1f} of 64")
-        if args.rounds > 1:
-            print(f"    vs TRL {anchor_precision} by round: " + ", ".join(f"{x:.2f}x" for x in vs_anchor))
-    for precision, runs in trl.items():
-        theirs = statistics.median(r["seconds_per_step_median"] for r in runs)
-        ratio = statistics.median(per_round_ratio(anchor_runs, runs))
-        print(f"{'TRL ' + precision:<40}{theirs:>8.3f}{ratio:>17.2f}x{1.0:>23.2f}x")
-    best = max(s["vs_trl_anchor"] for s in speedups.values())
-    print(f"rlfabric's best is {best:.2f}x faster per GRPO step than the TRL {anchor_precision} anchor (target 3x)")
+    for start in args.starts:
+        anchor_key = f"{start} float32" if "float32" in args.precisions else f"{start} {args.precisions[0]}"
+        anchor_runs = trl[anchor_key]
+        print(f"\n== start: {start} ==")
+        print(f"{'contender' + rounds:<44}{'s/step':>8}{'vs TRL ' + anchor_key:>22}{'vs TRL same precision':>24}")
+        for name, runs in ours.items():
+            if not name.startswith(start + " "):
+                continue
+            same = name.removesuffix(EVERY_ROW)
+            vs_anchor, vs_same = per_round_ratio(anchor_runs, runs), per_round_ratio(trl[same], runs)
+            mine = statistics.median(r["seconds_per_step_median"] for r in runs)
+            trl_update_per_row = statistics.median(r["update_seconds_median"] / 64 for r in trl[same])
+            update_per_row = statistics.median(r["update_seconds_per_row_median"] for r in runs)
+            update_s = statistics.median(r["parts_median"]["update_time_s"] for r in runs)
+            flops = statistics.median(r["update_flops_median"] for r in runs)
+            precision = same.split(" ")[1]
+            speedups[name] = {
+                "vs_trl_anchor": statistics.median(vs_anchor),
+                "vs_trl_same_precision": statistics.median(vs_same),
+                "vs_trl_anchor_per_round": vs_anchor,
+                "vs_trl_same_precision_per_round": vs_same,
+                "update_per_row_vs_trl_training_per_row": trl_update_per_row / update_per_row,
+                "learner_gflops_per_s": flops / update_s / 1e9,
+                "learner_fraction_of_matmul_peak": flops / update_s / peaks[precision],
+                "driver_bytes_fraction": statistics.median(
+                    r["driver_received_bytes_median"] / r["trajectory_bytes_median"] for r in runs
+                ),
+            }
+            sp = speedups[name]
+            ratios = f"{sp['vs_trl_anchor']:>21.2f}x{sp['vs_trl_same_precision']:>23.2f}x"
+            print(f"{'rlfabric ' + name:<44}{mine:>8.3f}{ratios}")
+            parts = ", ".join(
+                f"{k.removesuffix('_time_s')} {statistics.median(r['parts_median'][k] for r in runs):.3f}"
+                for k in PARTS
+            )
+            rows = statistics.fmean(r["trained_rows_mean"] for r in runs)
+            print(f"    parts (s): {parts}; rows trained per step {rows:.1f} of 64")
+            print(
+                f"    update per row {update_per_row * 1e3:.2f} ms vs TRL's training part per row "
+                f"{trl_update_per_row * 1e3:.2f} ms: {sp['update_per_row_vs_trl_training_per_row']:.2f}x; learner "
+                f"{sp['learner_gflops_per_s']:.0f} GFLOP/s = {100 * sp['learner_fraction_of_matmul_peak']:.0f}% of "
+                f"the {precision} matmul peak"
+            )
+            print(
+                f"    driver received {statistics.median(r['driver_received_bytes_median'] for r in runs):.0f} B/step "
+                f"for {statistics.median(r['trajectory_bytes_median'] for r in runs):.0f} B of trajectories: "
+                f"{100 * sp['driver_bytes_fraction']:.2f}%"
+            )
+            if args.rounds > 1:
+                print(f"    vs TRL {anchor_key} by round: " + ", ".join(f"{x:.2f}x" for x in vs_anchor))
+        for key, runs in trl.items():
+            if key.startswith(start + " "):
+                theirs = statistics.median(r["seconds_per_step_median"] for r in runs)
+                ratio = statistics.median(per_round_ratio(anchor_runs, runs))
+                print(f"{'TRL ' + key:<44}{theirs:>8.3f}{ratio:>21.2f}x{1.0:>23.2f}x")
     out = {
         "rlfabric": {name: summary(runs) for name, runs in ours.items()},
-        "trl": {precision: summary(runs) for precision, runs in trl.items()},
+        "trl": {key: summary(runs) for key, runs in trl.items()},
         "speedups": speedups,
-        "anchor": f"TRL {anchor_precision}",
+        "matmul_peak_flops": peaks,
         "rounds": args.rounds,
         "threads": args.threads,
         "command": " ".join(["python", "benchmarks/grpo_step_vs_trl.py", *sys.argv[1:]]),

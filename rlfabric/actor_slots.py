@@ -1,7 +1,8 @@
 """Slots of interchangeable actors of one role, replaced by generation when they fail.
 
-The one fault mechanism of the LLM pipeline's actors (generators, rollout workers): every piece of work is handed
-out with the (slot, generation) of the actor doing it; a failure report names both. ``replace`` starts a fresh
+The one fault mechanism for every role: env runners (``RunnerPool``), reward services (``RewardPool``),
+generators and rollout workers (the LLM driver). Every piece of work is handed out with the (slot, generation) of
+the actor doing it; a failure report names both. ``replace`` starts a fresh
 actor in the slot only when the report is about the slot's current generation, so several reports about one dead
 actor (a late reply, or two requests in flight on it) replace it once. A slot that fails too often in a row with
 no success in between is a bug, not bad luck: the run stops with its last error.
@@ -14,9 +15,17 @@ from typing import Any
 
 import ray
 
-from rlfabric.runner_pool import RunAbortedError
-
 MAX_CONSECUTIVE_FAILURES = 5
+
+
+def error_summary(exc: BaseException) -> str:
+    """The last line of an exception's text (for a remote error: the original exception), at most 300 chars."""
+    text = str(exc).strip()
+    return text.splitlines()[-1][:300] if text else exc.__class__.__name__
+
+
+class RunAbortedError(RuntimeError):
+    """The run cannot go on: an actor slot keeps failing with the same bug, or nothing can be trained."""
 
 
 class ActorSlots:
@@ -47,12 +56,13 @@ class ActorSlots:
         if generation == self.generations[slot]:
             self.consecutive_failures[slot] = 0
 
-    def replace(self, slot: int, generation: int, reason: str) -> bool:
+    def replace(self, slot: int, generation: int, reason: str, failure: bool = True) -> bool:
         """Kill and restart ``slot`` if ``generation`` is still its current one; False when it already was
-        replaced (the report is about an actor that is gone). Raises RunAbortedError past the failure limit."""
+        replaced (the report is about an actor that is gone). Raises RunAbortedError past the failure limit;
+        ``failure=False`` replaces an actor that did its work but cannot be reused, which does not count."""
         if generation != self.generations[slot]:
             return False
-        self.consecutive_failures[slot] += 1
+        self.consecutive_failures[slot] += int(failure)
         if self.consecutive_failures[slot] > self.max_consecutive_failures:
             raise RunAbortedError(
                 f"{self.role} {slot} failed {self.consecutive_failures[slot]} times in a row; last: {reason}"

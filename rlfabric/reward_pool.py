@@ -24,11 +24,9 @@ import ray
 from ray.exceptions import RayError, RayTaskError
 
 from rlfabric import rewards
+from rlfabric.actor_slots import ActorSlots, error_summary
 from rlfabric.rewards import RewardInput, RewardResult, RewardSpec
-from rlfabric.runner_pool import RunAbortedError, error_summary
 
-# A worker slot replaced this many times in a row, with no clean call in between, is a bug, not bad luck.
-MAX_CONSECUTIVE_RESTARTS = 5
 KEEP_ERRORS = 5
 
 
@@ -81,13 +79,19 @@ class RewardPool:
         self.timeout_s, self.grace_s = timeout_s, grace_s
         self.num_cpus_per_worker = num_cpus_per_worker
         self.snapshot = rewards.snapshot() if snapshot is None else snapshot
-        self.generations = [0] * num_workers
-        self.workers = [self._start_worker() for _ in range(num_workers)]
+        # A slot replaced more than 5 times in a row, with no clean call in between, is a bug, not bad luck.
+        self.slots = ActorSlots("reward worker", lambda slot, generation: self._start_worker(), num_workers)
         self.busy_until = [0.0] * num_workers  # when each worker's queued calls must be done, at the latest
-        self.consecutive_restarts = [0] * num_workers
         self.failed_samples = 0
-        self.worker_restarts = 0
         self.last_errors: list[str] = []  # the most recent distinct errors, newest last
+
+    @property
+    def workers(self) -> list[Any]:
+        return self.slots.handles
+
+    @property
+    def worker_restarts(self) -> int:
+        return self.slots.restarts
 
     def __len__(self) -> int:
         return len(self.workers)
@@ -123,7 +127,8 @@ class RewardPool:
         deadline = max(time.monotonic(), self.busy_until[worker]) + budget
         self.busy_until[worker] = deadline
         sizes = [len(g) for g in groups]
-        return _Call(worker, self.generations[worker], indices, sizes, results_ref, poisoned_ref, deadline, budget)
+        generation = self.slots.generations[worker]
+        return _Call(worker, generation, indices, sizes, results_ref, poisoned_ref, deadline, budget)
 
     def collect(self, ticket: RewardTicket) -> list[list[RewardResult]]:
         """Results for every group of the ticket, in submission order; waits until the calls' deadlines at most."""
@@ -156,30 +161,20 @@ class RewardPool:
             error = f"reward worker {call.worker} died: {exc.__class__.__name__}: {error_summary(exc)}"
             self._replace(call, error)
             return _failed(call, error)
-        if poisoned:  # its results are complete; only the process is unusable
-            self._replace(call, f"reward worker {call.worker} was poisoned by a timed-out group")
-        elif call.generation == self.generations[call.worker]:
-            self.consecutive_restarts[call.worker] = 0
+        self.slots.succeeded(call.worker, call.generation)  # it answered: whatever it scored is kept
+        if poisoned:  # its results are complete; only the process is unusable (a stuck thread cannot be killed)
+            self._replace(call, f"reward worker {call.worker} was poisoned by a timed-out group", failure=False)
         return results
 
-    def _replace(self, call: _Call, reason: str) -> None:
+    def _replace(self, call: _Call, reason: str, failure: bool = True) -> None:
         """Kill the worker that made ``call`` and start a fresh one in its slot (unless that already happened).
 
-        Calls of other tickets still queued on the killed worker fail when they are collected.
+        Calls of other tickets still queued on the killed worker fail when they are collected. ``failure``: the
+        worker itself failed (it died or missed the backstop), which counts toward the limit of replacements in
+        a row; a worker poisoned by one hung group returned the rest and does not.
         """
-        w = call.worker
-        if call.generation != self.generations[w]:
-            return
-        self.consecutive_restarts[w] += 1
-        if self.consecutive_restarts[w] > MAX_CONSECUTIVE_RESTARTS:
-            raise RunAbortedError(
-                f"reward worker {w} was replaced {self.consecutive_restarts[w]} times in a row; last: {reason}"
-            )
-        ray.kill(self.workers[w], no_restart=True)
-        self.generations[w] += 1
-        self.workers[w] = self._start_worker()
-        self.busy_until[w] = time.monotonic()
-        self.worker_restarts += 1
+        if self.slots.replace(call.worker, call.generation, reason, failure=failure):
+            self.busy_until[call.worker] = time.monotonic()
 
     def _note_error(self, error: str) -> None:
         if error in self.last_errors:
@@ -188,9 +183,7 @@ class RewardPool:
         del self.last_errors[:-KEEP_ERRORS]
 
     def shutdown(self) -> None:
-        for worker in self.workers:
-            ray.kill(worker, no_restart=True)
-        self.workers = []
+        self.slots.shutdown()
 
 
 def _failed(call: _Call, error: str) -> list[list[RewardResult]]:

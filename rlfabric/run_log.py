@@ -34,11 +34,13 @@ class RunLog:
         step_key: str = "env_steps",
         progress_line: Callable[[dict[str, Any]], str] | None = None,
         relabel: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
+        tensorboard_view: Callable[[dict[str, Any]], tuple[int, dict[str, float]]] | None = None,
     ) -> None:
         """Start a run's outputs; ``resume_at`` (a checkpoint's iteration) keeps the metrics up to it, each
         kept row passed through ``relabel`` when given.
 
-        ``step_key`` is the row field TensorBoard uses as its x axis; ``progress_line`` formats a row for the
+        ``step_key`` is the row field TensorBoard uses as its x axis; ``tensorboard_view`` may instead map a row to
+        (x, {tag: value}) (default: ``step_key`` and every number); ``progress_line`` formats a row for the
         terminal (default: the PPO line).
         """
         self.run_dir = run_dir
@@ -60,17 +62,21 @@ class RunLog:
         self.last_print = 0.0
         self.total_env_steps = getattr(cfg.training, "total_env_steps", 0)
         self.progress_line = progress_line or self._ppo_line
+        self.tensorboard_view = tensorboard_view or self._scalars
 
     def log(self, row: dict[str, Any], show: bool = True) -> None:
         clean = {k: _jsonable(v) for k, v in row.items()}
         self.metrics_file.write(json.dumps(clean) + "\n")
         self.metrics_file.flush()
-        step = int(row[self.step_key])
-        for key, value in row.items():
-            if isinstance(value, (int, float)) and not isinstance(value, bool) and key != self.step_key:
-                self.tb.add_scalar(key, value, step)
+        step, scalars = self.tensorboard_view(row)
+        for key, value in scalars.items():
+            self.tb.add_scalar(key, value, step)
         if show:
             self.progress(row)
+
+    def _scalars(self, row: dict[str, Any]) -> tuple[int, dict[str, float]]:
+        numbers = {k: v for k, v in row.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+        return int(row[self.step_key]), {k: v for k, v in numbers.items() if k != self.step_key}
 
     def _ppo_line(self, row: dict[str, Any]) -> str:
         ret = row.get("episode_return_mean")

@@ -15,24 +15,15 @@ from typing import Any
 import ray
 from ray.exceptions import RayError
 
+from rlfabric.actor_slots import MAX_CONSECUTIVE_FAILURES, ActorSlots, RunAbortedError, error_summary
 
-def error_summary(exc: BaseException) -> str:
-    """The last line of an exception's text (for a remote error: the original exception), at most 300 chars."""
-    text = str(exc).strip()
-    return text.splitlines()[-1][:300] if text else exc.__class__.__name__
-
-
-class RunAbortedError(RuntimeError):
-    """Sampling cannot go on: a runner slot keeps failing with the same bug."""
-
-
-# A slot that keeps failing with nothing in between is a bug in the env, not bad luck: stop with its error.
-MAX_CONSECUTIVE_FAILURES = 5
+__all__ = ["MAX_CONSECUTIVE_FAILURES", "Completed", "RunAbortedError", "RunnerPool", "error_summary"]
 
 
 @dataclass
 class InFlight:
     runner: int
+    generation: int  # the runner slot's generation when the sample was asked for
     meta_ref: ray.ObjectRef
     data_ref: ray.ObjectRef
     deadline: float
@@ -48,16 +39,20 @@ class Completed:
 class RunnerPool:
     def __init__(self, make_runner: Callable[[int, int], Any], num_runners: int, sample_timeout_s: float) -> None:
         """``make_runner(index, generation)`` creates the actor; generation counts replacements of that slot."""
-        self.make_runner = make_runner
         self.sample_timeout_s = sample_timeout_s
-        self.generations = [0] * num_runners
-        self.runners = [make_runner(i, 0) for i in range(num_runners)]
+        self.slots = ActorSlots("runner", make_runner, num_runners)
         self.in_flight: dict[ray.ObjectRef, InFlight] = {}
         self.weights_ref: ray.ObjectRef | None = None
-        self.restarts = 0
         self.lost_fragments = 0
         self.failures: list[str] = []
-        self.consecutive_failures = [0] * num_runners
+
+    @property
+    def runners(self) -> list[Any]:
+        return self.slots.handles
+
+    @property
+    def restarts(self) -> int:
+        return self.slots.restarts
 
     def __len__(self) -> int:
         return len(self.runners)
@@ -77,7 +72,8 @@ class RunnerPool:
 
     def submit(self, index: int) -> None:
         meta_ref, data_ref = self.runners[index].sample.remote()
-        self.in_flight[meta_ref] = InFlight(index, meta_ref, data_ref, time.monotonic() + self.sample_timeout_s)
+        deadline = time.monotonic() + self.sample_timeout_s
+        self.in_flight[meta_ref] = InFlight(index, self.slots.generations[index], meta_ref, data_ref, deadline)
 
     def pending_refs(self) -> list[ray.ObjectRef]:
         return list(self.in_flight)
@@ -97,19 +93,17 @@ class RunnerPool:
                 meta = ray.get(flight.meta_ref, timeout=0)
             except RayError as exc:  # the process died, or the env raised inside sample()
                 self._discard(flight.data_ref)
-                self._replace(
-                    flight.runner, f"runner {flight.runner} failed: {exc.__class__.__name__}: {error_summary(exc)}"
-                )
+                self._replace(flight, f"runner {flight.runner} failed: {exc.__class__.__name__}: {error_summary(exc)}")
                 failed.append(flight.runner)
                 continue
-            self.consecutive_failures[flight.runner] = 0
+            self.slots.succeeded(flight.runner, flight.generation)
             done.append(Completed(flight.runner, meta, flight.data_ref))
         now = time.monotonic()
         for ref, flight in list(self.in_flight.items()):
             if now > flight.deadline and not ray.wait([ref], timeout=0)[0]:  # finished in time but not yet read
                 del self.in_flight[ref]
                 self._discard(flight.data_ref)
-                self._replace(flight.runner, f"runner {flight.runner} missed its {self.sample_timeout_s:g}s deadline")
+                self._replace(flight, f"runner {flight.runner} missed its {self.sample_timeout_s:g}s deadline")
                 failed.append(flight.runner)
         return done, failed
 
@@ -122,24 +116,15 @@ class RunnerPool:
             except RayError:
                 pass
 
-    def _replace(self, index: int, reason: str) -> None:
+    def _replace(self, flight: InFlight, reason: str) -> None:
+        """Replace the runner a failed sample ran on (once per runner) and count its fragment as lost."""
         self.failures.append(reason)
-        self.consecutive_failures[index] += 1
-        if self.consecutive_failures[index] > MAX_CONSECUTIVE_FAILURES:
-            raise RunAbortedError(
-                f"runner {index} failed {self.consecutive_failures[index]} times in a row; last: {reason}"
-            )
-        ray.kill(self.runners[index], no_restart=True)
-        self.generations[index] += 1
-        self.runners[index] = self.make_runner(index, self.generations[index])
-        if self.weights_ref is not None:
-            self.runners[index].set_weights.remote(self.weights_ref)
-        self.restarts += 1
+        if self.slots.replace(flight.runner, flight.generation, reason) and self.weights_ref is not None:
+            self.runners[flight.runner].set_weights.remote(self.weights_ref)
         self.lost_fragments += 1
 
     def shutdown(self) -> None:
-        for runner in self.runners:
-            ray.kill(runner, no_restart=True)
+        self.slots.shutdown()
         # Samples still running when the run ended now fail; read them so Ray does not report them as unhandled.
         refs = [r for f in self.in_flight.values() for r in (f.meta_ref, f.data_ref)]
         if refs:

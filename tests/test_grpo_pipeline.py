@@ -31,20 +31,19 @@ import numpy as np
 import pytest
 import ray
 import torch
+from grpo_runs import BASE, TINY, Run, merged, run_grpo, write_prompts
 
 from rlfabric.actors.generator import Generator
 from rlfabric.actors.llm_learner import LLMLearner, LLMLearnerCore
 from rlfabric.config import ConfigError, config_from_dict, dump_config
 from rlfabric.grpo_config import GRPOConfig, SFTConfig
-from rlfabric.llm_driver import GRPOTrainer, concurrent_actors, latest_checkpoint, train_llm
+from rlfabric.llm_driver import GRPOTrainer, concurrent_actors, latest_checkpoint, progress_line
 from rlfabric.models.hf import build_small_model_dir, load_causal_lm, load_tokenizer
 from rlfabric.models.sequences import pack_sequences
 from rlfabric.models.shared_weights import SHM_DIR
 from rlfabric.models.weights import as_state_dict
 from rlfabric.rewards import RewardInput, register_reward
 from rlfabric.run_log import read_metrics
-
-TINY = {"num_layers": 1, "hidden_size": 32, "num_heads": 2, "max_positions": 64}
 
 # -- reward functions shipped to the reward actors by value -----------------------------------------------------
 
@@ -81,65 +80,6 @@ register_reward("test_hangs_on_one_prompt", hangs_on_one_prompt)
 register_reward("test_spread", spread)
 
 # -- runs -------------------------------------------------------------------------------------------------------
-
-# Everything the checks rely on is set here, not left to defaults that may change.
-BASE: dict = {
-    "model": {"path": "builtin", "builtin": TINY},
-    "data": {"train": "task:arithmetic?max_operand=9&ops=+", "eval": "", "num_train": 64, "num_eval": 8},
-    "sampling": {"max_new_tokens": 4, "temperature": 1.0, "top_p": 1.0, "top_k": 0},
-    "generator": {"backend": "torch", "num_generators": 1, "num_cpus": 0.5, "timeout_s": 120},
-    "learner": {"num_learners": 1, "num_cpus": 0.5},
-    "rewards": {"functions": [{"name": "arithmetic"}], "weights": {"format": 0.0}, "num_cpus": 0.25},
-    "grpo": {
-        "prompts_per_step": 2,
-        "group_size": 4,
-        "advantage": "grpo",
-        "loss_aggregation": "token_mean",
-        "epochs": 1,
-        "micro_batch_size": 8,
-        "lr": 5e-4,
-        "kl_coef": 0.0,
-        "dynamic_sampling": False,
-        "overlong_filter": False,
-    },
-    "sft": {"steps": 0, "batch_size": 16, "answer_key": "answer"},
-    "training": {
-        "total_steps": 3,
-        "max_policy_lag": 0,
-        "seed": 0,
-        "eval_every": 0,
-        "checkpoint_every": 0,
-        "keep_checkpoints": 2,
-        "show_samples": 8,
-    },
-}
-
-
-def merged(base: dict, extra: dict) -> dict:
-    out = copy.deepcopy(base)
-    for key, value in extra.items():
-        if isinstance(value, dict) and isinstance(out.get(key), dict):
-            out[key] = merged(out[key], value)
-        else:
-            out[key] = value
-    return out
-
-
-@dataclasses.dataclass
-class Run:
-    run_dir: Path
-    summary: dict
-    rows: list[dict]
-
-    def phase(self, name: str) -> list[dict]:
-        return [r for r in self.rows if r.get("phase") == name]
-
-
-def run_grpo(run_dir: Path, **sections: dict) -> Run:
-    cfg = config_from_dict(merged(BASE, sections))
-    summary = train_llm(cfg, run_dir, quiet=True)
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return Run(run_dir, summary, rows)
 
 
 @pytest.mark.parametrize(
@@ -194,13 +134,6 @@ def sync_run(local_ray, tmp_path_factory) -> Run:
 
 TRAIN_PROMPTS = ["1+1=", "2+5=", "3+3=", "4+1=", "2+2=", "6+3=", "5+3=", HANG_PROMPT]  # "2+5=" raises
 EVAL_PROMPTS = ["1+2=", "5+1=", "2+6=", "4+5="]
-
-
-def write_prompts(path: Path, prompts: list[str]) -> str:
-    """A .jsonl prompt file of "a+b=" rows with their answers."""
-    rows = [{"prompt": p, "answer": str(sum(int(x) for x in p[:-1].split("+")))} for p in prompts]
-    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
-    return str(path)
 
 
 REWARD_TIMEOUT_S = 2.0
@@ -457,7 +390,7 @@ def test_final_model_reloads_in_transformers_and_reproduces_the_eval_samples(lag
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     final_dir = lagged_run.run_dir / "final_model"
-    saved_version = torch.load(final_dir / "optimizer.pt", weights_only=False)["version"]
+    saved_version = lagged_run.summary["policy_version"]  # of the weights saved as the final model
     final_eval = lagged_run.phase("eval")[-1]
     assert final_eval["label"] == "final"
     # The final eval ran after the last update, on the weights that were saved.
@@ -541,6 +474,39 @@ def test_metrics_plot_and_samples(lagged_run):
     assert (lagged_run.run_dir / "samples.jsonl").is_file()
     assert json.loads((lagged_run.run_dir / "summary.json").read_text())["steps"] == 3
     assert [p.name for p in sorted((lagged_run.run_dir / "checkpoints").iterdir())] == ["step_000002"]
+    assert (lagged_run.run_dir / "checkpoints" / "step_000002" / "optimizer.pt").is_file()
+    assert not (lagged_run.run_dir / "final_model" / "optimizer.pt").exists()  # the model alone
+    shown = [json.loads(line) for line in (lagged_run.run_dir / "samples.jsonl").read_text().splitlines()]
+    assert len(shown) == 8 and {"prompt", "completion", "metadata", "components", "error"} <= set(shown[0])
+    assert [s["prompt"] for s in shown] == [s["prompt"] for s in lagged_run.summary["sample_completions"]]
+
+
+def test_tensorboard_has_sft_at_its_own_steps_and_grpo_at_its_steps(lagged_run):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(lagged_run.run_dir / "tensorboard"))
+    events.Reload()
+    assert [e.step for e in events.Scalars("sft/loss")] == list(range(1, LAGGED_SFT_STEPS + 1))
+    assert [e.step for e in events.Scalars("reward_mean")] == [1, 2, 3]
+    assert [e.step for e in events.Scalars("eval/accuracy")] == [0, 0, 3]  # initial, after SFT, final
+
+
+def test_progress_line_shows_the_step_total_and_the_time_left():
+    row = {
+        "phase": "grpo",
+        "step": 12,
+        "reward_mean": 0.5,
+        "accuracy": 0.25,
+        "policy_version": 40,
+        "samples_per_s": 100.0,
+        "failed_samples": 0,
+        "time_s": 30.0,
+    }
+    assert progress_line(row, 100, 65.4) == (
+        "step    12/100 | reward  0.500 | acc 0.250 | v40 |  100.0 samples/s | failed 0 |     30s | ETA 1m05s"
+    )
+    sft = {"phase": "sft", "sft_step": 20, "sft_loss": 1.5, "time_s": 7.0}
+    assert progress_line(sft, 1000, None) == "sft     20/1000 | loss 1.500 |      7s | ETA ?"
 
 
 # -- 9. CLI config errors ----------------------------------------------------------------------------------------

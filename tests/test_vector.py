@@ -10,6 +10,7 @@ import rlfabric
 from rlfabric.actors.env_runner import EnvRunnerCore
 from rlfabric.actors.learner import LearnerCore
 from rlfabric.config import ppo_config_from_dict as config_from_dict
+from rlfabric.trajectory import time_major
 from rlfabric.vector import EnvVector
 
 
@@ -242,6 +243,21 @@ def _runner_and_learner(env_kwargs, normalize_obs=False, seed=5):
     return runner, learner
 
 
+def time_major_view(traj) -> dict:
+    """A runner's record (one row per env) as the [T, N, ...] arrays a vector env steps through."""
+    return {
+        "obs": time_major(traj.obs),
+        "actions": time_major(traj.actions),
+        "terminated": time_major(traj.terminated),
+        "truncated": time_major(traj.truncated),
+        "rewards": time_major(traj.rewards["env"]),
+        "last_obs": traj.bootstrap_obs,
+        "truncated_index": traj.truncation_index[:, ::-1],
+        "truncated_obs": traj.truncation_obs,
+        **traj.extras,
+    }
+
+
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 def test_runner_fragment_truncation_bookkeeping(variant):
     env_kwargs, expected_flags = VARIANTS[variant]
@@ -252,7 +268,8 @@ def test_runner_fragment_truncation_bookkeeping(variant):
 
     for _ in range(2):  # the second fragment continues where the first stopped
         start_obs = runner.raw_obs.copy()
-        meta, frag = runner.sample()
+        meta, traj = runner.sample()
+        frag = time_major_view(traj)
         obs, act = frag["obs"], frag["actions"]
         term, trunc = frag["terminated"], frag["truncated"]
         assert obs.shape == (T, N, 2) and act.shape == (T, N)
@@ -300,7 +317,7 @@ def test_runner_with_time_limit_equal_to_termination_step_is_not_a_truncation():
     runner, _ = _runner_and_learner({"mode": "alternate", "k": 4, "time_limit": 4})
     for env in runner.envs.envs:  # same offset everywhere so the coincidence happens
         env.unwrapped.offset = 0
-    _, frag = runner.sample()
+    frag = time_major_view(runner.sample()[1])
     both = frag["terminated"] & frag["truncated"]
     assert both.sum() >= N
     listed = {tuple(ix) for ix in frag["truncated_index"]}
@@ -314,9 +331,9 @@ def test_runner_logp_matches_learner_before_and_after_an_update(normalize_obs):
     runner, learner = _runner_and_learner({"mode": "alternate", "k": 3}, normalize_obs=normalize_obs)
     for _ in range(2):
         _, frag = runner.sample()
-        obs = torch.as_tensor(frag["obs"].reshape(T * N, 2))
-        logp, _, _ = learner.model.evaluate(obs, torch.as_tensor(frag["actions"].reshape(-1)))
-        np.testing.assert_allclose(logp.detach().numpy(), frag["logp"].reshape(-1), atol=1e-5)
+        obs = torch.as_tensor(frag.obs.reshape(T * N, 2))
+        logp, _, _ = learner.model.evaluate(obs, torch.as_tensor(frag.actions.reshape(-1)))
+        np.testing.assert_allclose(logp.detach().numpy(), frag.logprobs.reshape(-1), atol=1e-5)
         learner.update([frag])
         assert runner.set_weights(learner.weights()) == learner.version
     if normalize_obs:

@@ -1,0 +1,79 @@
+"""Small GRPO runs for the pipeline and fault tests: a tiny builtin model, every setting spelled out."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+from pathlib import Path
+
+from rlfabric.config import config_from_dict
+from rlfabric.llm_driver import train_llm
+
+TINY = {"num_layers": 1, "hidden_size": 32, "num_heads": 2, "max_positions": 64}
+
+# Everything the checks rely on is set here, not left to defaults that may change.
+BASE: dict = {
+    "model": {"path": "builtin", "builtin": TINY},
+    "data": {"train": "task:arithmetic?max_operand=9&ops=+", "eval": "", "num_train": 64, "num_eval": 8},
+    "sampling": {"max_new_tokens": 4, "temperature": 1.0, "top_p": 1.0, "top_k": 0},
+    "generator": {"backend": "torch", "num_generators": 1, "num_cpus": 0.5, "timeout_s": 120},
+    "learner": {"num_learners": 1, "num_cpus": 0.5},
+    "rewards": {"functions": [{"name": "arithmetic"}], "weights": {"format": 0.0}, "num_cpus": 0.25},
+    "grpo": {
+        "prompts_per_step": 2,
+        "group_size": 4,
+        "advantage": "grpo",
+        "loss_aggregation": "token_mean",
+        "epochs": 1,
+        "micro_batch_size": 8,
+        "lr": 5e-4,
+        "kl_coef": 0.0,
+        "dynamic_sampling": False,
+        "overlong_filter": False,
+    },
+    "sft": {"steps": 0, "batch_size": 16, "answer_key": "answer"},
+    "training": {
+        "total_steps": 3,
+        "max_policy_lag": 0,
+        "seed": 0,
+        "eval_every": 0,
+        "checkpoint_every": 0,
+        "keep_checkpoints": 2,
+        "show_samples": 8,
+    },
+}
+
+
+def merged(base: dict, extra: dict) -> dict:
+    out = copy.deepcopy(base)
+    for key, value in extra.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = merged(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+@dataclasses.dataclass
+class Run:
+    run_dir: Path
+    summary: dict
+    rows: list[dict]
+
+    def phase(self, name: str) -> list[dict]:
+        return [r for r in self.rows if r.get("phase") == name]
+
+
+def run_grpo(run_dir: Path, **sections: dict) -> Run:
+    cfg = config_from_dict(merged(BASE, sections))
+    summary = train_llm(cfg, run_dir, quiet=True)
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return Run(run_dir, summary, rows)
+
+
+def write_prompts(path: Path, prompts: list[str]) -> str:
+    """A .jsonl prompt file of "a+b=" rows with their answers."""
+    rows = [{"prompt": p, "answer": str(sum(int(x) for x in p[:-1].split("+")))} for p in prompts]
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return str(path)

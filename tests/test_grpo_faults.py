@@ -1,0 +1,211 @@
+"""Faults in GRPO runs, each survived with no sample lost or duplicated, or stopped with one clear line.
+
+Real actors on a real local Ray instance: generators and learners are killed with SIGKILL, reward functions hang
+or raise. The reward functions live in this file and reach the reward services through the registry snapshot.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import ray
+from grpo_runs import BASE, merged, write_prompts
+
+from rlfabric.config import ConfigError, config_from_dict
+from rlfabric.llm_driver import GRPOTrainer
+from rlfabric.rewards import RewardInput, register_reward
+from rlfabric.run_log import read_metrics
+
+HANGING_PROMPT = "4+4="
+
+
+def hangs_on_one_prompt(inputs: list[RewardInput]) -> list[dict[str, float]]:
+    if inputs[0].prompt == HANGING_PROMPT:
+        time.sleep(1000)
+    return [{} for _ in inputs]
+
+
+register_reward("test_faults_hangs", hangs_on_one_prompt)
+
+
+def train_in_process(cfg, run_dir: Path, during=None) -> tuple[dict, list[dict]]:
+    """Train to the end; ``during(trainer)`` runs on a thread once the actors are up."""
+    trainer = GRPOTrainer(cfg, run_dir, quiet=True)
+    try:
+        trainer.setup()
+        helper = threading.Thread(target=during, args=(trainer,), daemon=True) if during else None
+        if helper:
+            helper.start()
+        summary = trainer.train()
+        if helper:
+            helper.join(timeout=60)
+    finally:
+        trainer.close()
+    return summary, read_metrics(run_dir)
+
+
+def live_generator_pid(trainer: GRPOTrainer, not_one_of: list[int]) -> int:
+    """The pid of the generator now in the slot (the driver may still be replacing the one killed last)."""
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        try:
+            pid = ray.get(trainer.generators.handles[0].pid.remote(), timeout=30)
+        except ray.exceptions.RayError:
+            pid = None
+        if pid is not None and pid not in not_one_of:
+            return pid
+        time.sleep(0.05)
+    raise TimeoutError("no live generator to kill within 120 s")
+
+
+def kill_generators(kills: list[tuple[int, float]], killed: list[int]):
+    """After GRPO step k is logged, wait ``delay`` seconds and SIGKILL the live generator, for each (k, delay)."""
+
+    def run(trainer: GRPOTrainer) -> None:
+        for after_step, delay in kills:
+            while trainer.counters.step < after_step:
+                time.sleep(0.02)
+            time.sleep(delay)
+            pid = live_generator_pid(trainer, not_one_of=killed)
+            os.kill(pid, signal.SIGKILL)
+            killed.append(pid)
+
+    return run
+
+
+# Kills land in every phase: right as a step's rollout starts generating, in the middle of the learner's update
+# (with the weight load queued behind it), and between steps.
+KILLS = [(1, 0.0), (3, 0.15), (5, 0.4)]
+STEPS = 9
+
+
+@pytest.mark.parametrize("lag", [0, 1])
+def test_a_generator_killed_at_any_moment_costs_no_sample(local_ray, tmp_path, lag):
+    cfg = config_from_dict(
+        merged(
+            BASE,
+            {
+                "rewards": {"functions": [{"name": "arithmetic"}]},
+                "training": {"total_steps": STEPS, "max_policy_lag": lag},
+                "generator": {"timeout_s": 60},
+            },
+        )
+    )
+    killed: list[int] = []
+    summary, rows = train_in_process(cfg, tmp_path / "run", during=kill_generators(KILLS, killed))
+    steps = [r for r in rows if r.get("phase") == "grpo"]
+    assert len(killed) == len(KILLS) and len(set(killed)) == len(KILLS)  # different processes
+    assert summary["generator_restarts"] == len(KILLS)
+    batch = cfg.grpo.prompts_per_step * cfg.grpo.group_size
+    # every step trained on a full batch, and every sample counted once: lost work was asked again, not dropped
+    assert [r["trained_samples"] for r in steps] == [batch] * STEPS
+    assert summary["samples"] == STEPS * batch and summary["failed_samples"] == 0
+    assert max(r["policy_lag_mean"] for r in steps) <= lag
+
+
+def test_a_reward_that_hangs_on_every_call_is_survived(local_ray, tmp_path):
+    """One prompt in eight hangs its reward on every step's call (rewards.timeout_s=2): that group fails, the
+    service is replaced once per call, and the run goes on, since each replacement returned the other groups."""
+    prompts = ["1+1=", "2+5=", "3+3=", "4+1=", "2+2=", "6+3=", "5+3=", HANGING_PROMPT]
+    cfg = config_from_dict(
+        merged(
+            BASE,
+            {
+                "data": {
+                    "train": write_prompts(tmp_path / "train.jsonl", prompts),
+                    "eval": write_prompts(tmp_path / "eval.jsonl", ["1+2=", "5+1=", "2+6=", "4+5="]),
+                    "num_train": None,
+                    "num_eval": 4,
+                },
+                "rewards": {"functions": [{"name": "arithmetic"}, {"name": "test_faults_hangs"}], "timeout_s": 2.0},
+                "grpo": {"prompts_per_step": 8},
+                "training": {"total_steps": 7},
+            },
+        )
+    )
+    summary, rows = train_in_process(cfg, tmp_path / "run")
+    steps = [r for r in rows if r.get("phase") == "grpo"]
+    assert len(steps) == 7  # more replacements in a row than the limit of 5, and no abort
+    assert summary["reward_worker_restarts"] >= 7
+    group = cfg.grpo.group_size
+    assert [r["trained_samples"] for r in steps] == [7 * group] * 7  # all but the hanging group, every step
+    assert summary["failed_samples"] == 7 * group
+
+
+ALWAYS_RAISES = """
+import rlfabric.rewards as rewards
+
+
+def judge_everything(inputs):
+    raise RuntimeError("the judge is down")
+
+
+rewards.register_reward("always_raises", judge_everything)
+"""
+
+
+def test_a_reward_that_raises_on_every_call_stops_the_run_with_its_name_and_error(tmp_path):
+    (tmp_path / "flaky_rewards.py").write_text(ALWAYS_RAISES)
+    args = ["--run-dir", str(tmp_path / "run"), "--quiet", "--import", "flaky_rewards"]
+    overrides = [
+        "model.builtin={num_layers: 1, hidden_size: 32, num_heads: 2, max_positions: 64}",
+        "sft.steps=0",
+        "data.num_eval=4",
+        "rewards.functions=[{name: always_raises}]",
+    ]
+    started = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, "-m", "rlfabric.cli", "train", *overrides, *args],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env={**os.environ, "PYTHONPATH": ""},
+    )
+    assert done.returncode == 1, done.stderr[-2000:]
+    errors = [line for line in done.stderr.splitlines() if line.startswith("rlfabric:")]
+    assert any("always_raises: RuntimeError: the judge is down" in line for line in errors), errors
+    assert any(line.startswith("rlfabric: run stopped") for line in errors), errors
+    assert time.monotonic() - started < 200  # stopped at the first evaluation, not after the whole run
+    assert not [r for r in read_metrics(tmp_path / "run") if r.get("phase") == "grpo"]
+
+
+def test_a_killed_learner_is_named_and_its_checkpoint_resumes(local_ray, tmp_path):
+    cfg = config_from_dict(merged(BASE, {"training": {"total_steps": 6, "checkpoint_every": 2}}))
+
+    def kill_learner_after_step_3(trainer: GRPOTrainer) -> None:
+        while trainer.counters.step < 3:
+            time.sleep(0.02)
+        os.kill(ray.get(trainer.learners[0].pid.remote(), timeout=60), signal.SIGKILL)
+
+    from rlfabric.actor_slots import RunAbortedError
+
+    with pytest.raises(RunAbortedError, match=r"learner 0 failed during its update at step [34]"):
+        train_in_process(cfg, tmp_path / "run", during=kill_learner_after_step_3)
+    resumed = GRPOTrainer.from_run_dir(tmp_path / "run", quiet=True)
+    assert resumed.resume_from is not None and resumed.resume_from.name == "step_000002"
+    try:
+        summary = resumed.train()
+    finally:
+        resumed.close()
+    assert summary["steps"] == 6
+    steps = [r["step"] for r in read_metrics(tmp_path / "run") if r.get("phase") == "grpo"]
+    assert steps == [1, 2, 3, 4, 5, 6]  # the steps after the checkpoint were redone, each logged once
+
+
+def test_actors_the_cluster_cannot_place_are_refused_before_they_start(local_ray, tmp_path):
+    cfg = config_from_dict(merged(BASE, {"learner": {"num_learners": 2, "num_cpus": 3}}))
+    trainer = GRPOTrainer(cfg, tmp_path / "run", quiet=True)
+    try:
+        with pytest.raises(ConfigError, match=r"ask for .*CPU=.* in all .*learner: 2 x CPU=3.* but the cluster has"):
+            trainer.setup()
+        assert trainer.learners == []  # refused before any learner started
+    finally:
+        trainer.close()
