@@ -58,7 +58,7 @@ def rlfabric_seconds_per_step(
 
     from rlfabric.config import config_from_dict
     from rlfabric.llm_driver import train_llm
-    from rlfabric.run_log import read_metrics
+    from rlfabric.run.log import read_metrics
 
     cfg = config_from_dict(
         {

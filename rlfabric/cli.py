@@ -14,7 +14,7 @@ from ray.exceptions import RayError
 
 from rlfabric.actor_slots import RunAbortedError, error_summary
 from rlfabric.config import ConfigError, load_config
-from rlfabric.run_log import CONFIG_FILE
+from rlfabric.run.log import CONFIG_FILE
 
 _ANSI_COLOR = re.compile(r"\x1b\[[0-9;]*m")
 

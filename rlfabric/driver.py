@@ -7,7 +7,6 @@ weights -> every runner reads it. The driver reads only fragment metadata (versi
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import os
 import threading
@@ -23,12 +22,15 @@ import torch
 from rlfabric import registry
 from rlfabric.actors.env_runner import EnvRunner
 from rlfabric.actors.learner import Learner
-from rlfabric.config import Config, ConfigError, RayConfig, load_config
-from rlfabric.interrupts import stop_requests
-from rlfabric.run_log import CONFIG_FILE, RunLog, plot_learning_curve, write_summary
+from rlfabric.config import Config, ConfigError, RayConfig
+from rlfabric.run.checkpoints import CHECKPOINT_DIR, CheckpointStore
+from rlfabric.run.interrupts import stop_requests
+from rlfabric.run.log import CONFIG_FILE, RunLog, write_summary
+from rlfabric.run.plots import plot_learning_curve
+from rlfabric.run.progress import ppo_progress_line
+from rlfabric.run.resume import resumed_config
 from rlfabric.runner_pool import Completed, RunAbortedError, RunnerPool, error_summary
 
-CHECKPOINT_DIR = "checkpoints"
 # How long setup waits for an actor to start before blaming the cluster's resources.
 SETUP_TIMEOUT_S = 120.0
 # What a checkpoint's weights and statistics depend on: a resumed run may not change these.
@@ -53,35 +55,13 @@ class Progress:
     recent_lengths: list[int] = field(default_factory=list)
 
 
-def _get_path(cfg: Config, dotted: str) -> Any:
-    node: Any = cfg
-    for part in dotted.split("."):
-        node = getattr(node, part)
-    return node
-
-
-def resumed_config(run_dir: Path, overrides: list[str] | None, fixed: tuple[str, ...]) -> Any:
-    """The config saved in ``run_dir`` with ``overrides`` applied, refusing changes to the ``fixed`` paths (what
-    the checkpoint's weights depend on); the error names the changed field, e.g. ``model.hidden_sizes``."""
-    saved = load_config(run_dir / CONFIG_FILE)
-    cfg = load_config(run_dir / CONFIG_FILE, overrides)
-    for path in fixed:
-        before, after = _get_path(saved, path), _get_path(cfg, path)
-        if dataclasses.is_dataclass(before) and before != after:
-            changed = next(
-                f.name for f in dataclasses.fields(before) if getattr(before, f.name) != getattr(after, f.name)
-            )
-            path, before, after = f"{path}.{changed}", getattr(before, changed), getattr(after, changed)
-        if before != after:
-            raise ConfigError(
-                f"{path} = {after!r} is not valid with --resume: the checkpoint was trained with {before!r}"
-            )
-    return cfg
+def checkpoints(run_dir: Path) -> CheckpointStore:
+    """A PPO run's checkpoints: one file per iteration, written atomically."""
+    return CheckpointStore(run_dir, "iter", ".pt")
 
 
 def latest_checkpoint(run_dir: Path) -> Path | None:
-    found = sorted((run_dir / CHECKPOINT_DIR).glob("iter_*.pt"))
-    return found[-1] if found else None
+    return checkpoints(Path(run_dir)).latest()
 
 
 def ensure_ray(ray_cfg: RayConfig, wanted_cpus: float, env_vars: dict[str, str] | None = None) -> None:
@@ -253,8 +233,13 @@ class Trainer:
             ray.get(self.learner.load_state.remote(checkpoint["learner"]))
             self._restarts_before = self.progress.runner_restarts
             self._lost_before = self.progress.lost_fragments
+        total = self.cfg.training.total_env_steps
         self.log = RunLog(
-            self.run_dir, self.cfg, resume_at=self.progress.iteration if self.resume else None, quiet=self.quiet
+            self.run_dir,
+            self.cfg,
+            resume_at=self.progress.iteration if self.resume else None,
+            quiet=self.quiet,
+            progress_line=lambda row: ppo_progress_line(row, total),
         )
         self._publish()
 
@@ -275,15 +260,9 @@ class Trainer:
             "progress": self.progress.__dict__,
             "config": self.cfg.to_dict(),
         }
-        folder = self.run_dir / CHECKPOINT_DIR
-        folder.mkdir(parents=True, exist_ok=True)
-        path = folder / f"iter_{self.progress.iteration:06d}.pt"
-        tmp = path.with_suffix(".tmp")
-        torch.save(state, tmp)
-        tmp.replace(path)  # never leave a half-written checkpoint behind
-        keep = self.cfg.training.keep_checkpoints
-        for old in sorted(folder.glob("iter_*.pt"))[:-keep] if keep else []:
-            old.unlink()
+        store = checkpoints(self.run_dir)
+        path = store.write_atomically(store.path(self.progress.iteration), lambda tmp: torch.save(state, tmp))
+        store.prune(self.cfg.training.keep_checkpoints)
         return path
 
     def _read_checkpoint(self) -> dict[str, Any]:

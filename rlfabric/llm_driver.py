@@ -18,10 +18,8 @@ from __future__ import annotations
 import dataclasses
 import io
 import json
-import math
 import os
 import pickle
-import shutil
 import threading
 import time
 from collections import deque
@@ -39,17 +37,20 @@ from rlfabric.actor_slots import ActorSlots, RunAbortedError, error_summary
 from rlfabric.actors.llm_rollout import PromptSet, RolloutRequest
 from rlfabric.config import ConfigError
 from rlfabric.data import check_prompt_lengths, load_heldout, load_prompts
-from rlfabric.driver import ensure_ray, resumed_config
+from rlfabric.driver import ensure_ray
 from rlfabric.grpo_config import LLMConfig
-from rlfabric.interrupts import stop_requests
 from rlfabric.models.hf import check_model_source, model_max_positions
 from rlfabric.models.llm_batch import pad_rows_for_learners
 from rlfabric.models.sequences import pack_sequences
 from rlfabric.models.shared_weights import SharedFlatWeights, remove_stale
 from rlfabric.placement import ActorRequest, check_fits
-from rlfabric.run_log import CONFIG_FILE, RunLog, read_metrics, write_summary
+from rlfabric.run.checkpoints import CHECKPOINT_DIR, CheckpointStore
+from rlfabric.run.interrupts import stop_requests
+from rlfabric.run.log import CONFIG_FILE, RunLog, read_metrics, write_summary
+from rlfabric.run.plots import plot_llm_curves
+from rlfabric.run.progress import grpo_progress_line, tensorboard_view
+from rlfabric.run.resume import resumed_config
 
-CHECKPOINT_DIR = "checkpoints"
 TRAINER_STATE_FILE = "trainer_state.json"  # written last: a checkpoint without it is incomplete
 REFERENCE_MODEL_DIR = "reference_model"  # the KL reference after an SFT warm-up, kept for --resume
 FINAL_MODEL_DIR = "final_model"
@@ -67,7 +68,6 @@ FIXED_ON_RESUME = (
     "training.seed",
 )
 SAMPLES_FILE = "samples.jsonl"
-PLOT_FILE = "learning_curve.png"
 SETUP_TIMEOUT_S = 300.0
 MAX_GENERATION_RETRIES = 3
 REWARD_GRACE_S = 30.0  # the reward pool's slack per call, for starting a replacement service and transfers
@@ -141,51 +141,20 @@ def concurrent_actors(cfg: LLMConfig, role: str) -> int:
     return by_role[role]
 
 
-def format_eta(seconds: float | None) -> str:
-    """``1m05s`` / ``42s``; ``?`` before there is a rate to go by."""
-    if seconds is None or not math.isfinite(seconds):
-        return "?"
-    minutes, secs = divmod(int(round(seconds)), 60)
-    return f"{minutes}m{secs:02d}s" if minutes else f"{secs}s"
-
-
-def progress_line(row: dict[str, Any], total: int | None = None, eta_s: float | None = None) -> str:
-    """The terminal line for a metrics row: ``total`` steps of its phase, and the time left when known."""
-    of = f"/{total}" if total else ""
-    eta = f" | ETA {format_eta(eta_s)}" if total else ""
-    if row.get("phase") == "sft":
-        return f"sft  {row['sft_step']:>5}{of} | loss {row['sft_loss']:.3f} | {row['time_s']:6.0f}s{eta}"
-    if row.get("phase") == "eval":
-        return f"eval step {row['step']:>5} | held-out accuracy {row['eval_accuracy']:.3f} | {row['time_s']:6.0f}s"
-    accuracy = row.get("accuracy")
-    return (
-        f"step {row['step']:>5}{of} | reward {row['reward_mean']:6.3f} | "
-        f"acc {float('nan') if accuracy is None else accuracy:5.3f} | v{row['policy_version']} | "
-        f"{row['samples_per_s']:6.1f} samples/s | failed {row['failed_samples']} | {row['time_s']:6.0f}s{eta}"
-    )
-
-
-def tensorboard_view(row: dict[str, Any]) -> tuple[int, dict[str, float]]:
-    """Where a metrics row goes in TensorBoard: SFT rows at their own SFT step under ``sft/``, evaluations under
-    ``eval/``, GRPO rows at their GRPO step."""
-    numbers = {k: v for k, v in row.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
-    if row.get("phase") == "sft":
-        return int(row["sft_step"]), {f"sft/{k.removeprefix('sft_')}": v for k, v in numbers.items() if k != "sft_step"}
-    if row.get("phase") == "eval":
-        return int(row["step"]), {f"eval/{k.removeprefix('eval_')}": v for k, v in numbers.items() if "eval" in k}
-    return int(row["step"]), {k: v for k, v in numbers.items() if k not in ("step", "iteration")}
-
-
 def _not_final(row: dict[str, Any]) -> dict[str, Any]:
     """A metrics row kept by a resumed run: its earlier session's "final" evaluation is an evaluation at that
     step now (the resumed run ends with its own "final")."""
     return {**row, "label": f"step_{row['step']}"} if row.get("label") == "final" else row
 
 
+def checkpoints(run_dir: Path) -> CheckpointStore:
+    """A GRPO run's checkpoints: one Hugging Face model folder per step, complete once its driver state is in."""
+    return CheckpointStore(run_dir, "step", marker=TRAINER_STATE_FILE)
+
+
 def latest_checkpoint(run_dir: Path) -> Path | None:
     """The newest complete checkpoint folder of a GRPO run (None when there is none)."""
-    found = sorted(p for p in (run_dir / CHECKPOINT_DIR).glob("step_*") if (p / TRAINER_STATE_FILE).is_file())
-    return found[-1] if found else None
+    return checkpoints(Path(run_dir)).latest()
 
 
 def read_trainer_state(checkpoint: Path) -> dict[str, Any]:
@@ -950,7 +919,7 @@ class GRPOTrainer:
         started, first = self._phase_start.setdefault(phase, (time.monotonic(), done))
         rate = (done - first) / max(time.monotonic() - started, 1e-9)
         eta = (total - done) / rate if rate > 0 else None
-        return progress_line(row, total, eta)
+        return grpo_progress_line(row, total, eta)
 
     def _grpo_steps(self, stop: threading.Event) -> None:
         """GRPO steps up to ``training.total_steps``. Ctrl-C (``stop``) is honoured between steps, after a
@@ -999,17 +968,12 @@ class GRPOTrainer:
     # -- outputs ----------------------------------------------------------------------------------------------
 
     def save_checkpoint(self) -> Path:
-        path = self.run_dir / CHECKPOINT_DIR / f"step_{self.counters.step:06d}"
+        store = checkpoints(self.run_dir)
+        path = store.path(self.counters.step)
         ray.get(self.learners[0].save.remote(str(path)))
-        partial = path / (TRAINER_STATE_FILE + ".tmp")
-        partial.write_text(json.dumps(self._state()))
-        os.replace(partial, path / TRAINER_STATE_FILE)  # atomic: the state file marks a complete checkpoint
-        folders = sorted((self.run_dir / CHECKPOINT_DIR).glob("step_*"))
-        complete = [p for p in folders if (p / TRAINER_STATE_FILE).is_file()]
-        keep = self.cfg.training.keep_checkpoints
-        stale = complete[: max(0, len(complete) - keep)] if keep else []
-        for old in [*stale, *(p for p in folders if p not in complete)]:  # incomplete ones: left by a crash
-            shutil.rmtree(old, ignore_errors=True)
+        state = json.dumps(self._state())  # written last, atomically: the state file marks a complete checkpoint
+        store.write_atomically(path / TRAINER_STATE_FILE, lambda tmp: tmp.write_text(state))
+        store.prune(self.cfg.training.keep_checkpoints)
         return path
 
     def _state(self) -> dict[str, Any]:
@@ -1154,49 +1118,6 @@ def openmp_env() -> dict[str, str]:
     """OpenMP settings for the actors: the user's own when set, else a bounded spin-wait."""
     mine = {k: os.environ[k] for k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT") if k in os.environ}
     return mine or {"GOMP_SPINCOUNT": OPENMP_SPIN_COUNT}
-
-
-def plot_llm_curves(run_dir: Path, title: str) -> Path | None:
-    """Train reward / accuracy per step and held-out accuracy at each evaluation, as one PNG."""
-    rows = read_metrics(run_dir)
-    train = [r for r in rows if r.get("phase") == "grpo"]
-    evals = [r for r in rows if r.get("phase") == "eval"]
-    if not train and not evals:
-        return None
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
-    if train:
-        steps = [r["step"] for r in train]
-        reward, accuracy = [r["reward_mean"] for r in train], [r.get("accuracy") for r in train]
-        same = accuracy == reward  # the reward is the accuracy (the other components weigh 0): one line, said so
-        label = "train reward (= train accuracy)" if same else "train reward"
-        ax.plot(steps, reward, color="tab:blue", lw=1.2, alpha=0.8, label=label)
-        if not same and None not in accuracy:
-            ax.plot(steps, accuracy, color="tab:orange", ls="--", lw=1.2, alpha=0.8, label="train accuracy")
-    if evals:
-        ax.plot(
-            [r["step"] for r in evals],
-            [r["eval_accuracy"] for r in evals],
-            "o-",
-            color="tab:green",
-            lw=2,
-            label="held-out accuracy (greedy)",
-        )
-    ax.set_xlabel("GRPO step")
-    ax.set_ylabel("reward / accuracy")
-    ax.set_ylim(-0.02, 1.02)
-    ax.set_title(title)
-    ax.grid(alpha=0.3)
-    ax.legend(loc="lower right")
-    fig.tight_layout()
-    path = run_dir / PLOT_FILE
-    fig.savefig(path)
-    plt.close(fig)
-    return path
 
 
 def train_llm(cfg: LLMConfig, run_dir: str | Path, quiet: bool = False) -> dict[str, Any]:

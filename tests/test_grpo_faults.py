@@ -21,7 +21,7 @@ from grpo_runs import BASE, merged, write_prompts
 from rlfabric.config import ConfigError, config_from_dict
 from rlfabric.llm_driver import GRPOTrainer
 from rlfabric.rewards import RewardInput, register_reward
-from rlfabric.run_log import read_metrics
+from rlfabric.run.log import read_metrics
 
 HANGING_PROMPT = "4+4="
 

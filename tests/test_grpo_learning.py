@@ -7,7 +7,7 @@ import numpy as np
 from rlfabric.config import config_from_dict
 from rlfabric.llm_driver import train_llm
 from rlfabric.rewards import RewardInput, register_reward
-from rlfabric.run_log import read_metrics
+from rlfabric.run.log import read_metrics
 
 
 def digit_share(inputs: list[RewardInput]) -> list[dict[str, float]]:

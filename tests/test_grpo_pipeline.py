@@ -37,13 +37,14 @@ from rlfabric.actors.generator import Generator
 from rlfabric.actors.llm_learner import LLMLearner, LLMLearnerCore
 from rlfabric.config import ConfigError, config_from_dict, dump_config
 from rlfabric.grpo_config import GRPOConfig, SFTConfig
-from rlfabric.llm_driver import GRPOTrainer, concurrent_actors, latest_checkpoint, progress_line
+from rlfabric.llm_driver import GRPOTrainer, concurrent_actors, latest_checkpoint
 from rlfabric.models.hf import build_small_model_dir, load_causal_lm, load_tokenizer
 from rlfabric.models.sequences import pack_sequences
 from rlfabric.models.shared_weights import SHM_DIR
 from rlfabric.models.weights import as_state_dict
 from rlfabric.rewards import RewardInput, register_reward
-from rlfabric.run_log import read_metrics
+from rlfabric.run.log import read_metrics
+from rlfabric.run.progress import grpo_progress_line as progress_line
 
 # -- reward functions shipped to the reward actors by value -----------------------------------------------------
 

@@ -8,7 +8,7 @@ import threading
 
 import pytest
 
-from rlfabric.interrupts import stop_requests
+from rlfabric.run.interrupts import stop_requests
 
 
 def test_first_sigint_requests_a_stop_and_a_second_interrupts():

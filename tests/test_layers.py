@@ -58,8 +58,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "rlfabric.placement",  # whether a run's actors fit the cluster, checked by the drivers before setup
             "rlfabric.driver",
             "rlfabric.llm_driver",
-            "rlfabric.run_log",
-            "rlfabric.interrupts",
+            "rlfabric.run",  # the run skeleton: outputs, checkpoints, resume, progress, plots, Ctrl-C
             "rlfabric.cli",
         ),
     ),

@@ -1,4 +1,4 @@
-"""A run's outputs: resolved config, metrics.jsonl, TensorBoard events, progress line, plot and summary."""
+"""A run's outputs: resolved config, metrics.jsonl, TensorBoard events, progress line, notes and summary."""
 
 from __future__ import annotations
 
@@ -14,7 +14,6 @@ from rlfabric.config import dump_config
 
 METRICS_FILE = "metrics.jsonl"
 CONFIG_FILE = "config.yaml"
-PLOT_FILE = "learning_curve.png"
 SUMMARY_FILE = "summary.json"
 
 
@@ -32,7 +31,7 @@ class RunLog:
         resume_at: int | None = None,
         quiet: bool = False,
         step_key: str = "env_steps",
-        progress_line: Callable[[dict[str, Any]], str] | None = None,
+        progress_line: Callable[[dict[str, Any]], str] = str,
         relabel: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
         tensorboard_view: Callable[[dict[str, Any]], tuple[int, dict[str, float]]] | None = None,
     ) -> None:
@@ -41,7 +40,7 @@ class RunLog:
 
         ``step_key`` is the row field TensorBoard uses as its x axis; ``tensorboard_view`` may instead map a row to
         (x, {tag: value}) (default: ``step_key`` and every number); ``progress_line`` formats a row for the
-        terminal (default: the PPO line).
+        terminal (each algorithm's: rlfabric.run.progress).
         """
         self.run_dir = run_dir
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -60,8 +59,7 @@ class RunLog:
         self.quiet = quiet
         self.tty = sys.stderr.isatty()
         self.last_print = 0.0
-        self.total_env_steps = getattr(cfg.training, "total_env_steps", 0)
-        self.progress_line = progress_line or self._ppo_line
+        self.progress_line = progress_line
         self.tensorboard_view = tensorboard_view or self._scalars
 
     def log(self, row: dict[str, Any], show: bool = True) -> None:
@@ -77,15 +75,6 @@ class RunLog:
     def _scalars(self, row: dict[str, Any]) -> tuple[int, dict[str, float]]:
         numbers = {k: v for k, v in row.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
         return int(row[self.step_key]), {k: v for k, v in numbers.items() if k != self.step_key}
-
-    def _ppo_line(self, row: dict[str, Any]) -> str:
-        ret = row.get("episode_return_mean")
-        pct = 100.0 * row["env_steps"] / self.total_env_steps
-        return (
-            f"iter {row['iteration']:>4} | env steps {row['env_steps']:>10,} ({pct:5.1f}%) | "
-            f"{row['env_steps_per_s']:>8,.0f} steps/s | return {'   n/a' if ret is None else f'{ret:9.2f}'} | "
-            f"v{row['policy_version']} dropped {row['dropped_fragments']} restarts {row['runner_restarts']}"
-        )
 
     def progress(self, row: dict[str, Any]) -> None:
         if self.quiet:
@@ -120,29 +109,6 @@ def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
         except json.JSONDecodeError:  # a run killed mid-write leaves a partial last line
             continue
     return rows
-
-
-def plot_learning_curve(run_dir: Path, title: str) -> Path | None:
-    """env steps vs episode_return_mean, as a PNG; None when there is nothing to plot."""
-    rows = [r for r in read_metrics(run_dir) if r.get("episode_return_mean") is not None]
-    if not rows:
-        return None
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
-    ax.plot([r["env_steps"] for r in rows], [r["episode_return_mean"] for r in rows], lw=1.5)
-    ax.set_xlabel("env steps")
-    ax.set_ylabel("episode return (mean)")
-    ax.set_title(title)
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    path = run_dir / PLOT_FILE
-    fig.savefig(path)
-    plt.close(fig)
-    return path
 
 
 def write_summary(run_dir: Path, summary: dict[str, Any]) -> None:

@@ -1,0 +1,76 @@
+"""Learning curves of a run, as PNG files in its run directory."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from rlfabric.run.log import read_metrics
+
+PLOT_FILE = "learning_curve.png"
+
+
+def _pyplot():  # matplotlib is imported only when a plot is drawn
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_learning_curve(run_dir: Path, title: str) -> Path | None:
+    """env steps vs episode_return_mean, as a PNG; None when there is nothing to plot."""
+    rows = [r for r in read_metrics(run_dir) if r.get("episode_return_mean") is not None]
+    if not rows:
+        return None
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
+    ax.plot([r["env_steps"] for r in rows], [r["episode_return_mean"] for r in rows], lw=1.5)
+    ax.set_xlabel("env steps")
+    ax.set_ylabel("episode return (mean)")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    path = run_dir / PLOT_FILE
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def plot_llm_curves(run_dir: Path, title: str) -> Path | None:
+    """Train reward / accuracy per step and held-out accuracy at each evaluation, as one PNG."""
+    rows = read_metrics(run_dir)
+    train = [r for r in rows if r.get("phase") == "grpo"]
+    evals = [r for r in rows if r.get("phase") == "eval"]
+    if not train and not evals:
+        return None
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
+    if train:
+        steps = [r["step"] for r in train]
+        reward, accuracy = [r["reward_mean"] for r in train], [r.get("accuracy") for r in train]
+        same = accuracy == reward  # the reward is the accuracy (the other components weigh 0): one line, said so
+        label = "train reward (= train accuracy)" if same else "train reward"
+        ax.plot(steps, reward, color="tab:blue", lw=1.2, alpha=0.8, label=label)
+        if not same and None not in accuracy:
+            ax.plot(steps, accuracy, color="tab:orange", ls="--", lw=1.2, alpha=0.8, label="train accuracy")
+    if evals:
+        ax.plot(
+            [r["step"] for r in evals],
+            [r["eval_accuracy"] for r in evals],
+            "o-",
+            color="tab:green",
+            lw=2,
+            label="held-out accuracy (greedy)",
+        )
+    ax.set_xlabel("GRPO step")
+    ax.set_ylabel("reward / accuracy")
+    ax.set_ylim(-0.02, 1.02)
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend(loc="lower right")
+    fig.tight_layout()
+    path = run_dir / PLOT_FILE
+    fig.savefig(path)
+    plt.close(fig)
+    return path

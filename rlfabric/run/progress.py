@@ -1,0 +1,52 @@
+"""What a run shows while it trains: the terminal's progress lines and what goes to TensorBoard."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+
+def format_eta(seconds: float | None) -> str:
+    """``1m05s`` / ``42s``; ``?`` before there is a rate to go by."""
+    if seconds is None or not math.isfinite(seconds):
+        return "?"
+    minutes, secs = divmod(int(round(seconds)), 60)
+    return f"{minutes}m{secs:02d}s" if minutes else f"{secs}s"
+
+
+def grpo_progress_line(row: dict[str, Any], total: int | None = None, eta_s: float | None = None) -> str:
+    """The terminal line for a metrics row: ``total`` steps of its phase, and the time left when known."""
+    of = f"/{total}" if total else ""
+    eta = f" | ETA {format_eta(eta_s)}" if total else ""
+    if row.get("phase") == "sft":
+        return f"sft  {row['sft_step']:>5}{of} | loss {row['sft_loss']:.3f} | {row['time_s']:6.0f}s{eta}"
+    if row.get("phase") == "eval":
+        return f"eval step {row['step']:>5} | held-out accuracy {row['eval_accuracy']:.3f} | {row['time_s']:6.0f}s"
+    accuracy = row.get("accuracy")
+    return (
+        f"step {row['step']:>5}{of} | reward {row['reward_mean']:6.3f} | "
+        f"acc {float('nan') if accuracy is None else accuracy:5.3f} | v{row['policy_version']} | "
+        f"{row['samples_per_s']:6.1f} samples/s | failed {row['failed_samples']} | {row['time_s']:6.0f}s{eta}"
+    )
+
+
+def tensorboard_view(row: dict[str, Any]) -> tuple[int, dict[str, float]]:
+    """Where a metrics row goes in TensorBoard: SFT rows at their own SFT step under ``sft/``, evaluations under
+    ``eval/``, GRPO rows at their GRPO step."""
+    numbers = {k: v for k, v in row.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+    if row.get("phase") == "sft":
+        return int(row["sft_step"]), {f"sft/{k.removeprefix('sft_')}": v for k, v in numbers.items() if k != "sft_step"}
+    if row.get("phase") == "eval":
+        return int(row["step"]), {f"eval/{k.removeprefix('eval_')}": v for k, v in numbers.items() if "eval" in k}
+    return int(row["step"]), {k: v for k, v in numbers.items() if k not in ("step", "iteration")}
+
+
+def ppo_progress_line(row: dict[str, Any], total_env_steps: int) -> str:
+    """The PPO terminal line: iteration, env steps (and the share of ``total_env_steps``), rate, return."""
+    ret = row.get("episode_return_mean")
+    pct = 100.0 * row["env_steps"] / total_env_steps
+    return (
+        f"iter {row['iteration']:>4} | env steps {row['env_steps']:>10,} ({pct:5.1f}%) | "
+        f"{row['env_steps_per_s']:>8,.0f} steps/s | return {'   n/a' if ret is None else f'{ret:9.2f}'} | "
+        f"v{row['policy_version']} dropped {row['dropped_fragments']} restarts {row['runner_restarts']}"
+    )
