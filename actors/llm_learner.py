@@ -388,10 +388,14 @@ class LLMLearner:
     def pid(self) -> int:
         return os.getpid()
 
-    @ray.method(num_returns=2)
-    def publish(self, transport: str = "object_store") -> tuple[list[ray.ObjectRef] | SharedFlatWeights, int]:
-        """The current weights for the generators, and their version (two ObjectRefs, which a generator's
-        ``update_weights`` can take as they are). ``transport`` (``learner.weight_transport``):
+    @ray.method(num_returns=3)
+    def publish(
+        self, transport: str = "object_store"
+    ) -> tuple[list[ray.ObjectRef] | SharedFlatWeights, int, str | None]:
+        """The current weights for the generators, their version, and the shared-memory file's path (None through
+        the object store): three ObjectRefs; a generator's ``update_weights`` takes the first two as they are, and
+        the driver reads only the last two (the handle lists every tensor). ``transport``
+        (``learner.weight_transport``):
 
         - ``"object_store"``: one ``FlatWeights`` buffer in the object store (every reader reads the same object,
           zero-copy), as ``[ObjectRef]``;
@@ -404,7 +408,7 @@ class LLMLearner:
         if transport in ("shared_memory", "auto"):
             shared = self.core.shared_weights(self.node_id(), self._object_store_bytes)
             if shared is not None:
-                return shared, self.core.version
+                return shared, self.core.version, shared.path
             if transport == "shared_memory":
                 raise RuntimeError(
                     f"learner.weight_transport = 'shared_memory': {self.core.shared_unavailable}; "
@@ -414,7 +418,7 @@ class LLMLearner:
             raise ValueError(
                 f"weight transport {transport!r} is not valid: expected 'auto', 'shared_memory' or 'object_store'"
             )
-        return [ray.put(self.core.flat_weights())], self.core.version
+        return [ray.put(self.core.flat_weights())], self.core.version, None
 
     def _object_store_bytes(self) -> int:
         """This node's object-store capacity (which may live in /dev/shm and grow into it)."""

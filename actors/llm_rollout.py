@@ -61,9 +61,9 @@ class RolloutRequest:
 
 
 def group_statistics(group_ids: np.ndarray, rewards: np.ndarray, versions: np.ndarray, groups: list[int]) -> np.ndarray:
-    """[G, 5] float64, one row per id in ``groups``: id, mean reward, 1.0 if its rewards differ (signal), rows
-    scored, oldest policy version among them (-1 when no row survived)."""
-    out = np.zeros((len(groups), 5))
+    """[G, 5] float32 (the driver reads it every step: small), one row per id in ``groups``: id, mean reward, 1.0
+    if its rewards differ (signal), rows scored, oldest policy version among them (-1 when no row survived)."""
+    out = np.zeros((len(groups), 5), np.float32)
     for k, gid in enumerate(groups):
         rows = group_ids == gid
         r = rewards[rows]

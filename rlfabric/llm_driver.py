@@ -42,7 +42,7 @@ from rlfabric.grpo_config import LLMConfig
 from rlfabric.models.hf import check_model_source, model_max_positions
 from rlfabric.models.llm_batch import pad_rows_for_learners
 from rlfabric.models.sequences import pack_sequences
-from rlfabric.models.shared_weights import SharedFlatWeights, remove_stale
+from rlfabric.models.shared_weights import remove_stale
 from rlfabric.placement import ActorRequest, check_fits
 from rlfabric.run.checkpoints import CHECKPOINT_DIR, CheckpointStore
 from rlfabric.run.interrupts import stop_requests
@@ -86,6 +86,16 @@ class Pending:
     worker_slot: int
     worker_generation: int
     deadline: float  # time.monotonic() by which the worker must have answered
+
+
+@dataclass
+class Publishing:
+    """A weight publication in flight: learner 0's three answers and each generator's load."""
+
+    handle: ray.ObjectRef  # the weights (never fetched by the driver)
+    version: ray.ObjectRef
+    shared_path: ray.ObjectRef  # the shared-memory file's path, or None through the object store
+    loads: list[tuple[int, int, ray.ObjectRef]]  # (slot, generation, load) per generator
 
 
 @dataclass
@@ -704,29 +714,23 @@ class GRPOTrainer:
         rlfabric.models.shared_weights)."""
         self._finish_publish(self._start_publish(range(len(self.generators)) if slots is None else slots), timeout)
 
-    def _start_publish(self, slots: Any) -> tuple[ray.ObjectRef, ray.ObjectRef, list[tuple[int, int, Any]]]:
+    def _start_publish(self, slots: Any) -> Publishing:
         """Queue the publication and the generators' loads; Ray hands the weights' handle from learner 0 to the
-        generators without the driver in between."""
-        handle, version = self.learners[0].publish.remote(self._transport)
+        generators without the driver in between (the driver never fetches it)."""
+        handle, version, path = self.learners[0].publish.remote(self._transport)
         entries = self.generators.entries()
-        return (
-            handle,
-            version,
-            [(s, entries[s][1], entries[s][2].update_weights.remote(handle, version)) for s in slots],
-        )
+        loads = [(s, entries[s][1], entries[s][2].update_weights.remote(handle, version)) for s in slots]
+        return Publishing(handle, version, path, loads)
 
-    def _finish_publish(
-        self, publishing: tuple[ray.ObjectRef, ray.ObjectRef, list[tuple[int, int, Any]]], timeout: float | None = None
-    ) -> None:
+    def _finish_publish(self, publishing: Publishing, timeout: float | None = None) -> None:
         """Wait for the loads; a generator that dies or hangs while loading is replaced (and given the weights)."""
-        handle, version, loads = publishing
-        self._published, self.version = self._fetch([handle, version])
-        shared = isinstance(self._published, SharedFlatWeights)
-        if shared:
-            self._shared_files.add(self._published.path)
+        self.version, shared_path = self._fetch([publishing.version, publishing.shared_path])
+        self._published = publishing.handle  # an ObjectRef: whoever needs the weights resolves it
+        if shared_path is not None:
+            self._shared_files.add(shared_path)
         deadline = time.monotonic() + (timeout or self.cfg.generator.timeout_s)
         failed = []
-        for slot, generation, load in loads:
+        for slot, generation, load in publishing.loads:
             try:
                 self._fetch(load, timeout=max(0.0, deadline - time.monotonic()))
             except ray.exceptions.GetTimeoutError:
@@ -735,7 +739,7 @@ class GRPOTrainer:
                 failed.append((slot, generation, f"weight load failed: {error_summary(exc)}"))
         for slot, generation, reason in failed:
             self._replace_generator(slot, generation, reason)
-        used = "shared_memory" if shared else "object_store"
+        used = "object_store" if shared_path is None else "shared_memory"
         if used != self.weights_via and self.log is not None:  # the first time, and after any change
             self.log.note(self._transport_note(used))
         self.weights_via = used

@@ -326,7 +326,7 @@ def test_data_parallel_learners_and_accumulation_match_one_big_batch(local_ray, 
             finally:
                 torch.set_num_threads(threads)
             m_ranks = ray.get([ln.train_step.remote([ref], 1e-3) for ln in learners], timeout=120)
-            state_ref, version = ray.get(learners[0].publish.remote(), timeout=60)
+            state_ref, version, _ = ray.get(learners[0].publish.remote(), timeout=60)
             published = as_state_dict(ray.get(state_ref[0], timeout=60))
 
             expected = whole.state_dict_cpu()
@@ -561,7 +561,7 @@ def test_resume_continues_a_grpo_run_from_its_latest_checkpoint(local_ray, tmp_p
     try:
         trainer.setup()
         assert (trainer.counters.step, trainer.version, trainer._order) == (2, state["version"], state["order"])
-        published, version = ray.get(trainer.learners[0].publish.remote())
+        published, version, _ = ray.get(trainer.learners[0].publish.remote())
         assert version == state["version"]
         assert ray.get(trainer.generators.handles[0].version.remote()) == state["version"]
         saved = load_causal_lm(str(checkpoint)).state_dict()
