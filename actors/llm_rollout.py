@@ -25,9 +25,11 @@ from typing import Any
 
 import numpy as np
 import ray
+import torch
 
 from rlfabric import rewards
 from rlfabric.actor_slots import error_summary
+from rlfabric.algorithms.grpo import group_has_signal
 from rlfabric.reward_pool import RewardPool
 from rlfabric.rewards import RewardInput, RewardResult
 from rlfabric.trajectory import Trajectories, from_token_sequences
@@ -64,10 +66,11 @@ def group_statistics(group_ids: np.ndarray, rewards: np.ndarray, versions: np.nd
     """[G, 5] float32 (the driver reads it every step: small), one row per id in ``groups``: id, mean reward, 1.0
     if its rewards differ (signal), rows scored, oldest policy version among them (-1 when no row survived)."""
     out = np.zeros((len(groups), 5), np.float32)
+    signal = group_has_signal(torch.from_numpy(rewards), torch.from_numpy(group_ids)).numpy()
     for k, gid in enumerate(groups):
         rows = group_ids == gid
         r = rewards[rows]
-        out[k] = (gid, r.mean() if r.size else np.nan, float(r.size > 1 and np.ptp(r) > 0), r.size, -1)
+        out[k] = (gid, r.mean() if r.size else np.nan, float(signal[rows].any()), r.size, -1)
         if r.size:
             out[k, GROUP_MIN_VERSION] = versions[rows].min()
     return out

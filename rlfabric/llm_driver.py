@@ -120,11 +120,6 @@ class Counters:
     trained_samples: int = 0
 
 
-def combine_rewards(components: dict[str, float], weights: dict[str, float]) -> float:
-    """The scalar reward: each named component times its weight (weight 1 when not listed)."""
-    return float(sum(weights.get(name, 1.0) * value for name, value in components.items()))
-
-
 def wanted_cpus(cfg: LLMConfig) -> float:
     """CPUs every actor of this config asks for, plus one for the driver."""
     return (
@@ -165,6 +160,25 @@ def checkpoints(run_dir: Path) -> CheckpointStore:
 def latest_checkpoint(run_dir: Path) -> Path | None:
     """The newest complete checkpoint folder of a GRPO run (None when there is none)."""
     return checkpoints(Path(run_dir)).latest()
+
+
+def reference_entry(reference_dir: str | None, run_dir: Path) -> dict[str, Any] | None:
+    """Where a checkpoint records the KL reference model: relative to the run directory when inside it (run
+    folders move), else as given (a hub id, or an absolute folder); None when there is none."""
+    if reference_dir is None:
+        return None
+    path = Path(reference_dir)
+    local = path.exists()  # else a hub id, stored as given
+    resolved, run = (path.resolve() if local else path), Path(run_dir).resolve()
+    inside = local and resolved.is_relative_to(run)
+    return {"path": str(resolved.relative_to(run) if inside else resolved), "in_run": inside}
+
+
+def reference_path(entry: dict[str, Any] | None, run_dir: Path) -> str | None:
+    """The KL reference model's path from a checkpoint's ``reference_entry``, for the run now in ``run_dir``."""
+    if entry is None:
+        return None
+    return str(Path(run_dir) / entry["path"]) if entry["in_run"] else entry["path"]
 
 
 def read_trainer_state(checkpoint: Path) -> dict[str, Any]:
@@ -982,14 +996,7 @@ class GRPOTrainer:
 
     def _state(self) -> dict[str, Any]:
         """What a resumed run needs besides the learner's weights and optimizer (see ``_restore``)."""
-        reference = None
-        if self.reference_dir is not None:
-            path = Path(self.reference_dir)
-            local = path.exists()  # else a hub id, stored as given
-            resolved, run_dir = (path.resolve() if local else path), self.run_dir.resolve()
-            inside = local and resolved.is_relative_to(run_dir)
-            # Inside the run directory: relative to it, since run folders can move.
-            reference = {"path": str(resolved.relative_to(run_dir) if inside else resolved), "in_run": inside}
+        reference = reference_entry(self.reference_dir, self.run_dir)
         # Prompts of batches generating ahead were taken from the order but not trained on: a resumed run takes
         # them again first (pop() takes from the end).
         ahead = [i for pending in reversed(self._in_flight) for i in reversed(pending.request.indices)]
@@ -1009,11 +1016,7 @@ class GRPOTrainer:
         self.rng.bit_generator.state = state["rng"]
         self._order = [int(i) for i in state["order"]]
         self._group_counter = int(state["group_counter"])
-        reference = state.get("reference_model")
-        if reference is None:
-            self.reference_dir = None
-        else:
-            self.reference_dir = str(self.run_dir / reference["path"]) if reference["in_run"] else reference["path"]
+        self.reference_dir = reference_path(state.get("reference_model"), self.run_dir)
         self._elapsed_before = float(state.get("elapsed_s", 0.0))
 
     def _write_samples(self) -> list[dict[str, Any]]:

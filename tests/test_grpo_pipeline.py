@@ -350,11 +350,12 @@ def test_data_parallel_learners_and_accumulation_match_one_big_batch(local_ray, 
 
 
 def test_weights_reach_the_generators_through_shared_memory_on_one_node_unless_told_otherwise(sync_run, faulty_run):
-    # auto takes shared memory where /dev/shm has room beside Ray's object store (which may grow into it).
-    free = os.statvfs(SHM_DIR).f_bavail * os.statvfs(SHM_DIR).f_frsize if SHM_DIR.is_dir() else 0
-    if free > ray.cluster_resources()["object_store_memory"] + 2**30:  # nearer full, auto may take either
-        assert sync_run.summary["weight_transport"] == "shared_memory"
-    assert faulty_run.summary["weight_transport"] == "object_store"
+    """auto takes the node's shared memory when every reader is on learner 0's node and /dev/shm has room beside
+    Ray's object store; the tests run where it has (a 64 MiB container /dev/shm would fail this, as it should:
+    auto would then fall back, and the run would say why)."""
+    free = os.statvfs(SHM_DIR).f_bavail * os.statvfs(SHM_DIR).f_frsize
+    assert sync_run.summary["weight_transport"] == "shared_memory", f"{free / 2**30:.1f} GiB free in {SHM_DIR}"
+    assert faulty_run.summary["weight_transport"] == "object_store"  # learner.weight_transport: object_store
 
 
 def test_reward_that_raises_or_hangs_costs_only_its_groups(faulty_run):
@@ -447,14 +448,47 @@ def test_dynamic_sampling_drops_groups_without_signal(sync_run):
     s, rows = sync_run.summary, sync_run.phase("grpo")
     assert s["steps"] == 3
     assert s["filtered_groups"] > 0 and rows[-1]["filtered_groups"] == s["filtered_groups"]
-    # What is left to train on comes only from groups with signal, at most prompts_per_step of them.
-    assert all(r["trained_samples"] <= 2 * 4 for r in rows)
+    # Every group generated was either trained on whole or filtered out, never both, never lost: the refills
+    # asked only for what was missing (no failures or stale samples in this run).
+    assert s["failed_samples"] == s["stale_samples"] == 0
+    trained_groups = [r["trained_samples"] / 4 for r in rows]
+    assert all(g in (0, 1, 2) for g in trained_groups)  # whole groups of 4, at most prompts_per_step = 2
+    assert s["samples"] == 4 * (sum(trained_groups) + s["filtered_groups"])
+    assert sum(trained_groups) > 0
 
 
 def test_overlong_filtering_run_completes(lagged_run):
     rows = lagged_run.phase("grpo")
     assert lagged_run.summary["steps"] == 3 and len(rows) == 3
     assert all(np.isfinite(r["pg_loss"]) for r in rows)
+
+
+@pytest.mark.parametrize("overlong_filter", [True, False])
+def test_overlong_filter_takes_truncated_completions_out_of_the_loss(dp_setup, overlong_filter):
+    """A completion cut at the length limit moves the weights only without the filter: with it, the update is
+    the one of the same batch with that row's loss mask zeroed by hand."""
+    from rlfabric.trajectory import from_token_sequences
+
+    model_dir, _ = dp_setup
+    record = from_token_sequences(
+        [[5, 6], [5, 6], [5, 6]],
+        [[7, 8, 9], [10, 11, 12, 13], [7, 14]],
+        [[-1.0] * 3, [-1.0] * 4, [-1.0] * 2],
+        [[0] * 3, [0] * 4, [0] * 2],
+        episode_ids=[0, 1, 2],
+        group_ids=[0, 0, 0],
+        final_rewards={"correct": [1.0, 0.0, 0.0]},
+        truncated=[False, True, False],  # the second was cut at the limit
+    )
+    by_hand = copy.deepcopy(record)
+    by_hand.loss_mask[1] = 0.0
+    spec = {"overlong_filter": overlong_filter, "advantage": "rloo"}
+    filtered = LLMLearnerCore(**learner_kwargs(model_dir, "token_mean", 8, batch_spec=spec))
+    masked = LLMLearnerCore(**learner_kwargs(model_dir, "token_mean", 8, batch_spec={**spec, "overlong_filter": False}))
+    filtered.train_on([record], None, 1e-2)
+    masked.train_on([by_hand], None, 1e-2)
+    same = max_abs_diff(filtered.state_dict_cpu(), masked.state_dict_cpu()) < 1e-7
+    assert same == overlong_filter
 
 
 # -- 8. run outputs --------------------------------------------------------------------------------------------
@@ -560,7 +594,7 @@ def test_resume_continues_a_grpo_run_from_its_latest_checkpoint(local_ray, tmp_p
     trainer = GRPOTrainer.from_run_dir(run_dir, ["training.total_steps=4"], quiet=True)
     try:
         trainer.setup()
-        assert (trainer.counters.step, trainer.version, trainer._order) == (2, state["version"], state["order"])
+        assert (trainer.counters.step, trainer.version) == (2, state["version"])
         published, version, _ = ray.get(trainer.learners[0].publish.remote())
         assert version == state["version"]
         assert ray.get(trainer.generators.handles[0].version.remote()) == state["version"]
@@ -581,6 +615,9 @@ def test_resume_continues_a_grpo_run_from_its_latest_checkpoint(local_ray, tmp_p
     assert steps[2]["time_s"] > state["elapsed_s"]
     assert summary["eval_accuracy_initial"] == first.summary["eval_accuracy_initial"]
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step_000002", "step_000004"]
+    # the prompt order went on from the checkpoint's: steps 3 and 4 took its last 2 + 2 prompts (taken from the end)
+    after = json.loads((run_dir / "checkpoints" / "step_000004" / "trainer_state.json").read_text())
+    assert after["order"] == state["order"][:-4]
 
 
 def test_resume_of_an_async_run_that_ended(local_ray, tmp_path):
@@ -617,20 +654,24 @@ def train_resumed(run_dir: Path, overrides: list[str]) -> dict:
 
 def test_trainer_state_keeps_where_the_kl_reference_is(tmp_path):
     """Inside the run directory: relative to it (run folders move); a hub id or another folder: as given."""
-    trainer = GRPOTrainer(config_from_dict(BASE), tmp_path / "run")
-    (tmp_path / "run" / "reference_model").mkdir(parents=True)
+    from rlfabric.llm_driver import reference_entry, reference_path
+
+    run_dir = tmp_path / "run"
+    (run_dir / "reference_model").mkdir(parents=True)
     (tmp_path / "elsewhere").mkdir()
     cases = {
-        str(tmp_path / "run" / "reference_model"): {"path": "reference_model", "in_run": True},
+        str(run_dir / "reference_model"): {"path": "reference_model", "in_run": True},
         "Qwen/Qwen2.5-0.5B-Instruct": {"path": "Qwen/Qwen2.5-0.5B-Instruct", "in_run": False},
         str(tmp_path / "elsewhere"): {"path": str((tmp_path / "elsewhere").resolve()), "in_run": False},
     }
     for reference_dir, stored in cases.items():
-        trainer.reference_dir = reference_dir
-        state = json.loads(json.dumps(trainer._state()))
-        assert state["reference_model"] == stored
-        trainer._restore(state)
-        assert Path(trainer.reference_dir) == Path(reference_dir)
+        entry = json.loads(json.dumps(reference_entry(reference_dir, run_dir)))
+        assert entry == stored
+        assert Path(reference_path(entry, run_dir)) == Path(reference_dir)
+    moved = tmp_path / "moved"
+    run_dir.rename(moved)  # a run folder that moved still finds its own reference
+    assert reference_path({"path": "reference_model", "in_run": True}, moved) == str(moved / "reference_model")
+    assert reference_entry(None, moved) is None and reference_path(None, moved) is None
 
 
 def test_resume_skips_an_incomplete_checkpoint_and_names_an_unreadable_one(tmp_path):

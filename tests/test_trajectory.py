@@ -126,3 +126,16 @@ def test_a_time_major_fragment_becomes_rows_per_env_and_back():
     assert t.truncation_index.tolist() == [[0, 1]]  # (row, position)
     assert (t.policy_version == 5).all() and (t.loss_mask == 1).all()
     np.testing.assert_array_equal(time_major(t.obs), obs)
+
+
+def test_group_statistics_are_what_the_driver_chooses_groups_by():
+    from rlfabric.actors.llm_rollout import group_statistics
+
+    group_ids = np.array([3, 3, 4, 4, 5])
+    rewards = np.array([1.0, 0.0, 1.0, 1.0, 2.0], np.float32)
+    versions = np.array([2, 3, 4, 4, 1])
+    stats = group_statistics(group_ids, rewards, versions, [3, 4, 5, 6])
+    # id, mean reward, rewards differ, rows, oldest version; group 6 lost every row (its scoring failed)
+    assert stats[:3].tolist() == [[3, 0.5, 1, 2, 2], [4, 1.0, 0, 2, 4], [5, 2.0, 0, 1, 1]]
+    assert stats[3, 0] == 6 and np.isnan(stats[3, 1]) and stats[3, 2:].tolist() == [0, 0, -1]
+    assert stats.dtype == np.float32
