@@ -30,6 +30,7 @@ import torch
 from rlfabric import rewards
 from rlfabric.actor_slots import error_summary
 from rlfabric.algorithms.grpo import group_has_signal
+from rlfabric.data import row_metadata
 from rlfabric.reward_pool import RewardPool
 from rlfabric.rewards import RewardInput, RewardResult
 from rlfabric.trajectory import Trajectories, from_token_sequences
@@ -135,7 +136,7 @@ class LLMRolloutCore:
             RewardInput(
                 prompt=row[self.prompt_key],
                 completion=c["text"],
-                metadata={k: v for k, v in row.items() if k != self.prompt_key},
+                metadata=row_metadata(row, self.prompt_key),
                 finish_reason=c["finish_reason"],
                 num_tokens=len(c["token_ids"]),
             )
@@ -201,7 +202,7 @@ class LLMRolloutCore:
                 {
                     "prompt": row[self.prompt_key],
                     "completion": c["text"],
-                    "metadata": {k: v for k, v in row.items() if k != self.prompt_key},
+                    "metadata": row_metadata(row, self.prompt_key),
                     "components": r.components,
                     "error": r.error,
                 }

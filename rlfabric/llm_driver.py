@@ -249,7 +249,11 @@ class GRPOTrainer:
         try:
             yield
         finally:
-            self._step_timings[key] = self._step_timings.get(key, 0.0) + time.monotonic() - started
+            self._add_to_step(key, time.monotonic() - started)
+
+    def _add_to_step(self, key: str, amount: float) -> None:
+        """Add to one of the current step's measures (time parts, bytes), logged with its metrics row."""
+        self._step_timings[key] = self._step_timings.get(key, 0) + amount
 
     @classmethod
     def from_run_dir(cls, run_dir: str | Path, overrides: list[str] | None = None, quiet: bool = False) -> GRPOTrainer:
@@ -514,9 +518,7 @@ class GRPOTrainer:
     def _fetch(self, refs: Any, timeout: float | None = None) -> Any:
         """``ray.get`` for the step loop, counting the bytes the driver receives (``driver_received_bytes``)."""
         value = ray.get(refs, timeout=timeout)
-        self._step_timings["driver_received_bytes"] = self._step_timings.get("driver_received_bytes", 0) + (
-            payload_bytes(value)
-        )
+        self._add_to_step("driver_received_bytes", payload_bytes(value))
         return value
 
     def _from_learners(self, refs: list[ray.ObjectRef], doing: str) -> list[Any]:
@@ -638,11 +640,10 @@ class GRPOTrainer:
         c, lag = self.counters, self.cfg.training.max_policy_lag
         c.samples += meta["samples"]
         c.tokens_generated += meta.get("tokens", 0)
-        timings = self._step_timings
-        timings["trajectory_bytes"] = timings.get("trajectory_bytes", 0) + meta.get("record_bytes", 0)
+        self._add_to_step("trajectory_bytes", meta.get("record_bytes", 0))
         c.failed_samples += meta.get("failed", 0) if "group_stats" in meta else 0
         for key in ("generate_time_s", "reward_time_s"):
-            self._step_timings[key] = self._step_timings.get(key, 0.0) + meta.get(key, 0.0)
+            self._add_to_step(key, meta.get(key, 0.0))
         c.reward_worker_restarts += meta.get("reward_restarts", 0)
         for error in meta.get("errors", []):
             self._note_reward_error(error)
