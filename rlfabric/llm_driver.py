@@ -769,12 +769,17 @@ class GRPOTrainer:
         return note + (f" ({reason})" if reason else "")
 
     @staticmethod
-    def _node_of(actor: Any) -> str | None:
-        """The node an actor runs on; None when it died (it is replaced where it is used next)."""
-        try:
-            return ray.get(actor.node_id.remote(), timeout=SETUP_TIMEOUT_S)
-        except ray.exceptions.RayError:
-            return None
+    def _nodes_of(actors: list[Any]) -> list[str | None]:
+        """The node each actor runs on (asked all at once); None for one that died (it is replaced where it is
+        used next)."""
+        refs = [actor.node_id.remote() for actor in actors]
+        nodes: list[str | None] = []
+        for ref in refs:
+            try:
+                nodes.append(ray.get(ref, timeout=SETUP_TIMEOUT_S))
+            except ray.exceptions.RayError:
+                nodes.append(None)
+        return nodes
 
     def _weight_transport(self) -> str:
         """``learner.weight_transport`` made concrete for where the actors run: shared memory needs every reader
@@ -784,7 +789,7 @@ class GRPOTrainer:
             return wanted
         readers = [*self.generators.handles, *([self.reference] if self.reference is not None else [])]
         learner_node = ray.get(self.learners[0].node_id.remote())
-        elsewhere = sum(node not in (learner_node, None) for node in map(self._node_of, readers))
+        elsewhere = sum(node not in (learner_node, None) for node in self._nodes_of(readers))
         if not elsewhere:
             return wanted
         if wanted == "shared_memory":
