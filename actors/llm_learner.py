@@ -19,11 +19,13 @@ import torch
 from rlfabric.algorithms.grpo import aggregate_denominator, policy_objective
 from rlfabric.models.hf import load_causal_lm, load_tokenizer, save_pretrained
 from rlfabric.models.llm_batch import grpo_batch
+from rlfabric.models.prefix_packing import check_maskable
 from rlfabric.models.sequences import (
     batched_response_logprobs,
     is_row_column,
     keep_rows_with_advantage,
     micro_slices,
+    model_positions,
     response_logprobs,
     select_rows,
 )
@@ -65,8 +67,10 @@ class LLMLearnerCore:
         num_threads: int | None = None,
         matmul_dtype: str | None = None,
         batch_spec: dict[str, Any] | None = None,
+        sequence_packing: str = "shared_prefix",
     ) -> None:
-        """``batch_spec``: how trajectory records become the packed batch (``grpo_batch``'s keyword options)."""
+        """``batch_spec``: how trajectory records become the packed batch (``grpo_batch``'s keyword options);
+        ``sequence_packing``: how its rows reach the model (``rlfabric.models.sequences.response_logprobs``)."""
         if num_threads:
             torch.set_num_threads(num_threads)
         torch.manual_seed(seed)
@@ -81,6 +85,9 @@ class LLMLearnerCore:
         if gradient_checkpointing:
             self.model.gradient_checkpointing_enable()
         self.model.train()
+        if sequence_packing == "shared_prefix":
+            check_maskable(self.model)
+        self.packing = sequence_packing
         self.tokenizer = load_tokenizer(model_dir)
         self.batch_spec = {"reward_weights": {}, "advantage": "grpo", "scale_by_std": True, "overlong_filter": False}
         self.batch_spec.update(batch_spec or {})
@@ -152,6 +159,7 @@ class LLMLearnerCore:
                 b["attention_mask"][rows],
                 int(b["prompt_len"]),
                 matmul_dtype=self.matmul_dtype,
+                packing=self.packing,
             )
             loss = -(logp * mask[rows]).sum() / total_tokens
             loss.backward()
@@ -175,6 +183,7 @@ class LLMLearnerCore:
             self.temperature,
             self.g["micro_batch_size"],
             self.matmul_dtype,
+            self.packing,
         )
 
     def _global_denominator(self, mask: torch.Tensor) -> float:
@@ -244,6 +253,7 @@ class LLMLearnerCore:
                     self.temperature,
                     with_entropy=True,
                     matmul_dtype=self.matmul_dtype,
+                    packing=self.packing,
                 )
                 if g["entropy_coef"] == 0:
                     entropy = entropy.detach()
@@ -280,10 +290,18 @@ class LLMLearnerCore:
                 metrics["logprob_gap"] = gap_sum / max(float(mask.sum()), 1.0)
                 metrics["trained_rows"] = float(len(mask))
                 metrics["skipped_rows"] = float(full_rows - len(mask))
-                # What the forward/backward ran over: real tokens, and positions including padding.
+                # What the forward/backward ran over: real tokens, and the model's rows and positions as packed.
                 metrics["trained_tokens"] = float(b["attention_mask"].sum())
-                metrics["trained_positions"] = float(b["attention_mask"].numel())
-                metrics["trained_response_positions"] = float(mask.numel())
+                ran = model_positions(
+                    b["input_ids"].cpu().numpy(),
+                    b["attention_mask"].cpu().numpy(),
+                    int(b["prompt_len"]),
+                    self.packing,
+                    g["micro_batch_size"],
+                )
+                metrics["trained_sequences"] = ran["sequences"]
+                metrics["trained_positions"] = ran["positions"]
+                metrics["trained_head_positions"] = ran["head_positions"]
             else:
                 metrics.update({f"{k}_last_epoch": v for k, v in sums.items() if k == "clip_fraction"})
         self.version += 1  # one policy version per batch, however many epochs it took

@@ -14,6 +14,7 @@ import torch
 
 from rlfabric.models.hf import load_causal_lm
 from rlfabric.models.llm_batch import grpo_batch
+from rlfabric.models.prefix_packing import check_maskable
 from rlfabric.models.sequences import batched_response_logprobs
 from rlfabric.models.shared_weights import SharedFlatWeights
 from rlfabric.models.weights import as_state_dict
@@ -32,11 +33,15 @@ class Reference:
         matmul_dtype: str | None = None,
         batch_spec: dict[str, Any] | None = None,
         pad_id: int = 0,
+        sequence_packing: str = "shared_prefix",
     ) -> None:
         if num_threads:
             torch.set_num_threads(num_threads)
         self.model = load_causal_lm(model_dir, dtype=dtype, device=device)
         self.model.requires_grad_(False)
+        if sequence_packing == "shared_prefix":
+            check_maskable(self.model)
+        self.packing = sequence_packing  # the learner's: the same arithmetic as its forward
         self.temperature = temperature
         self.micro_batch_size = micro_batch_size
         self.matmul_dtype = matmul_dtype  # the learner's, so the KL compares like with like
@@ -67,5 +72,12 @@ class Reference:
         ids = torch.as_tensor(batch["input_ids"]).to(self.device)
         mask = torch.as_tensor(batch["attention_mask"]).to(self.device)
         return batched_response_logprobs(
-            self.model, ids, mask, int(batch["prompt_len"]), self.temperature, self.micro_batch_size, self.matmul_dtype
+            self.model,
+            ids,
+            mask,
+            int(batch["prompt_len"]),
+            self.temperature,
+            self.micro_batch_size,
+            self.matmul_dtype,
+            self.packing,
         )

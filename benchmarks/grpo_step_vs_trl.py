@@ -13,7 +13,9 @@ anchor) and ``bfloat16`` matmuls with float32 weights (rlfabric's ``learner.matm
 anchor and against TRL at the same precision. rlfabric also runs once with ``grpo.skip_zero_advantage_rows: false``:
 its learner then computes every row, as TRL does, instead of skipping rows whose advantage is 0 (exact: their
 gradient is zero). With this randomly initialised model nearly every group's rewards are all 0, so the skip removes
-most of the learner's work here; on a task where every group has signal it removes none.
+most of the learner's work here; on a task where every group has signal it removes none. And once with
+``learner.sequence_packing: padded``: one padded row per completion, TRL's layout, instead of each prompt once with
+its completions behind it (``rlfabric.models.prefix_packing``).
 
 rlfabric's step time is the driver's ``step_time_s`` (generation, reward actors, advantages, learner update and
 weight sync to the generator), split into its ``*_time_s`` parts; TRL's is its optimizer step (generation, reward,
@@ -42,6 +44,9 @@ WEIGHTS = {"correct": 1.0, "format": 0.1}
 
 
 EVERY_ROW = ", every row"  # grpo.skip_zero_advantage_rows: false
+PADDED = ", padded rows"  # learner.sequence_packing: padded (TRL's layout)
+# rlfabric's contenders: (label suffix, grpo.skip_zero_advantage_rows, learner.sequence_packing)
+VARIANTS = (("", True, "shared_prefix"), (EVERY_ROW, False, "shared_prefix"), (PADDED, True, "padded"))
 PARTS = ("generate_time_s", "reward_time_s", "update_time_s", "weight_sync_time_s")
 
 
@@ -53,6 +58,7 @@ def rlfabric_seconds_per_step(
     lr: float,
     matmul_dtype: str = "float32",
     skip_zero_advantage_rows: bool = True,
+    sequence_packing: str = "shared_prefix",
 ) -> dict:
     import ray
 
@@ -75,7 +81,7 @@ def rlfabric_seconds_per_step(
                 "skip_zero_advantage_rows": skip_zero_advantage_rows,
             },
             "generator": {"matmul_dtype": matmul_dtype},
-            "learner": {"matmul_dtype": matmul_dtype},
+            "learner": {"matmul_dtype": matmul_dtype, "sequence_packing": sequence_packing},
             "sft": {"steps": 0},
             "training": {"total_steps": steps + warmup, "eval_every": 0, "checkpoint_every": 0, "show_samples": 0},
             "ray": {"num_cpus": max(threads, 2) + 2},
@@ -105,8 +111,8 @@ def rlfabric_seconds_per_step(
 
 def training_flops(model_dir: str, row: dict) -> float:
     """FLOPs of one learner update as run (padding included): forward 2 x (body parameters) per position plus
-    2 x hidden x vocab per response position (the LM head sees only those) plus attention 4 x layers x hidden x
-    (positions per row) per position; backward twice the forward."""
+    2 x hidden x vocab per LM-head position plus attention 4 x layers x hidden x (positions per input row) per
+    position (the mask hides keys but the kernel computes every score); backward twice the forward."""
     config = json.loads((Path(model_dir) / "config.json").read_text())
     h, layers, vocab = config["hidden_size"], config["num_hidden_layers"], config["vocab_size"]
     heads, kv_heads = config["num_attention_heads"], config.get("num_key_value_heads", config["num_attention_heads"])
@@ -114,7 +120,7 @@ def training_flops(model_dir: str, row: dict) -> float:
     attn_params = h * h * 2 + 2 * h * kv_heads * head_dim  # q and o, k and v
     mlp_params = 3 * h * config["intermediate_size"]
     body = layers * (attn_params + mlp_params)
-    positions, responses, rows = row["trained_positions"], row["trained_response_positions"], row["trained_rows"]
+    positions, responses, rows = row["trained_positions"], row["trained_head_positions"], row["trained_sequences"]
     width = positions / max(rows, 1)
     forward = 2 * body * positions + 2 * h * vocab * responses + 4 * layers * h * width * positions
     return 3.0 * forward
@@ -222,10 +228,10 @@ def main() -> None:
             for start in args.starts:
                 for precision in args.precisions:
                     key = f"{start} {precision}"
-                    for label, skip in (("", True), (EVERY_ROW, False)):
+                    for label, skip, packing in VARIANTS:
                         started = time.perf_counter()
                         run = rlfabric_seconds_per_step(
-                            models[start], args.steps, args.warmup, args.threads, args.lr, precision, skip
+                            models[start], args.steps, args.warmup, args.threads, args.lr, precision, skip, packing
                         )
                         ours.setdefault(key + label, []).append(run)
                         median, took = run["seconds_per_step_median"], time.perf_counter() - started
@@ -255,7 +261,7 @@ def main() -> None:
         for name, runs in ours.items():
             if not name.startswith(start + " "):
                 continue
-            same = name.removesuffix(EVERY_ROW)
+            same = name.removesuffix(EVERY_ROW).removesuffix(PADDED)
             vs_anchor, vs_same = per_round_ratio(anchor_runs, runs), per_round_ratio(trl[same], runs)
             mine = statistics.median(r["seconds_per_step_median"] for r in runs)
             trl_update_per_row = statistics.median(r["update_seconds_median"] / 64 for r in trl[same])

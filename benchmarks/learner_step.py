@@ -4,8 +4,10 @@ Where the learner's time goes, without Ray: ``LLMLearnerCore.train_step`` (rlfab
 entropy, the loss's shared denominator, fused AdamW) against the least a framework can do for the same update
 (one forward with ``logits_to_keep``, token logprobs, the clipped-ratio loss at ratio 1, backward, gradient
 clipping, AdamW), which is what TRL's training part runs. Same model as ``grpo_step_vs_trl.py`` (4 x 256
-character Qwen2), 64 rows, every row trained, at two widths: short completions (what a warmed-up model writes,
-2-5 tokens) and long ones (a tenth of the rows at 32 tokens).
+character Qwen2), 64 rows (8 prompts x 8 completions, as GRPO samples them), every row trained, at two widths:
+short completions (what a warmed-up model writes, 2-5 tokens) and long ones (a tenth of the rows at 32 tokens).
+rlfabric runs twice: with its default shared-prefix packing (each prompt once, no padding between responses) and
+with ``learner.sequence_packing: padded`` (the TRL layout: one padded row per completion).
 
     python benchmarks/learner_step.py [--threads 2] [--reps 8]
 
@@ -33,9 +35,11 @@ from rlfabric.models.sequences import pack_sequences
 
 
 def make_batch(long_fraction: float, seed: int = 0) -> dict[str, np.ndarray]:
-    """64 rows of 5-8 prompt tokens; responses of 2-5 tokens, or 32 for ``long_fraction`` of the rows."""
+    """8 prompts of 5-8 tokens, 8 rows each; responses of 2-5 tokens, or 32 for ``long_fraction`` of the rows."""
     rng = random.Random(seed)
-    prompts = [[rng.randrange(3, 60) for _ in range(rng.randrange(5, 9))] for _ in range(64)]
+    prompts = [
+        p for p in [[rng.randrange(3, 60) for _ in range(rng.randrange(5, 9))] for _ in range(8)] for _ in range(8)
+    ]
     lengths = [32 if rng.random() < long_fraction else rng.randrange(2, 6) for _ in range(64)]
     responses = [[rng.randrange(3, 60) for _ in range(n)] for n in lengths]
     batch = pack_sequences(prompts, responses, 0)
@@ -91,13 +95,16 @@ def main() -> None:
         }
         for label, long_fraction in (("short completions", 0.0), ("a tenth at 32 tokens", 0.1)):
             batch = make_batch(long_fraction)
-            learner = LLMLearnerCore(model_dir, grpo, {"lr": 1e-3}, temperature=1.0)
-            ours = median_seconds(lambda b=batch, ln=learner: ln.train_step(b, 1e-5), args.reps)
+            seconds = {}
+            for packing in ("shared_prefix", "padded"):
+                learner = LLMLearnerCore(model_dir, grpo, {"lr": 1e-3}, temperature=1.0, sequence_packing=packing)
+                seconds[packing] = median_seconds(lambda b=batch, ln=learner: ln.train_step(b, 1e-5), args.reps)
             theirs = median_seconds(minimal_step(model_dir, batch), args.reps)
             width = batch["input_ids"].shape[1]
             print(
-                f"{label} (64 x {width}): rlfabric train_step {ours:.3f} s, minimal TRL-style step {theirs:.3f} s, "
-                f"ratio {theirs / ours:.2f}x"
+                f"{label} (64 x {width}): minimal TRL-style step {theirs:.3f} s; rlfabric train_step, shared prefix "
+                f"{seconds['shared_prefix']:.3f} s ({theirs / seconds['shared_prefix']:.2f}x), padded "
+                f"{seconds['padded']:.3f} s ({theirs / seconds['padded']:.2f}x)"
             )
 
 

@@ -394,6 +394,7 @@ class GRPOTrainer:
                 num_threads=self._threads("learner"),
                 matmul_dtype=lc.matmul_dtype,
                 batch_spec=self._batch_spec(),
+                sequence_packing=lc.sequence_packing,
             )
             for rank in range(lc.num_learners)
         ]
@@ -471,6 +472,7 @@ class GRPOTrainer:
                 matmul_dtype=lc.matmul_dtype,
                 batch_spec=self._batch_spec(),
                 pad_id=self.tokenizer.pad_token_id,
+                sequence_packing=lc.sequence_packing,
             )
         self._prompt_refs = {
             "train": ray.put(PromptSet(self.train_rows, self.train_ids)),
@@ -1099,8 +1101,9 @@ ADDITIVE_LEARNER_METRICS = frozenset(
         "trained_rows",
         "skipped_rows",
         "trained_tokens",
+        "trained_sequences",
         "trained_positions",
-        "trained_response_positions",
+        "trained_head_positions",
     }
 )
 

@@ -15,6 +15,11 @@ import torch
 
 from rlfabric.algorithms.grpo import entropy_from_logits, token_logprobs_from_logits
 from rlfabric.models.precision import matmul_precision
+from rlfabric.models.prefix_packing import pack_shared_prefix, response_logprobs_shared_prefix
+
+# How a batch's rows reach the model: "shared_prefix" (``rlfabric.models.prefix_packing``) or "padded" (one row
+# each, as laid out here).
+SEQUENCE_PACKINGS = ("shared_prefix", "padded")
 
 
 def pack_sequences(
@@ -65,6 +70,24 @@ def micro_slices(n: int, size: int) -> list[slice]:
     return [slice(i, min(i + size, n)) for i in range(0, n, size)]
 
 
+def model_positions(
+    input_ids: np.ndarray, attention_mask: np.ndarray, prompt_len: int, packing: str, micro_batch_size: int
+) -> dict[str, float]:
+    """What the model runs over for a padded batch, micro-batch by micro-batch: ``sequences`` (rows of its input),
+    ``positions`` (their positions, padding included) and ``head_positions`` (positions through the LM head)."""
+    sequences = positions = head = 0
+    for rows in micro_slices(len(input_ids), micro_batch_size):
+        if packing == "shared_prefix":
+            pack = pack_shared_prefix(input_ids[rows], attention_mask[rows], prompt_len)
+            sequences += pack.input_ids.shape[0]
+            positions += pack.input_ids.size
+            head += len(pack.target)
+        else:
+            n, width = input_ids[rows].shape
+            sequences, positions, head = sequences + n, positions + n * width, head + n * (width - prompt_len)
+    return {"sequences": float(sequences), "positions": float(positions), "head_positions": float(head)}
+
+
 @torch.no_grad()
 def batched_response_logprobs(
     model: Any,
@@ -74,11 +97,18 @@ def batched_response_logprobs(
     temperature: float,
     micro_batch_size: int,
     matmul_dtype: str | None = None,
+    packing: str = "padded",
 ) -> np.ndarray:
     """``response_logprobs`` over a whole batch, ``micro_batch_size`` rows at a time, without gradients."""
     parts = [
         response_logprobs(
-            model, input_ids[rows], attention_mask[rows], prompt_len, temperature, matmul_dtype=matmul_dtype
+            model,
+            input_ids[rows],
+            attention_mask[rows],
+            prompt_len,
+            temperature,
+            matmul_dtype=matmul_dtype,
+            packing=packing,
         )[0]
         .float()
         .cpu()
@@ -95,12 +125,21 @@ def response_logprobs(
     temperature: float = 1.0,
     with_entropy: bool = False,
     matmul_dtype: str | None = None,
+    packing: str = "padded",
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Logprobs [N, R] of each response token under softmax(logits / temperature), and optionally the entropy.
 
     Only the R + 1 last positions go through the LM head (``logits_to_keep``): the prompt's logits are never built.
     ``matmul_dtype`` (e.g. "bfloat16") runs the body's matmuls in that dtype, see ``rlfabric.models.precision``.
+    ``packing`` "shared_prefix" computes the same values over rows that share their prompt
+    (``rlfabric.models.prefix_packing``); columns past a row's response are then 0.
     """
+    if packing == "shared_prefix":
+        return response_logprobs_shared_prefix(
+            model, input_ids, attention_mask, prompt_len, temperature, with_entropy, matmul_dtype
+        )
+    if packing != "padded":
+        raise ValueError(f"packing = {packing!r}: expected one of {SEQUENCE_PACKINGS}")
     width_r = input_ids.shape[1] - prompt_len
     positions = (attention_mask.cumsum(-1) - 1).clamp(min=0)
     with matmul_precision(model, matmul_dtype):
