@@ -12,9 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from rlfabric.config_base import ConfigError, RayConfig, require
-
-ADVANTAGES = ("grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline")
-AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
+from rlfabric.objectives import TABLES
 
 
 @dataclass
@@ -106,6 +104,7 @@ class RewardsConfig:
 class GRPOConfig:
     prompts_per_step: int = 32
     group_size: int = 8
+    # The names of advantage, ratio_level, loss_aggregation and kl_estimator are rlfabric.objectives' tables.
     # "grpo" (group mean/std), "rloo" (leave-one-out), "reinforce_pp" (batch-normalised), "reinforce_pp_baseline".
     advantage: str = "grpo"
     # Divide by the group std (GRPO); false is Dr. GRPO.
@@ -114,11 +113,11 @@ class GRPOConfig:
     # Upper clip range; > clip_low is DAPO's clip-higher.
     clip_high: float = 0.2
     # "token" (PPO/GRPO) or "sequence" (GSPO's sequence-level ratio).
-    ratio_level: Literal["token", "sequence"] = "token"
+    ratio_level: str = "token"
     # "token_mean" (DAPO), "seq_mean_token_mean" (GRPO), "seq_mean_token_sum_norm" (Dr. GRPO).
     loss_aggregation: str = "token_mean"
     kl_coef: float = 0.0
-    kl_estimator: Literal["k1", "k3"] = "k3"
+    kl_estimator: str = "k3"
     # Where the frozen reference model's logprobs are computed: in the learner or in a reference actor.
     reference: Literal["learner", "actor"] = "learner"
     entropy_coef: float = 0.0
@@ -233,13 +232,8 @@ def validate_llm(cfg: LLMConfig) -> LLMConfig:
     ):
         require(value >= 1, path, value, "must be at least 1")
     require(g.group_size >= 2, "grpo.group_size", g.group_size, "must be at least 2 (advantages compare a group)")
-    require(g.advantage in ADVANTAGES, "grpo.advantage", g.advantage, f"must be one of {', '.join(ADVANTAGES)}")
-    require(
-        g.loss_aggregation in AGGREGATIONS,
-        "grpo.loss_aggregation",
-        g.loss_aggregation,
-        f"must be one of {', '.join(AGGREGATIONS)}",
-    )
+    for table in TABLES:  # advantage, ratio_level, loss_aggregation, kl_estimator: the registered names
+        table.check(getattr(g, table.field.removeprefix("grpo.")))
     for path, value in (
         ("grpo.lr", g.lr),
         ("grpo.clip_low", g.clip_low),

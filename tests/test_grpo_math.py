@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from rlfabric.algorithms import grpo
+from rlfabric.objectives import KL_ESTIMATORS, LOSS_AGGREGATIONS, POLICY_RATIOS
 
 F64 = torch.float64
 NAN, INF = float("nan"), float("inf")
@@ -278,7 +279,7 @@ def test_aggregate_loss_with_nothing_to_train_on_is_zero():
     close(grpo.aggregate_loss(LOSS, torch.zeros_like(LOSS_MASK), "seq_mean_token_mean"), 0.0)
 
 
-@pytest.mark.parametrize("mode", grpo.AGGREGATION_MODES)
+@pytest.mark.parametrize("mode", LOSS_AGGREGATIONS.names())
 def test_micro_batch_accumulation_equals_the_full_batch(mode):
     torch.manual_seed(0)
     base = torch.randn(4, 4, dtype=F64)
@@ -402,8 +403,8 @@ def test_policy_objective_by_hand():
     close(new.grad, [[-1 / 3 + 0.05 / 3, -1 / 3 + 0.05 / 3], [1 / 3 + 0.05 / 3, 0.0]])
 
 
-@pytest.mark.parametrize("kl_estimator", grpo.KL_ESTIMATORS)
-@pytest.mark.parametrize("ratio_level", grpo.RATIO_LEVELS)
+@pytest.mark.parametrize("kl_estimator", KL_ESTIMATORS.names())
+@pytest.mark.parametrize("ratio_level", POLICY_RATIOS.names())
 def test_policy_objective_garbage_at_padding_leaks_nowhere(kl_estimator, ratio_level):
     new, old, ref, entropy, mask = _objective_batch()
     loss, metrics = grpo.policy_objective(
@@ -443,7 +444,7 @@ def test_policy_objective_requires_the_inputs_its_coefficients_need():
         grpo.policy_objective(new, old, t([1.0, 1.0]), mask, entropy_coef=0.01)
 
 
-@pytest.mark.parametrize("mode", grpo.AGGREGATION_MODES)
+@pytest.mark.parametrize("mode", LOSS_AGGREGATIONS.names())
 def test_policy_objective_micro_batches_sum_to_the_full_batch(mode):
     torch.manual_seed(1)
     mask = t([[1, 1, 1, 0], [1, 0, 0, 0], [1, 1, 0, 0]]).bool()

@@ -27,6 +27,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "rlfabric.config",
             "rlfabric.registry",
             "rlfabric.rewards.registry",
+            "rlfabric.objectives",  # the GRPO family's part names; functions resolved by path where they run
             "rlfabric.tasks",
             "rlfabric.data",
             "rlfabric.trajectory",

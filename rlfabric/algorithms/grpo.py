@@ -17,15 +17,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-ADVANTAGE_ESTIMATORS = ("grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline")
-RATIO_LEVELS = ("token", "sequence")
-AGGREGATION_MODES = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
-KL_ESTIMATORS = ("k1", "k3")
+from rlfabric.objectives import ADVANTAGE_ESTIMATORS, KL_ESTIMATORS, LOSS_AGGREGATIONS, POLICY_RATIOS
+
 LOG_RATIO_CLAMP = 20.0  # |log ratio| beyond this would overflow exp in float32 long before it means anything
-
-
-def _allowed(kind: str, name: str, allowed: tuple[str, ...]) -> ValueError:
-    return ValueError(f"unknown {kind} {name!r}; allowed: {', '.join(allowed)}")
 
 
 # -- masked reductions ----------------------------------------------------------------------------------------
@@ -79,14 +73,20 @@ def grpo_advantages(rewards: Tensor, group_ids: Tensor, scale_by_std: bool = Tru
     return centered / (variance.sqrt() + eps) if scale_by_std else centered
 
 
-def rloo_advantages(rewards: Tensor, group_ids: Tensor) -> Tensor:
-    """RLOO (Ahmadian et al. 2024): A_i = r_i - mean_{j != i in g} r_j = n/(n-1) * (r_i - mean_g); 0 when n = 1."""
+def rloo_advantages(rewards: Tensor, group_ids: Tensor, *, scale_by_std: bool = True) -> Tensor:
+    """RLOO (Ahmadian et al. 2024): A_i = r_i - mean_{j != i in g} r_j = n/(n-1) * (r_i - mean_g); 0 when n = 1.
+    (``scale_by_std``: the estimators' shared signature; only "grpo" reads it.)"""
     centered, size, _ = _group_stats(_as_float(rewards), group_ids)
     return centered * size / (size - 1).clamp_min(1)
 
 
 def reinforce_pp_advantages(
-    rewards: Tensor, group_ids: Tensor | None = None, subtract_group_mean: bool = False, eps: float = 1e-6
+    rewards: Tensor,
+    group_ids: Tensor | None = None,
+    subtract_group_mean: bool = False,
+    eps: float = 1e-6,
+    *,
+    scale_by_std: bool = True,
 ) -> Tensor:
     """REINFORCE++ (Hu 2025): A_i = (a_i - mean_batch a) / (std_batch a + eps), std unbiased, over the whole batch.
 
@@ -103,39 +103,42 @@ def reinforce_pp_advantages(
     return centered / (std + eps)
 
 
+def reinforce_pp_baseline_advantages(rewards: Tensor, group_ids: Tensor, *, scale_by_std: bool = True) -> Tensor:
+    """REINFORCE++-baseline (Hu 2025): a_i = r_i - mean_g, then A_i = (a_i - mean_batch a) / (std_batch a + eps)."""
+    return reinforce_pp_advantages(rewards, group_ids, subtract_group_mean=True)
+
+
 def compute_advantages(estimator: str, rewards: Tensor, group_ids: Tensor, *, scale_by_std: bool = True) -> Tensor:
-    """Advantages by name: "grpo" | "rloo" | "reinforce_pp" | "reinforce_pp_baseline".
+    """Advantages by the estimator's name in ``rlfabric.objectives.ADVANTAGE_ESTIMATORS``.
 
     ``scale_by_std`` applies to "grpo" only (False = Dr. GRPO); the others ignore it.
     """
-    if estimator == "grpo":
-        return grpo_advantages(rewards, group_ids, scale_by_std=scale_by_std)
-    if estimator == "rloo":
-        return rloo_advantages(rewards, group_ids)
-    if estimator in ("reinforce_pp", "reinforce_pp_baseline"):
-        return reinforce_pp_advantages(rewards, group_ids, subtract_group_mean=estimator == "reinforce_pp_baseline")
-    raise _allowed("advantage estimator", estimator, ADVANTAGE_ESTIMATORS)
+    return ADVANTAGE_ESTIMATORS.resolve(estimator)(rewards, group_ids, scale_by_std=scale_by_std)
 
 
 # -- ratios and the clipped surrogate -------------------------------------------------------------------------
 
 
-def log_ratio(new_logp: Tensor, old_logp: Tensor, mask: Tensor, level: str = "token") -> Tensor:
-    """log r_{i,t}, 0 at masked positions.
+def token_log_ratio(new_logp: Tensor, old_logp: Tensor, mask: Tensor) -> Tensor:
+    """PPO / GRPO: log r_{i,t} = new_{i,t} - old_{i,t}, 0 at masked positions."""
+    return _zero_masked(new_logp - old_logp, mask)
 
-    token:    log r_{i,t} = new_{i,t} - old_{i,t}                                       (PPO / GRPO)
-    sequence: log r_{i,t} = sg[log s_i] + new_{i,t} - sg[new_{i,t}],  log s_i = masked mean_t (new - old)
-              (GSPO-token, Zheng et al. 2025): the value is the sequence's length-normalized log ratio at every
-              token, while the gradient is that of new_{i,t} alone. With A constant over a sequence and
-              "seq_mean_token_mean" aggregation this is exactly GSPO's sequence-level gradient.
+
+def sequence_log_ratio(new_logp: Tensor, old_logp: Tensor, mask: Tensor) -> Tensor:
+    """GSPO-token (Zheng et al. 2025): log r_{i,t} = sg[log s_i] + new_{i,t} - sg[new_{i,t}], with
+    log s_i = masked mean_t (new - old), 0 at masked positions.
+
+    The value is the sequence's length-normalized log ratio at every token, while the gradient is that of
+    new_{i,t} alone. With A constant over a sequence and "seq_mean_token_mean" aggregation this is exactly GSPO's
+    sequence-level gradient.
     """
-    diff = _zero_masked(new_logp - old_logp, mask)
-    if level == "token":
-        return diff
-    if level != "sequence":
-        raise _allowed("ratio level", level, RATIO_LEVELS)
-    seq = masked_mean(diff, mask, dim=-1).detach().unsqueeze(-1)
+    seq = masked_mean(token_log_ratio(new_logp, old_logp, mask), mask, dim=-1).detach().unsqueeze(-1)
     return _zero_masked(seq + new_logp - new_logp.detach(), mask)
+
+
+def log_ratio(new_logp: Tensor, old_logp: Tensor, mask: Tensor, level: str = "token") -> Tensor:
+    """log r_{i,t} by the ratio's name in ``rlfabric.objectives.POLICY_RATIOS`` ("token", "sequence")."""
+    return POLICY_RATIOS.resolve(level)(new_logp, old_logp, mask)
 
 
 def clipped_policy_loss(
@@ -166,37 +169,47 @@ def clipped_policy_loss(
 # -- aggregation ---------------------------------------------------------------------------------------------
 
 
-def _check_aggregation(mode: str, norm_length: int | None) -> None:
-    if mode not in AGGREGATION_MODES:
-        raise _allowed("loss aggregation mode", mode, AGGREGATION_MODES)
-    if mode == "seq_mean_token_sum_norm" and (norm_length is None or norm_length <= 0):
+def _token_count(mask: Tensor) -> float:
+    return float(mask.to(torch.float64).sum())
+
+
+def _sequence_count(mask: Tensor) -> float:
+    """Sequences with at least one loss token (an all-masked one, e.g. overlong-filtered, does not count)."""
+    return float((mask.to(torch.float64).sum(-1) > 0).sum())
+
+
+def token_mean(loss_per_token: Tensor, mask: Tensor, norm_length: int | None = None) -> tuple[Tensor, float]:
+    """DAPO: loss = sum_{i,t} m l / sum_{i,t} m, as (numerator, denominator)."""
+    return masked_sum(loss_per_token, mask), _token_count(mask)
+
+
+def seq_mean_token_mean(loss_per_token: Tensor, mask: Tensor, norm_length: int | None = None) -> tuple[Tensor, float]:
+    """Original GRPO: loss = sum_i [sum_t m l / sum_t m] / #sequences, as (numerator, denominator)."""
+    return masked_mean(loss_per_token, mask, dim=-1).sum(), _sequence_count(mask)
+
+
+def seq_mean_token_sum_norm(
+    loss_per_token: Tensor, mask: Tensor, norm_length: int | None = None
+) -> tuple[Tensor, float]:
+    """Dr. GRPO: loss = sum_i [sum_t m l / norm_length] / #sequences, as (numerator, denominator);
+    norm_length > 0."""
+    if norm_length is None or norm_length <= 0:
         raise ValueError(f"aggregation 'seq_mean_token_sum_norm' needs norm_length > 0; got {norm_length!r}")
-
-
-def aggregate_denominator(mask: Tensor, mode: str, norm_length: int | None = None) -> float:
-    """The denominator of ``aggregate_loss``: sum(mask) for "token_mean", else the number of sequences with at
-    least one loss token (an all-masked sequence, e.g. overlong-filtered, is not counted). Additive over
-    micro-batches."""
-    _check_aggregation(mode, norm_length)
-    weight = mask.to(torch.float64)
-    return float(weight.sum()) if mode == "token_mean" else float((weight.sum(-1) > 0).sum())
+    return masked_sum(loss_per_token, mask) / norm_length, _sequence_count(mask)
 
 
 def aggregate_loss_sum(
     loss_per_token: Tensor, mask: Tensor, mode: str, norm_length: int | None = None
 ) -> tuple[Tensor, float]:
-    """(numerator, denominator) with aggregate_loss = numerator / denominator; both add up over micro-batches.
+    """(numerator, denominator) with aggregate_loss = numerator / denominator, by the aggregation's name in
+    ``rlfabric.objectives.LOSS_AGGREGATIONS``; both add up over micro-batches."""
+    return LOSS_AGGREGATIONS.resolve(mode)(loss_per_token, mask, norm_length)
 
-    token_mean:              sum_{i,t} m l / sum_{i,t} m                               (DAPO)
-    seq_mean_token_mean:     sum_i [sum_t m l / sum_t m] / #sequences                  (original GRPO)
-    seq_mean_token_sum_norm: sum_i [sum_t m l / norm_length] / #sequences              (Dr. GRPO)
-    """
-    denominator = aggregate_denominator(mask, mode, norm_length)
-    if mode == "token_mean":
-        return masked_sum(loss_per_token, mask), denominator
-    if mode == "seq_mean_token_mean":
-        return masked_mean(loss_per_token, mask, dim=-1).sum(), denominator
-    return masked_sum(loss_per_token, mask) / norm_length, denominator
+
+def aggregate_denominator(mask: Tensor, mode: str, norm_length: int | None = None) -> float:
+    """The denominator of ``aggregate_loss``: sum(mask) for "token_mean", else the number of sequences with at
+    least one loss token. Additive over micro-batches."""
+    return aggregate_loss_sum(torch.zeros_like(mask, dtype=torch.float32), mask, mode, norm_length)[1]
 
 
 def aggregate_loss(
@@ -219,18 +232,22 @@ def aggregate_loss(
 # -- penalties and distributions --------------------------------------------------------------------------------
 
 
-def kl_penalty(logp: Tensor, ref_logp: Tensor, estimator: str = "k3") -> Tensor:
-    """Per-token estimate of KL(pi || pi_ref) from samples of pi (Schulman 2020, "Approximating KL divergence").
+def kl_k1(logp: Tensor, ref_logp: Tensor) -> Tensor:
+    """k1 = logp - ref_logp (Schulman 2020): unbiased for KL(pi || pi_ref) under samples of pi, can be negative."""
+    return logp - ref_logp
 
-    k1 = logp - ref_logp                                      (unbiased, can be negative)
-    k3 = exp(d) - d - 1,  d = clamp(ref_logp - logp, -20, 20) (unbiased, nonnegative, lower variance)
-    """
-    if estimator == "k1":
-        return logp - ref_logp
-    if estimator != "k3":
-        raise _allowed("KL estimator", estimator, KL_ESTIMATORS)
+
+def kl_k3(logp: Tensor, ref_logp: Tensor) -> Tensor:
+    """k3 = exp(d) - d - 1, d = clamp(ref_logp - logp, -20, 20) (Schulman 2020): unbiased, nonnegative, lower
+    variance than k1."""
     d = (ref_logp - logp).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     return torch.expm1(d) - d
+
+
+def kl_penalty(logp: Tensor, ref_logp: Tensor, estimator: str = "k3") -> Tensor:
+    """Per-token estimate of KL(pi || pi_ref) from samples of pi, by the estimator's name in
+    ``rlfabric.objectives.KL_ESTIMATORS`` ("k1", "k3")."""
+    return KL_ESTIMATORS.resolve(estimator)(logp, ref_logp)
 
 
 def entropy_from_logits(logits: Tensor) -> Tensor:

@@ -1,0 +1,113 @@
+"""The GRPO family's named parts: advantage estimators, policy-loss ratios, loss aggregations, KL estimators.
+
+One source of the valid names. Config validation checks a name against its table here, the docs test checks that
+docs/config.md lists every name, and the learner's math (``rlfabric.algorithms.grpo``) resolves the name to the
+pure function that implements it. Each entry names that function as ``"package.module:function"``, imported
+only when it runs, so validating a config never imports torch; the function's docstring carries the formula.
+
+A new part is one pure function and one ``add`` call, e.g. an advantage estimator
+``fn(rewards [N], group_ids [N], *, scale_by_std) -> advantages [N]``::
+
+    from rlfabric.objectives import ADVANTAGE_ESTIMATORS
+    ADVANTAGE_ESTIMATORS.add("my_baseline", "my_package.advantages:my_baseline", "reward minus a learned baseline")
+
+(the module must be importable on the learners' nodes).
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from rlfabric.config_base import ConfigError
+
+
+@dataclass(frozen=True)
+class Part:
+    name: str
+    target: str  # "package.module:function"
+    summary: str  # one line: what it computes (docs and errors)
+
+
+class PartTable:
+    """Names of one kind of part, set by one config field, each resolving to its function."""
+
+    def __init__(self, kind: str, field: str, signature: str) -> None:
+        self.kind, self.field, self.signature = kind, field, signature
+        self._parts: dict[str, Part] = {}
+        self._resolved: dict[str, Callable[..., Any]] = {}
+
+    def add(self, name: str, target: str, summary: str) -> None:
+        """Register ``name`` for the function at ``target`` ("package.module:function")."""
+        module, _, function = target.partition(":")
+        if not name or not module or not function:
+            raise ValueError(f"{self.kind} {name!r}: target {target!r} must be 'package.module:function'")
+        self._parts[name] = Part(name, target, summary)
+        self._resolved.pop(name, None)
+
+    def remove(self, name: str) -> None:
+        """Forget ``name`` (a no-op for a name never added)."""
+        self._parts.pop(name, None)
+        self._resolved.pop(name, None)
+
+    def names(self) -> tuple[str, ...]:
+        return tuple(self._parts)
+
+    def parts(self) -> tuple[Part, ...]:
+        return tuple(self._parts.values())
+
+    def check(self, name: str) -> None:
+        """Raise a one-line ConfigError naming the field and the valid names when ``name`` is not one."""
+        if name not in self._parts:
+            raise ConfigError(f"{self.field} = {name!r} is not valid: must be one of {', '.join(self._parts)}")
+
+    def resolve(self, name: str) -> Callable[..., Any]:
+        """The function registered under ``name`` (imported at the first call)."""
+        if name not in self._resolved:
+            if name not in self._parts:
+                raise ValueError(f"unknown {self.kind} {name!r}; allowed: {', '.join(self._parts)}")
+            module, _, function = self._parts[name].target.partition(":")
+            self._resolved[name] = getattr(importlib.import_module(module), function)
+        return self._resolved[name]
+
+
+_MATH = "rlfabric.algorithms.grpo"
+
+ADVANTAGE_ESTIMATORS = PartTable(
+    "advantage estimator", "grpo.advantage", "fn(rewards [N], group_ids [N], *, scale_by_std) -> advantages [N]"
+)
+ADVANTAGE_ESTIMATORS.add("grpo", f"{_MATH}:grpo_advantages", "group mean and std (scale_by_std false: Dr. GRPO)")
+ADVANTAGE_ESTIMATORS.add("rloo", f"{_MATH}:rloo_advantages", "leave-one-out group mean")
+ADVANTAGE_ESTIMATORS.add("reinforce_pp", f"{_MATH}:reinforce_pp_advantages", "batch mean and std")
+ADVANTAGE_ESTIMATORS.add(
+    "reinforce_pp_baseline",
+    f"{_MATH}:reinforce_pp_baseline_advantages",
+    "group mean removed, then batch mean and std",
+)
+
+POLICY_RATIOS = PartTable(
+    "policy-loss ratio", "grpo.ratio_level", "fn(new_logp [N, T], old_logp [N, T], mask [N, T]) -> log ratio [N, T]"
+)
+POLICY_RATIOS.add("token", f"{_MATH}:token_log_ratio", "per-token ratio (PPO / GRPO / DAPO clipped surrogate)")
+POLICY_RATIOS.add("sequence", f"{_MATH}:sequence_log_ratio", "length-normalised sequence ratio (GSPO)")
+
+LOSS_AGGREGATIONS = PartTable(
+    "loss aggregation",
+    "grpo.loss_aggregation",
+    "fn(loss [N, T], mask [N, T], norm_length) -> (numerator, denominator), both additive over micro-batches",
+)
+LOSS_AGGREGATIONS.add("token_mean", f"{_MATH}:token_mean", "over all tokens of the batch (DAPO)")
+LOSS_AGGREGATIONS.add("seq_mean_token_mean", f"{_MATH}:seq_mean_token_mean", "per sequence, then over sequences")
+LOSS_AGGREGATIONS.add(
+    "seq_mean_token_sum_norm",
+    f"{_MATH}:seq_mean_token_sum_norm",
+    "token sum / sampling.max_new_tokens, then over sequences (Dr. GRPO)",
+)
+
+KL_ESTIMATORS = PartTable("KL estimator", "grpo.kl_estimator", "fn(logp [N, T], ref_logp [N, T]) -> kl [N, T]")
+KL_ESTIMATORS.add("k1", f"{_MATH}:kl_k1", "logp - ref_logp (unbiased, can be negative)")
+KL_ESTIMATORS.add("k3", f"{_MATH}:kl_k3", "exp(d) - d - 1 (unbiased, nonnegative)")
+
+TABLES = (ADVANTAGE_ESTIMATORS, POLICY_RATIOS, LOSS_AGGREGATIONS, KL_ESTIMATORS)

@@ -1,0 +1,65 @@
+"""The GRPO family's named parts: one table per kind, read by config validation, the docs and the learner's math."""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from rlfabric.algorithms import grpo
+from rlfabric.config import ConfigError, config_from_dict
+from rlfabric.objectives import ADVANTAGE_ESTIMATORS, LOSS_AGGREGATIONS, TABLES
+
+CONFIG_DOC = Path(__file__).resolve().parent.parent / "docs" / "config.md"
+
+
+@pytest.mark.parametrize("table", TABLES, ids=lambda t: t.field)
+def test_every_name_resolves_to_a_function_with_its_formula(table):
+    for part in table.parts():
+        function = table.resolve(part.name)
+        assert callable(function) and "=" in (function.__doc__ or ""), f"{part.target}: no formula in the docstring"
+
+
+@pytest.mark.parametrize("table", TABLES, ids=lambda t: t.field)
+def test_config_validation_names_the_field_and_the_registered_names(table):
+    section, key = table.field.split(".")
+    with pytest.raises(ConfigError) as info:
+        config_from_dict({"algo": "grpo", section: {key: "no_such_part"}})
+    message = str(info.value)
+    assert "\n" not in message and message.startswith(f"{table.field} = 'no_such_part' is not valid")
+    assert all(name in message for name in table.names())
+
+
+@pytest.mark.parametrize("table", TABLES, ids=lambda t: t.field)
+def test_the_config_reference_lists_every_name(table):
+    row = next(line for line in CONFIG_DOC.read_text().splitlines() if line.startswith(f"| `{table.field}` |"))
+    assert [name for name in table.names() if f"`{name}`" not in row] == []
+
+
+def test_a_registered_estimator_is_valid_config_and_runs_in_the_math():
+    ADVANTAGE_ESTIMATORS.add("leave_one_out", "rlfabric.algorithms.grpo:rloo_advantages", "RLOO under another name")
+    try:
+        cfg = config_from_dict({"algo": "grpo", "grpo": {"advantage": "leave_one_out"}})
+        assert cfg.grpo.advantage == "leave_one_out"
+        rewards, groups = torch.tensor([1.0, 0.0, 0.0, 2.0]), torch.tensor([0, 0, 1, 1])
+        # RLOO by hand: r_i minus the mean of the others in its group.
+        expected = torch.tensor([1.0, -1.0, -2.0, 2.0])
+        torch.testing.assert_close(grpo.compute_advantages("leave_one_out", rewards, groups), expected)
+    finally:
+        ADVANTAGE_ESTIMATORS.remove("leave_one_out")
+    with pytest.raises(ConfigError, match="grpo.advantage = 'leave_one_out' is not valid"):
+        config_from_dict({"algo": "grpo", "grpo": {"advantage": "leave_one_out"}})
+
+
+def test_aggregation_denominators_by_hand():
+    mask = torch.tensor([[1.0, 1.0, 0.0], [0.0, 0.0, 0.0], [1.0, 0.0, 0.0]])  # the middle row is all masked
+    loss = torch.tensor([[1.0, 3.0, 9.0], [5.0, 5.0, 5.0], [4.0, 9.0, 9.0]])
+    expected = {"token_mean": (8.0, 3.0), "seq_mean_token_mean": (6.0, 2.0), "seq_mean_token_sum_norm": (2.0, 2.0)}
+    for name, (numerator, denominator) in expected.items():
+        got_numerator, got_denominator = LOSS_AGGREGATIONS.resolve(name)(loss, mask, 4)
+        assert (float(got_numerator), got_denominator) == (numerator, denominator), name
+        assert grpo.aggregate_denominator(mask, name, 4) == denominator
+
+
+def test_a_bad_target_is_refused_when_added():
+    with pytest.raises(ValueError, match="must be 'package.module:function'"):
+        ADVANTAGE_ESTIMATORS.add("broken", "rlfabric.algorithms.grpo.rloo_advantages", "no colon")
