@@ -17,6 +17,7 @@ import ray
 import torch
 
 from rlfabric.algorithms.grpo import aggregate_denominator, policy_objective
+from rlfabric.compact import FloatFields
 from rlfabric.models.hf import load_causal_lm, load_tokenizer, save_pretrained
 from rlfabric.models.llm_batch import grpo_batch
 from rlfabric.models.prefix_packing import check_maskable
@@ -34,6 +35,24 @@ from rlfabric.models.weights import FlatWeights, flatten_state_dict
 from rlfabric.trajectory import Trajectories
 
 OPTIMIZER_FILE = "optimizer.pt"
+# What ``train_on`` reports, in the order the driver unpacks it (absent ones, e.g. kl without a reference, NaN).
+LEARNER_METRICS = FloatFields(
+    "pg_loss",
+    "clip_fraction",
+    "clip_fraction_last_epoch",
+    "ratio_mean",
+    "approx_kl",
+    "entropy",
+    "kl",
+    "grad_norm",
+    "logprob_gap",
+    "trained_rows",
+    "skipped_rows",
+    "trained_tokens",
+    "trained_sequences",
+    "trained_positions",
+    "trained_head_positions",
+)
 
 
 def adamw(params: Any, lr: float, weight_decay: float) -> torch.optim.AdamW:
@@ -396,9 +415,10 @@ class LLMLearner:
         groups: list[int] | None,
         lr: float,
         ref_logprobs: np.ndarray | None = None,
-    ) -> dict[str, float]:
-        """An update on the chosen groups of the trajectory records (read from the object store here)."""
-        return self.core.train_on(ray.get(trajectory_refs), groups, lr, ref_logprobs)
+    ) -> bytes:
+        """An update on the chosen groups of the trajectory records (read from the object store here); its metrics
+        as ``LEARNER_METRICS`` packs them (the driver reads them every step: small)."""
+        return LEARNER_METRICS.pack(self.core.train_on(ray.get(trajectory_refs), groups, lr, ref_logprobs))
 
     def node_id(self) -> str:
         return ray.get_runtime_context().get_node_id()

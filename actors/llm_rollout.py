@@ -30,6 +30,7 @@ import torch
 from rlfabric import rewards
 from rlfabric.actor_slots import error_summary
 from rlfabric.algorithms.grpo import group_has_signal
+from rlfabric.compact import FloatFields
 from rlfabric.data import row_metadata
 from rlfabric.reward_pool import RewardPool
 from rlfabric.rewards import RewardInput, RewardResult
@@ -38,6 +39,11 @@ from rlfabric.trajectory import Trajectories, from_token_sequences
 MAX_ERRORS_IN_META = 5
 # Columns of the per-group statistics the driver reads (GROUP_STATS[:, k]).
 GROUP_ID, GROUP_REWARD_MEAN, GROUP_HAS_SIGNAL, GROUP_ROWS, GROUP_MIN_VERSION = range(5)
+# The metadata's numbers, as they travel to the driver (see ``encode_meta``); the counts come back as ints.
+META_COUNTS = ("samples", "rows", "failed", "tokens", "reward_restarts", "record_bytes")
+META_NUMBERS = FloatFields(
+    *META_COUNTS, "response_length_mean", "generate_time_s", "reward_time_s", "correct_sum", "reward_sum"
+)
 
 
 @dataclass
@@ -221,6 +227,42 @@ class LLMRolloutCore:
         self.pool.shutdown()
 
 
+def encode_meta(meta: dict[str, Any]) -> tuple:
+    """The metadata as the driver receives it: (numbers, group statistics, component names, component means,
+    everything else or None). The numbers and statistics are float32 buffers; the rest (errors, shown samples,
+    generator failures) is there only when something happened or was asked for."""
+    numbers = {k: v for k, v in meta.items() if k in META_NUMBERS.names}
+    means = meta.get("component_means", {})
+    stats = meta.get("group_stats")
+    rest = {
+        k: v for k, v in meta.items() if k not in META_NUMBERS.names and k not in ("component_means", "group_stats")
+    }
+    return (
+        META_NUMBERS.pack(numbers),
+        None if stats is None else np.asarray(stats, np.float32).tobytes(),
+        tuple(means),
+        np.asarray(list(means.values()), np.float32).tobytes(),
+        rest or None,
+    )
+
+
+def decode_meta(raw: tuple) -> dict[str, Any]:
+    """``encode_meta``'s input back, as a dict."""
+    numbers, stats, names, means, rest = raw
+    meta: dict[str, Any] = META_NUMBERS.unpack(numbers)
+    for key in META_COUNTS:
+        if key in meta:
+            meta[key] = int(meta[key])
+    if stats is not None:
+        meta["group_stats"] = np.frombuffer(stats, np.float32).reshape(-1, GROUP_MIN_VERSION + 1)
+    if names:
+        meta["component_means"] = dict(zip(names, np.frombuffer(means, np.float32).tolist(), strict=True))
+    elif stats is not None:
+        meta["component_means"] = {}
+    meta.update(rest or {})
+    return meta
+
+
 @ray.remote(max_concurrency=8)
 class LLMRolloutWorker:
     """The Ray actor (threaded: several rollouts and an evaluation can be in flight at once)."""
@@ -233,8 +275,10 @@ class LLMRolloutWorker:
         return self.core.set_prompts(name, prompts)
 
     @ray.method(num_returns=2)
-    def rollout(self, request: RolloutRequest) -> tuple[dict[str, Any], Trajectories | None]:
-        return self.core.rollout(request)
+    def rollout(self, request: RolloutRequest) -> tuple[tuple, Trajectories | None]:
+        """(metadata encoded for the driver, ``decode_meta`` reads it; the record, or None)."""
+        meta, trajectories = self.core.rollout(request)
+        return encode_meta(meta), trajectories
 
     def reward_pids(self) -> list[int]:
         return self.core.reward_pids()

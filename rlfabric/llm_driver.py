@@ -34,7 +34,8 @@ import ray
 
 from rlfabric import rewards
 from rlfabric.actor_slots import ActorSlots, RunAbortedError, error_summary
-from rlfabric.actors.llm_rollout import PromptSet, RolloutRequest
+from rlfabric.actors.llm_learner import LEARNER_METRICS
+from rlfabric.actors.llm_rollout import PromptSet, RolloutRequest, decode_meta
 from rlfabric.config import ConfigError
 from rlfabric.data import check_prompt_lengths, load_heldout, load_prompts
 from rlfabric.driver import ensure_ray
@@ -615,7 +616,7 @@ class GRPOTrainer:
         asked again, once; when that fails too, its samples are recorded as failed (empty metadata)."""
         request = pending.request
         try:
-            meta = self._fetch(pending.meta_ref, timeout=max(0.0, pending.deadline - time.monotonic()))
+            meta = decode_meta(self._fetch(pending.meta_ref, timeout=max(0.0, pending.deadline - time.monotonic())))
         except (ray.exceptions.GetTimeoutError, ray.exceptions.RayError) as exc:
             reason = "missed its deadline" if isinstance(exc, ray.exceptions.GetTimeoutError) else error_summary(exc)
             self._replace_rollout_worker(pending.worker_slot, pending.worker_generation, reason)
@@ -705,7 +706,7 @@ class GRPOTrainer:
         with self._timed("update_time_s"):
             steps = [ln.train_on.remote(step.refs, groups, self._lr(), ref_logprobs) for ln in self.learners]
             publishing = self._start_publish(range(len(self.generators)))  # queued behind the step
-            metrics = self._from_learners(steps, "its update")
+            metrics = [LEARNER_METRICS.unpack(m) for m in self._from_learners(steps, "its update")]
         with self._timed("weight_sync_time_s"):
             self._finish_publish(publishing)
         # Some metrics are each rank's share of the whole batch's value (one shared denominator, or counts): they add.
