@@ -75,7 +75,8 @@ def _print_llm_summary(summary: dict) -> None:
 
 def cmd_train_llm(args: argparse.Namespace, cfg: object | None) -> int:
     """A GRPO run: a new one from ``cfg``, or (``--resume DIR``, cfg None) the run in DIR continued."""
-    from rlfabric.llm_driver import GRPOTrainer, latest_checkpoint
+    from rlfabric.llm_driver import GRPOTrainer
+    from rlfabric.llm_run_state import latest_checkpoint
 
     if args.resume:
         trainer = GRPOTrainer.from_run_dir(args.resume, args.overrides, quiet=args.quiet)

@@ -1,4 +1,5 @@
-"""Named numbers sent as one float32 buffer, with the names known to both sides from code.
+"""What the driver receives every step, kept small and measured: named numbers as one float32 buffer, with the
+names known to both sides from code, and ``payload_bytes``, the size of what was received.
 
 Every step the driver reads a rollout's counts, timings and per-group statistics and each learner's metrics. As
 pickled dicts their key strings were most of the bytes it received (about 900 B a step for 16-48 kB of
@@ -7,10 +8,14 @@ trajectories); as buffers of float32 values in an order both sides import from o
 
 from __future__ import annotations
 
+import io
 import math
+import pickle
 from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
+import ray
 
 
 class FloatFields:
@@ -37,3 +42,19 @@ class FloatFields:
         if len(values) != len(self.names):
             raise ValueError(f"FloatFields.unpack: {len(values)} values for {len(self.names)} fields")
         return {name: float(v) for name, v in zip(self.names, values, strict=True) if not math.isnan(v)}
+
+
+class _RefAsId(pickle.Pickler):
+    """Pickles an ObjectRef as its id: what a handle costs on the wire, without registering a borrower."""
+
+    def reducer_override(self, obj: Any) -> Any:
+        if isinstance(obj, ray.ObjectRef):
+            return bytes, (obj.binary(),)
+        return NotImplemented
+
+
+def payload_bytes(value: Any) -> int:
+    """The pickled size of a value the driver received (ObjectRefs count as their ids)."""
+    buffer = io.BytesIO()
+    _RefAsId(buffer, protocol=5).dump(value)
+    return buffer.tell()

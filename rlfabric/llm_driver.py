@@ -16,10 +16,7 @@ counters. Per step:
 from __future__ import annotations
 
 import dataclasses
-import io
 import json
-import os
-import pickle
 import threading
 import time
 from collections import deque
@@ -36,40 +33,40 @@ from rlfabric import rewards
 from rlfabric.actor_slots import ActorSlots, RunAbortedError, error_summary
 from rlfabric.actors.llm_learner import LEARNER_METRICS
 from rlfabric.actors.llm_rollout import PromptSet, RolloutRequest, decode_meta
+from rlfabric.compact import payload_bytes
 from rlfabric.config import ConfigError
 from rlfabric.data import check_prompt_lengths, load_heldout, load_prompts
 from rlfabric.driver import ensure_ray
 from rlfabric.grpo_config import LLMConfig
+from rlfabric.llm_resources import SETUP_TIMEOUT_S, openmp_env, torch_threads, wanted_cpus
+from rlfabric.llm_run_state import (
+    FINAL_MODEL_DIR,
+    FIXED_ON_RESUME,
+    INITIAL_MODEL_DIR,
+    REFERENCE_MODEL_DIR,
+    SAMPLES_FILE,
+    TRAINER_STATE_FILE,
+    Counters,
+    checkpoints,
+    latest_checkpoint,
+    not_final,
+    read_trainer_state,
+    reference_entry,
+    reference_path,
+)
 from rlfabric.models.hf import check_model_source, model_max_positions
 from rlfabric.models.llm_batch import pad_rows_for_learners
 from rlfabric.models.sequences import pack_sequences
 from rlfabric.models.shared_weights import remove_stale
 from rlfabric.placement import ActorRequest, check_fits
-from rlfabric.run.checkpoints import CHECKPOINT_DIR, CheckpointStore
+from rlfabric.run.checkpoints import CHECKPOINT_DIR
 from rlfabric.run.interrupts import stop_requests
 from rlfabric.run.log import CONFIG_FILE, RunLog, read_metrics, write_summary
 from rlfabric.run.plots import plot_llm_curves
 from rlfabric.run.progress import grpo_progress_line, tensorboard_view
 from rlfabric.run.resume import resumed_config
+from rlfabric.weight_publisher import WeightPublisher
 
-TRAINER_STATE_FILE = "trainer_state.json"  # written last: a checkpoint without it is incomplete
-REFERENCE_MODEL_DIR = "reference_model"  # the KL reference after an SFT warm-up, kept for --resume
-FINAL_MODEL_DIR = "final_model"
-INITIAL_MODEL_DIR = "initial_model"  # the builtin model, as built for the run
-# What a checkpoint's weights and the data order depend on: a resumed run may not change these.
-FIXED_ON_RESUME = (
-    "algo",
-    "model.path",
-    "model.builtin",
-    "model.dtype",
-    "data.train",
-    "data.num_train",
-    "data.prompt_key",
-    "data.chat_template",
-    "training.seed",
-)
-SAMPLES_FILE = "samples.jsonl"
-SETUP_TIMEOUT_S = 300.0
 MAX_GENERATION_RETRIES = 3
 REWARD_GRACE_S = 30.0  # the reward pool's slack per call, for starting a replacement service and transfers
 MAX_STEPS_WITHOUT_SCORES = 3  # steps in a row in which every sample failed its reward: the run stops
@@ -90,110 +87,12 @@ class Pending:
 
 
 @dataclass
-class Publishing:
-    """A weight publication in flight: learner 0's three answers and each generator's load."""
-
-    handle: ray.ObjectRef  # the weights (never fetched by the driver)
-    version: ray.ObjectRef
-    shared_path: ray.ObjectRef  # the shared-memory file's path, or None through the object store
-    loads: list[tuple[int, int, ray.ObjectRef]]  # (slot, generation, load) per generator
-
-
-@dataclass
 class StepBatch:
     """What one step trains on: record refs and the chosen groups, plus every scored rollout's metadata."""
 
     refs: list[ray.ObjectRef] = field(default_factory=list)
     groups: list[tuple[int, int, int]] = field(default_factory=list)  # (group id, rows, oldest policy version)
     scored: list[dict[str, Any]] = field(default_factory=list)
-
-
-@dataclass
-class Counters:
-    step: int = 0  # GRPO optimizer steps (the policy version counts SFT steps too)
-    samples: int = 0
-    tokens_generated: int = 0
-    failed_samples: int = 0
-    stale_samples: int = 0
-    filtered_groups: int = 0
-    generator_restarts: int = 0
-    reward_worker_restarts: int = 0
-    trained_samples: int = 0
-
-
-def wanted_cpus(cfg: LLMConfig) -> float:
-    """CPUs every actor of this config asks for, plus one for the driver."""
-    return (
-        cfg.generator.num_generators * cfg.generator.num_cpus
-        + cfg.learner.num_learners * cfg.learner.num_cpus
-        + cfg.rewards.num_workers * cfg.rewards.num_cpus
-        + 1
-    )
-
-
-def concurrent_actors(cfg: LLMConfig, role: str) -> int:
-    """How many generator/learner/reference actors compute at the same time as one of ``role``.
-
-    In sync mode the generators run together, then the reference, then the learners together, so each phase can
-    have every core; with ``max_policy_lag`` > 0 generators and learners run at once and must split them. (Two
-    OpenMP teams that each spin on every core slow each other down several times over.)
-    """
-    g, lc = cfg.generator, cfg.learner
-    if cfg.training.max_policy_lag > 0:
-        return g.num_generators + lc.num_learners
-    by_role = {"generator": g.num_generators, "learner": lc.num_learners, "reference": 1}
-    if role not in by_role:
-        raise ValueError(f"concurrent_actors: role {role!r} is not one of {sorted(by_role)}")
-    return by_role[role]
-
-
-def _not_final(row: dict[str, Any]) -> dict[str, Any]:
-    """A metrics row kept by a resumed run: its earlier session's "final" evaluation is an evaluation at that
-    step now (the resumed run ends with its own "final")."""
-    return {**row, "label": f"step_{row['step']}"} if row.get("label") == "final" else row
-
-
-def checkpoints(run_dir: Path) -> CheckpointStore:
-    """A GRPO run's checkpoints: one Hugging Face model folder per step, complete once its driver state is in."""
-    return CheckpointStore(run_dir, "step", marker=TRAINER_STATE_FILE)
-
-
-def latest_checkpoint(run_dir: Path) -> Path | None:
-    """The newest complete checkpoint folder of a GRPO run (None when there is none)."""
-    return checkpoints(Path(run_dir)).latest()
-
-
-def reference_entry(reference_dir: str | None, run_dir: Path) -> dict[str, Any] | None:
-    """Where a checkpoint records the KL reference model: relative to the run directory when inside it (run
-    folders move), else as given (a hub id, or an absolute folder); None when there is none."""
-    if reference_dir is None:
-        return None
-    path = Path(reference_dir)
-    local = path.exists()  # else a hub id, stored as given
-    resolved, run = (path.resolve() if local else path), Path(run_dir).resolve()
-    inside = local and resolved.is_relative_to(run)
-    return {"path": str(resolved.relative_to(run) if inside else resolved), "in_run": inside}
-
-
-def reference_path(entry: dict[str, Any] | None, run_dir: Path) -> str | None:
-    """The KL reference model's path from a checkpoint's ``reference_entry``, for the run now in ``run_dir``."""
-    if entry is None:
-        return None
-    return str(Path(run_dir) / entry["path"]) if entry["in_run"] else entry["path"]
-
-
-def read_trainer_state(checkpoint: Path) -> dict[str, Any]:
-    path = checkpoint / TRAINER_STATE_FILE
-    try:
-        state = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise ConfigError(f"--resume: {str(path)!r} cannot be read ({exc}); delete that checkpoint folder") from None
-    if not isinstance(state, dict) or "step" not in state.get("counters", {}):
-        raise ConfigError(
-            f"--resume: {str(checkpoint)!r} has no driver state (an older rlfabric wrote it); start a new run from "
-            f"its weights with model.path={checkpoint}"
-        )
-    return state
 
 
 class GRPOTrainer:
@@ -234,10 +133,9 @@ class GRPOTrainer:
         self.reference_dir: str | None = None
         self._start = time.monotonic()
         self._step_timings: dict[str, float] = {}  # where the current step's wall-clock time went
-        self._transport = "object_store"  # learner.weight_transport for where the actors run (set up in setup)
-        self._published: Any = None  # the latest published weights' handle
-        self._shared_files: set[str] = set()  # shared-memory files learners wrote (removed at close)
-        self.weights_via: str | None = None  # how the last publication reached the generators
+        self.weights = WeightPublisher(
+            cfg.learner.weight_transport, cfg.generator.timeout_s, self._fetch, self._note, self._replace_generator
+        )
         self._errors_seen: set[str] = set()  # reward errors already printed (the first of each kind is)
         self._steps_without_scores = 0
         self._last_shown: list[dict[str, Any]] = []  # the last evaluation's sample completions
@@ -345,8 +243,7 @@ class GRPOTrainer:
         )
 
     def _threads(self, role: str) -> int:
-        """Torch threads for one actor of ``role``: this node's cores shared by the actors computing at once."""
-        return max(1, (os.cpu_count() or 1) // concurrent_actors(self.cfg, role))
+        return torch_threads(self.cfg, role)
 
     def _sampling_seed(self) -> int:
         """The generators' sampling seed: the run's, moved on by the policy version, so a resumed run does not
@@ -439,7 +336,7 @@ class GRPOTrainer:
             quiet=self.quiet,
             step_key="step",
             progress_line=self._progress_line,
-            relabel=_not_final,
+            relabel=not_final,
             tensorboard_view=tensorboard_view,
         )
         # Generators start from the run's first model and then take published weights; a resumed run's learners
@@ -489,12 +386,13 @@ class GRPOTrainer:
                 f"actors did not start within {SETUP_TIMEOUT_S:.0f}s: the cluster may lack the CPUs/GPUs asked "
                 "for (generator.num_cpus/num_gpus, learner.num_cpus/num_gpus)"
             ) from None
-        self._transport = self._weight_transport()
+        self.weights.attach(self.learners[0], self.generators, self.reference)
+        self.weights.choose_transport()
         self._note_slow_attention()
         if state:
             assert self.resume_from is not None
             ray.get([ln.load_optimizer.remote(str(self.resume_from)) for ln in self.learners])
-            self._publish()  # the generators take the checkpoint's policy version
+            self.version = self.weights.publish()  # the generators take the checkpoint's policy version
             self.log.note(f"resumed from {self.resume_from.name} (step {self.counters.step}, v{self.version})")
         self._start = time.monotonic() - self._elapsed_before  # times and rates count every session
 
@@ -603,8 +501,8 @@ class GRPOTrainer:
         self.counters.generator_restarts += 1
         self._note(f"generator {slot} replaced ({reason})")
         if self.version > 0:
-            self._transport = self._weight_transport()  # the new one may run on another node
-            self._publish([slot], timeout=SETUP_TIMEOUT_S)
+            self.weights.choose_transport()  # the new one may run on another node
+            self.version = self.weights.publish([slot], timeout=SETUP_TIMEOUT_S)
 
     def _replace_rollout_worker(self, slot: int, generation: int, reason: str) -> None:
         if self.rollout_workers.replace(slot, generation, reason):
@@ -705,10 +603,10 @@ class GRPOTrainer:
             ref_logprobs = self.reference.logprobs_of.remote(step.refs, groups)
         with self._timed("update_time_s"):
             steps = [ln.train_on.remote(step.refs, groups, self._lr(), ref_logprobs) for ln in self.learners]
-            publishing = self._start_publish(range(len(self.generators)))  # queued behind the step
+            publishing = self.weights.start(range(len(self.generators)))  # queued behind the step
             metrics = [LEARNER_METRICS.unpack(m) for m in self._from_learners(steps, "its update")]
         with self._timed("weight_sync_time_s"):
-            self._finish_publish(publishing)
+            self.version = self.weights.finish(publishing)
         # Some metrics are each rank's share of the whole batch's value (one shared denominator, or counts): they add.
         return {
             k: float((np.sum if k in ADDITIVE_LEARNER_METRICS else np.mean)([m[k] for m in metrics]))
@@ -725,82 +623,6 @@ class GRPOTrainer:
             "overlong_filter": g.overlong_filter,
             "world_size": self.cfg.learner.num_learners,
         }
-
-    def _publish(self, slots: Any = None, timeout: float | None = None) -> None:
-        """Learner 0's current weights to the generators in ``slots`` (all by default), each of which has loaded
-        them when this returns: a shared-memory file is rewritten only after that (see
-        rlfabric.models.shared_weights)."""
-        self._finish_publish(self._start_publish(range(len(self.generators)) if slots is None else slots), timeout)
-
-    def _start_publish(self, slots: Any) -> Publishing:
-        """Queue the publication and the generators' loads; Ray hands the weights' handle from learner 0 to the
-        generators without the driver in between (the driver never fetches it)."""
-        handle, version, path = self.learners[0].publish.remote(self._transport)
-        entries = self.generators.entries()
-        loads = [(s, entries[s][1], entries[s][2].update_weights.remote(handle, version)) for s in slots]
-        return Publishing(handle, version, path, loads)
-
-    def _finish_publish(self, publishing: Publishing, timeout: float | None = None) -> None:
-        """Wait for the loads; a generator that dies or hangs while loading is replaced (and given the weights)."""
-        self.version, shared_path = self._fetch([publishing.version, publishing.shared_path])
-        self._published = publishing.handle  # an ObjectRef: whoever needs the weights resolves it
-        if shared_path is not None:
-            self._shared_files.add(shared_path)
-        deadline = time.monotonic() + (timeout or self.cfg.generator.timeout_s)
-        failed = []
-        for slot, generation, load in publishing.loads:
-            try:
-                self._fetch(load, timeout=max(0.0, deadline - time.monotonic()))
-            except ray.exceptions.GetTimeoutError:
-                failed.append((slot, generation, "missed its weight-load deadline"))
-            except ray.exceptions.RayError as exc:
-                failed.append((slot, generation, f"weight load failed: {error_summary(exc)}"))
-        for slot, generation, reason in failed:
-            self._replace_generator(slot, generation, reason)
-        used = "object_store" if shared_path is None else "shared_memory"
-        if used != self.weights_via and self.log is not None:  # the first time, and after any change
-            self.log.note(self._transport_note(used))
-        self.weights_via = used
-
-    def _transport_note(self, used: str) -> str:
-        note = f"weights reach the generators through {used.replace('_', ' ')}"
-        if used == "shared_memory" or self.cfg.learner.weight_transport == "object_store":
-            return note
-        if self._transport == "object_store":
-            return note + " (generator/reference actors run on other nodes than learner 0)"
-        reason = ray.get(self.learners[0].shared_unavailable.remote())  # no room in /dev/shm, or none
-        return note + (f" ({reason})" if reason else "")
-
-    @staticmethod
-    def _nodes_of(actors: list[Any]) -> list[str | None]:
-        """The node each actor runs on (asked all at once); None for one that died (it is replaced where it is
-        used next)."""
-        refs = [actor.node_id.remote() for actor in actors]
-        nodes: list[str | None] = []
-        for ref in refs:
-            try:
-                nodes.append(ray.get(ref, timeout=SETUP_TIMEOUT_S))
-            except ray.exceptions.RayError:
-                nodes.append(None)
-        return nodes
-
-    def _weight_transport(self) -> str:
-        """``learner.weight_transport`` made concrete for where the actors run: shared memory needs every reader
-        of the weights (generators, a reference actor) on learner 0's node."""
-        wanted = self.cfg.learner.weight_transport
-        if wanted == "object_store":
-            return wanted
-        readers = [*self.generators.handles, *([self.reference] if self.reference is not None else [])]
-        learner_node = ray.get(self.learners[0].node_id.remote())
-        elsewhere = sum(node not in (learner_node, None) for node in self._nodes_of(readers))
-        if not elsewhere:
-            return wanted
-        if wanted == "shared_memory":
-            raise ConfigError(
-                f"learner.weight_transport = 'shared_memory': {elsewhere} generator/reference actor(s) run on "
-                "another node than learner 0; use 'auto' or 'object_store'"
-            )
-        return "object_store"
 
     # -- SFT warm-up and evaluation ---------------------------------------------------------------------------
 
@@ -821,12 +643,12 @@ class GRPOTrainer:
             metrics = self._from_learners([ln.sft_step.remote([ref]) for ln in self.learners], "an SFT step")
             row = {"phase": "sft", "sft_step": step, "sft_loss": float(np.mean([m["sft_loss"] for m in metrics]))}
             self._log(row, show=step % 20 == 0 or step == s.steps)
-        self._publish()
+        self.version = self.weights.publish()
         self.reference_dir = None  # the warmed-up policy now; saved below where a resumed run needs it
         if self.cfg.grpo.kl_coef > 0:  # the KL anchors GRPO to the warmed-up policy, not the untrained one
             ray.get([ln.reset_reference.remote() for ln in self.learners])
             if self.reference is not None:
-                ray.get(self.reference.set_weights.remote(self._published))
+                ray.get(self.reference.set_weights.remote(self.weights.published))
             if self.cfg.training.checkpoint_every:
                 path = self.run_dir / REFERENCE_MODEL_DIR
                 self.reference_dir = ray.get(self.learners[0].save.remote(str(path), False))
@@ -1061,7 +883,7 @@ class GRPOTrainer:
             "generator_restarts": c.generator_restarts,
             "reward_worker_restarts": c.reward_worker_restarts,
             "trained_samples": c.trained_samples,
-            "weight_transport": self.weights_via,
+            "weight_transport": self.weights.weights_via,
             "final_model": str(model_path),
             "plot": str(plot) if plot else None,
             "sample_completions": shown,
@@ -1086,7 +908,7 @@ class GRPOTrainer:
             ray.get([ln.close.remote() for ln in self.learners], timeout=10)
         except Exception:  # a dead learner cannot remove its shared-memory file: done below where it is ours
             pass
-        remove_stale(sorted(self._shared_files))  # a no-op for files on other nodes (not here) or already gone
+        remove_stale(sorted(self.weights.shared_files))  # a no-op for files on other nodes (not here) or already gone
         for actor in [*generators, *workers, *self.learners, self.reference]:
             if actor is not None:
                 ray.kill(actor, no_restart=True)
@@ -1107,34 +929,6 @@ ADDITIVE_LEARNER_METRICS = frozenset(
         "trained_head_positions",
     }
 )
-
-# OpenMP threads spin this many times waiting for more work before they sleep (libgomp's GOMP_SPINCOUNT):
-# long enough to bridge the gaps between one actor's kernels, short enough (well under a millisecond) not to
-# steal the cores from the actor whose turn comes next. Generators and learners take turns on the same cores.
-# Sleeping at once (OMP_WAIT_POLICY=PASSIVE) makes every small kernel pay a thread wake-up: 1.3x slower steps.
-OPENMP_SPIN_COUNT = "100000"
-
-
-class _RefAsId(pickle.Pickler):
-    """Pickles an ObjectRef as its id: what a handle costs on the wire, without registering a borrower."""
-
-    def reducer_override(self, obj: Any) -> Any:
-        if isinstance(obj, ray.ObjectRef):
-            return bytes, (obj.binary(),)
-        return NotImplemented
-
-
-def payload_bytes(value: Any) -> int:
-    """The pickled size of a value the driver received (ObjectRefs count as their ids)."""
-    buffer = io.BytesIO()
-    _RefAsId(buffer, protocol=5).dump(value)
-    return buffer.tell()
-
-
-def openmp_env() -> dict[str, str]:
-    """OpenMP settings for the actors: the user's own when set, else a bounded spin-wait."""
-    mine = {k: os.environ[k] for k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT") if k in os.environ}
-    return mine or {"GOMP_SPINCOUNT": OPENMP_SPIN_COUNT}
 
 
 def train_llm(cfg: LLMConfig, run_dir: str | Path, quiet: bool = False) -> dict[str, Any]:

@@ -5,8 +5,7 @@ import pytest
 
 from rlfabric.actors.llm_learner import LEARNER_METRICS
 from rlfabric.actors.llm_rollout import decode_meta, encode_meta
-from rlfabric.compact import FloatFields
-from rlfabric.llm_driver import payload_bytes
+from rlfabric.compact import FloatFields, payload_bytes
 
 
 def test_fields_round_trip_and_leave_out_what_was_not_sent():

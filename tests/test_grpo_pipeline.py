@@ -37,7 +37,9 @@ from rlfabric.actors.generator import Generator
 from rlfabric.actors.llm_learner import LLMLearner, LLMLearnerCore
 from rlfabric.config import ConfigError, config_from_dict, dump_config
 from rlfabric.grpo_config import GRPOConfig, SFTConfig
-from rlfabric.llm_driver import GRPOTrainer, concurrent_actors, latest_checkpoint
+from rlfabric.llm_driver import GRPOTrainer
+from rlfabric.llm_resources import concurrent_actors
+from rlfabric.llm_run_state import latest_checkpoint
 from rlfabric.models.hf import build_small_model_dir, load_causal_lm, load_tokenizer
 from rlfabric.models.sequences import pack_sequences
 from rlfabric.models.shared_weights import SHM_DIR
@@ -654,7 +656,7 @@ def train_resumed(run_dir: Path, overrides: list[str]) -> dict:
 
 def test_trainer_state_keeps_where_the_kl_reference_is(tmp_path):
     """Inside the run directory: relative to it (run folders move); a hub id or another folder: as given."""
-    from rlfabric.llm_driver import reference_entry, reference_path
+    from rlfabric.llm_run_state import reference_entry, reference_path
 
     run_dir = tmp_path / "run"
     (run_dir / "reference_model").mkdir(parents=True)

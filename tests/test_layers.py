@@ -28,6 +28,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "rlfabric.registry",
             "rlfabric.rewards.registry",
             "rlfabric.objectives",  # the GRPO family's part names; functions resolved by path where they run
+            "rlfabric.compact",  # named numbers as float32 buffers: what the driver receives every step
             "rlfabric.tasks",
             "rlfabric.data",
             "rlfabric.trajectory",
@@ -59,6 +60,9 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "rlfabric.placement",  # whether a run's actors fit the cluster, checked by the drivers before setup
             "rlfabric.driver",
             "rlfabric.llm_driver",
+            "rlfabric.llm_run_state",  # a GRPO run's checkpoint state, counters and KL reference entry
+            "rlfabric.llm_resources",  # CPUs, torch threads, OpenMP wait policy, setup deadline
+            "rlfabric.weight_publisher",  # learner 0's weights to the generators
             "rlfabric.run",  # the run skeleton: outputs, checkpoints, resume, progress, plots, Ctrl-C
             "rlfabric.cli",
         ),

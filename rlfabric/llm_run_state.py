@@ -1,0 +1,95 @@
+"""A GRPO run's files and counters: checkpoint folders, the driver state a resumed run reads, the KL reference.
+
+Pure bookkeeping over the run directory (``rlfabric.run.checkpoints`` does the folders): the driver writes
+``TRAINER_STATE_FILE`` last into each checkpoint, and ``--resume`` reads it back with ``read_trainer_state``.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from rlfabric.config import ConfigError
+from rlfabric.run.checkpoints import CheckpointStore
+
+TRAINER_STATE_FILE = "trainer_state.json"  # written last: a checkpoint without it is incomplete
+REFERENCE_MODEL_DIR = "reference_model"  # the KL reference after an SFT warm-up, kept for --resume
+FINAL_MODEL_DIR = "final_model"
+INITIAL_MODEL_DIR = "initial_model"  # the builtin model, as built for the run
+SAMPLES_FILE = "samples.jsonl"
+# What a checkpoint's weights and the data order depend on: a resumed run may not change these.
+FIXED_ON_RESUME = (
+    "algo",
+    "model.path",
+    "model.builtin",
+    "model.dtype",
+    "data.train",
+    "data.num_train",
+    "data.prompt_key",
+    "data.chat_template",
+    "training.seed",
+)
+
+
+@dataclass
+class Counters:
+    step: int = 0  # GRPO optimizer steps (the policy version counts SFT steps too)
+    samples: int = 0
+    tokens_generated: int = 0
+    failed_samples: int = 0
+    stale_samples: int = 0
+    filtered_groups: int = 0
+    generator_restarts: int = 0
+    reward_worker_restarts: int = 0
+    trained_samples: int = 0
+
+
+def not_final(row: dict[str, Any]) -> dict[str, Any]:
+    """A metrics row kept by a resumed run: its earlier session's "final" evaluation is an evaluation at that
+    step now (the resumed run ends with its own "final")."""
+    return {**row, "label": f"step_{row['step']}"} if row.get("label") == "final" else row
+
+
+def checkpoints(run_dir: Path) -> CheckpointStore:
+    """A GRPO run's checkpoints: one Hugging Face model folder per step, complete once its driver state is in."""
+    return CheckpointStore(run_dir, "step", marker=TRAINER_STATE_FILE)
+
+
+def latest_checkpoint(run_dir: Path) -> Path | None:
+    """The newest complete checkpoint folder of a GRPO run (None when there is none)."""
+    return checkpoints(Path(run_dir)).latest()
+
+
+def reference_entry(reference_dir: str | None, run_dir: Path) -> dict[str, Any] | None:
+    """Where a checkpoint records the KL reference model: relative to the run directory when inside it (run
+    folders move), else as given (a hub id, or an absolute folder); None when there is none."""
+    if reference_dir is None:
+        return None
+    path = Path(reference_dir)
+    local = path.exists()  # else a hub id, stored as given
+    resolved, run = (path.resolve() if local else path), Path(run_dir).resolve()
+    inside = local and resolved.is_relative_to(run)
+    return {"path": str(resolved.relative_to(run) if inside else resolved), "in_run": inside}
+
+
+def reference_path(entry: dict[str, Any] | None, run_dir: Path) -> str | None:
+    """The KL reference model's path from a checkpoint's ``reference_entry``, for the run now in ``run_dir``."""
+    if entry is None:
+        return None
+    return str(Path(run_dir) / entry["path"]) if entry["in_run"] else entry["path"]
+
+
+def read_trainer_state(checkpoint: Path) -> dict[str, Any]:
+    path = checkpoint / TRAINER_STATE_FILE
+    try:
+        state = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ConfigError(f"--resume: {str(path)!r} cannot be read ({exc}); delete that checkpoint folder") from None
+    if not isinstance(state, dict) or "step" not in state.get("counters", {}):
+        raise ConfigError(
+            f"--resume: {str(checkpoint)!r} has no driver state (an older rlfabric wrote it); start a new run from "
+            f"its weights with model.path={checkpoint}"
+        )
+    return state
