@@ -20,7 +20,7 @@ from rlfabric.algorithms.grpo import aggregate_denominator, policy_objective
 from rlfabric.compact import FloatFields
 from rlfabric.models.hf import load_causal_lm, load_tokenizer, save_pretrained
 from rlfabric.models.llm_batch import grpo_batch
-from rlfabric.models.prefix_packing import check_maskable
+from rlfabric.models.prefix_packing import check_maskable, maskable
 from rlfabric.models.sequences import (
     batched_response_logprobs,
     is_row_column,
@@ -86,7 +86,7 @@ class LLMLearnerCore:
         num_threads: int | None = None,
         matmul_dtype: str | None = None,
         batch_spec: dict[str, Any] | None = None,
-        sequence_packing: str = "shared_prefix",
+        sequence_packing: str = "auto",
     ) -> None:
         """``batch_spec``: how trajectory records become the packed batch (``grpo_batch``'s keyword options);
         ``sequence_packing``: how its rows reach the model (``rlfabric.models.sequences.response_logprobs``)."""
@@ -106,7 +106,8 @@ class LLMLearnerCore:
         self.model.train()
         if sequence_packing == "shared_prefix":
             check_maskable(self.model)
-        self.packing = sequence_packing
+        # "auto" falls back to padded rows where the attention cannot take the shared-prefix mask.
+        self.packing = sequence_packing if maskable(self.model) else "padded"
         self.tokenizer = load_tokenizer(model_dir)
         self.batch_spec = {"reward_weights": {}, "advantage": "grpo", "scale_by_std": True, "overlong_filter": False}
         self.batch_spec.update(batch_spec or {})
@@ -312,6 +313,7 @@ class LLMLearnerCore:
                 # What the forward/backward ran over: real tokens, and the model's rows and positions as packed.
                 metrics["trained_tokens"] = float(b["attention_mask"].sum())
                 ran = model_positions(
+                    self.model,
                     b["input_ids"].cpu().numpy(),
                     b["attention_mask"].cpu().numpy(),
                     int(b["prompt_len"]),

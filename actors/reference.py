@@ -14,7 +14,7 @@ import torch
 
 from rlfabric.models.hf import load_causal_lm
 from rlfabric.models.llm_batch import grpo_batch
-from rlfabric.models.prefix_packing import check_maskable
+from rlfabric.models.prefix_packing import check_maskable, maskable
 from rlfabric.models.sequences import batched_response_logprobs
 from rlfabric.models.shared_weights import SharedFlatWeights
 from rlfabric.models.weights import as_state_dict
@@ -33,7 +33,7 @@ class Reference:
         matmul_dtype: str | None = None,
         batch_spec: dict[str, Any] | None = None,
         pad_id: int = 0,
-        sequence_packing: str = "shared_prefix",
+        sequence_packing: str = "auto",
     ) -> None:
         if num_threads:
             torch.set_num_threads(num_threads)
@@ -41,7 +41,10 @@ class Reference:
         self.model.requires_grad_(False)
         if sequence_packing == "shared_prefix":
             check_maskable(self.model)
-        self.packing = sequence_packing  # the learner's: the same arithmetic as its forward
+        # "auto" falls back to padded rows where the attention cannot take the shared-prefix mask.
+        self.packing = (
+            sequence_packing if maskable(self.model) else "padded"
+        )  # the learner's: the same arithmetic as its forward
         self.temperature = temperature
         self.micro_batch_size = micro_batch_size
         self.matmul_dtype = matmul_dtype  # the learner's, so the KL compares like with like

@@ -160,10 +160,11 @@ class LLMLearnerConfig:
     # Dtype of the forward/backward matmuls under autocast ("bfloat16": mixed precision; weights, optimizer state,
     # LM head and logprobs stay in model.dtype). Also used by the reference model.
     matmul_dtype: Literal["float32", "bfloat16"] = "float32"
-    # How a batch's rows go through the model: "shared_prefix" (the rows that share a prompt in one packed row
-    # behind one copy of it, no padding between responses; needs sdpa or eager attention) or "padded" (one row
-    # each, padded to the longest prompt and response). Same logprobs and gradients; also the reference model's.
-    sequence_packing: Literal["shared_prefix", "padded"] = "shared_prefix"
+    # How a batch's rows go through the model: "shared_prefix" (the rows that share a prompt in one block behind
+    # one copy of it, blocks end to end in rows of up to hidden_size tokens; needs sdpa or eager attention),
+    # "padded" (one row each, padded to the longest prompt and response), or "auto": whichever costs fewer
+    # FLOPs, per micro-batch. Same logprobs and gradients; also the reference model's.
+    sequence_packing: Literal["auto", "shared_prefix", "padded"] = "auto"
     # How published weights reach the generators (and a reference actor): "auto" (a shared-memory file when they
     # all run on learner 0's node and its /dev/shm has room beside Ray's object store, else the object store),
     # "shared_memory" (that, or an error), or "object_store".

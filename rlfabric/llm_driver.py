@@ -19,10 +19,8 @@ import dataclasses
 import json
 import threading
 import time
-from collections import deque
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -32,13 +30,14 @@ import ray
 from rlfabric import rewards
 from rlfabric.actor_slots import ActorSlots, RunAbortedError, error_summary
 from rlfabric.actors.llm_learner import LEARNER_METRICS
-from rlfabric.actors.llm_rollout import PromptSet, RolloutRequest, decode_meta
+from rlfabric.actors.llm_rollout import PromptSet, RolloutRequest
 from rlfabric.compact import payload_bytes
 from rlfabric.config import ConfigError
 from rlfabric.data import check_prompt_lengths, load_heldout, load_prompts
 from rlfabric.driver import ensure_ray
 from rlfabric.grpo_config import LLMConfig
-from rlfabric.llm_resources import SETUP_TIMEOUT_S, openmp_env, torch_threads, wanted_cpus
+from rlfabric.llm_actors import actor_requests, start_generator, start_learners, start_reference, start_rollout_worker
+from rlfabric.llm_resources import SETUP_TIMEOUT_S, openmp_env, wanted_cpus
 from rlfabric.llm_run_state import (
     FINAL_MODEL_DIR,
     FIXED_ON_RESUME,
@@ -58,7 +57,8 @@ from rlfabric.models.hf import check_model_source, model_max_positions
 from rlfabric.models.llm_batch import pad_rows_for_learners
 from rlfabric.models.sequences import pack_sequences
 from rlfabric.models.shared_weights import remove_stale
-from rlfabric.placement import ActorRequest, check_fits
+from rlfabric.placement import check_fits
+from rlfabric.rollout_scheduler import RolloutScheduler, StepBatch
 from rlfabric.run.checkpoints import CHECKPOINT_DIR
 from rlfabric.run.interrupts import stop_requests
 from rlfabric.run.log import CONFIG_FILE, RunLog, read_metrics, write_summary
@@ -68,31 +68,8 @@ from rlfabric.run.resume import resumed_config
 from rlfabric.weight_publisher import WeightPublisher
 
 MAX_GENERATION_RETRIES = 3
-REWARD_GRACE_S = 30.0  # the reward pool's slack per call, for starting a replacement service and transfers
 MAX_STEPS_WITHOUT_SCORES = 3  # steps in a row in which every sample failed its reward: the run stops
 STOP_NOTICE = "rlfabric: stopping after this step, with a checkpoint when checkpointing is on (Ctrl-C again: at once)"
-
-
-@dataclass
-class Pending:
-    """A rollout request in flight on a rollout worker."""
-
-    request: RolloutRequest  # its indices are put back in the prompt order when a checkpoint is taken
-    meta_ref: ray.ObjectRef
-    data_ref: ray.ObjectRef
-    attempt: int  # 0, or 1 for the one retry after a generator or rollout worker failed
-    worker_slot: int
-    worker_generation: int
-    deadline: float  # time.monotonic() by which the worker must have answered
-
-
-@dataclass
-class StepBatch:
-    """What one step trains on: record refs and the chosen groups, plus every scored rollout's metadata."""
-
-    refs: list[ray.ObjectRef] = field(default_factory=list)
-    groups: list[tuple[int, int, int]] = field(default_factory=list)  # (group id, rows, oldest policy version)
-    scored: list[dict[str, Any]] = field(default_factory=list)
 
 
 class GRPOTrainer:
@@ -124,22 +101,27 @@ class GRPOTrainer:
         self.learners: list[Any] = []
         self.reference: Any = None
         self.log: RunLog | None = None
-        self._order: list[int] = []
-        self._group_counter = 0
-        self._in_flight: deque[Pending] = deque()  # rollouts generating ahead (max_policy_lag > 0)
         self._elapsed_before = 0.0  # wall clock of the sessions before a resume
         # The weights the KL penalty anchors to: the initial model, or the policy after the SFT warm-up (saved
         # for --resume only when there is a KL term and checkpoints; None: not saved).
         self.reference_dir: str | None = None
         self._start = time.monotonic()
         self._step_timings: dict[str, float] = {}  # where the current step's wall-clock time went
+        self.rollouts = RolloutScheduler(
+            cfg,
+            self.counters,
+            self.rng,
+            fetch=self._fetch,
+            add_to_step=self._add_to_step,
+            note=self._note,
+            replace_generator=self._replace_generator,
+            version=lambda: self.version,
+        )
         self.weights = WeightPublisher(
             cfg.learner.weight_transport, cfg.generator.timeout_s, self._fetch, self._note, self._replace_generator
         )
-        self._errors_seen: set[str] = set()  # reward errors already printed (the first of each kind is)
         self._steps_without_scores = 0
         self._last_shown: list[dict[str, Any]] = []  # the last evaluation's sample completions
-        self._prompt_refs: dict[str, ray.ObjectRef] = {}
         self._phase_start: dict[Any, tuple[float, int]] = {}  # when each phase's progress began, for its ETA
 
     @contextmanager
@@ -234,6 +216,7 @@ class GRPOTrainer:
             eval_spec, train_rows=self.train_rows, num_rows=d.num_eval, seed=seed, prompt_key=d.prompt_key
         )
         self.train_ids = [self._encode(r[d.prompt_key]) for r in self.train_rows]
+        self.rollouts.num_train_prompts = len(self.train_rows)
         self.eval_ids = [self._encode(r[d.prompt_key]) for r in self.eval_rows]
         check_prompt_lengths(  # prompts that cannot fit the model's context fail here, not in a generator
             {"data.train": self.train_ids, "data.eval": self.eval_ids},
@@ -242,87 +225,10 @@ class GRPOTrainer:
             model=self.cfg.model.path,
         )
 
-    def _threads(self, role: str) -> int:
-        return torch_threads(self.cfg, role)
-
     def _sampling_seed(self) -> int:
         """The generators' sampling seed: the run's, moved on by the policy version, so a resumed run does not
         replay the random draws its first session began with."""
         return self.cfg.training.seed + self.version
-
-    def _start_generator(self) -> Any:
-        from rlfabric.actors.generator import Generator
-
-        g = self.cfg.generator
-        options: dict[str, Any]
-        if g.backend == "torch":
-            device = "cuda" if g.num_gpus > 0 else "cpu"
-            options = {
-                "max_batch_size": g.max_batch_size,
-                "device": device,
-                "seed": self._sampling_seed(),
-                "matmul_dtype": g.matmul_dtype,
-            }
-        else:
-            options = {**dataclasses.asdict(g.vllm), "seed": self._sampling_seed()}
-        return Generator.options(num_cpus=g.num_cpus, num_gpus=g.num_gpus, resources=g.resources).remote(
-            g.backend, self.base_model_dir, options, num_threads=self._threads("generator")
-        )
-
-    def _start_learners(self) -> None:
-        from rlfabric.actors.llm_learner import LLMLearner
-
-        c, lc = self.cfg, self.cfg.learner
-        device = lc.device if lc.device != "auto" else ("cuda" if lc.num_gpus > 0 else "cpu")
-        grpo = {**dataclasses.asdict(c.grpo), "norm_length": c.sampling.max_new_tokens}
-        self.learners = [
-            LLMLearner.options(num_cpus=lc.num_cpus, num_gpus=lc.num_gpus, resources=lc.resources).remote(
-                model_dir=self.model_dir,
-                grpo=grpo,
-                sft=dataclasses.asdict(c.sft),
-                temperature=c.sampling.temperature,
-                dtype=c.model.dtype,
-                device=device,
-                rank=rank,
-                world_size=lc.num_learners,
-                seed=c.training.seed,
-                gradient_checkpointing=c.model.gradient_checkpointing,
-                reference_in_learner=c.grpo.kl_coef > 0 and c.grpo.reference == "learner",
-                reference_dir=self.reference_dir,
-                num_threads=self._threads("learner"),
-                matmul_dtype=lc.matmul_dtype,
-                batch_spec=self._batch_spec(),
-                sequence_packing=lc.sequence_packing,
-            )
-            for rank in range(lc.num_learners)
-        ]
-        if lc.num_learners > 1:
-            asked = f"{lc.num_learners} learners x (num_cpus={lc.num_cpus:g}, num_gpus={lc.num_gpus:g})"
-            try:
-                address = ray.get(self.learners[0].node_address.remote(), timeout=SETUP_TIMEOUT_S)
-                port = ray.get(self.learners[0].free_port.remote(), timeout=SETUP_TIMEOUT_S)
-                backend = "nccl" if device == "cuda" else "gloo"
-                ray.get(
-                    [ln.init_process_group.remote(address, port, backend) for ln in self.learners],
-                    timeout=SETUP_TIMEOUT_S,
-                )
-            except ray.exceptions.GetTimeoutError:
-                raise RunAbortedError(
-                    f"the data-parallel learners' process group did not form within {SETUP_TIMEOUT_S:g}s ({asked}); "
-                    "the cluster may not be able to place them all at once"
-                ) from None
-
-    def _actor_requests(self) -> list[ActorRequest]:
-        """What every actor of the run asks Ray for, by the config section that sets it."""
-        g, lc, r = self.cfg.generator, self.cfg.learner, self.cfg.rewards
-        reference = int(self.cfg.grpo.kl_coef > 0 and self.cfg.grpo.reference == "actor")
-        return [
-            ActorRequest("generator", g.num_generators, {"CPU": g.num_cpus, "GPU": g.num_gpus, **g.resources}),
-            ActorRequest(
-                "learner", lc.num_learners + reference, {"CPU": lc.num_cpus, "GPU": lc.num_gpus, **lc.resources}
-            ),
-            ActorRequest("rewards", r.num_workers, {"CPU": r.num_cpus}),
-        ]
 
     def setup(self) -> None:
         from rlfabric.models.hf import load_tokenizer
@@ -351,32 +257,20 @@ class GRPOTrainer:
         self.tokenizer = load_tokenizer(self.model_dir)
         self._load_data()
         ensure_ray(self.cfg.ray, wanted_cpus(self.cfg), openmp_env())
-        check_fits(self._actor_requests(), [n["Resources"] for n in ray.nodes() if n.get("Alive")])
+        check_fits(actor_requests(self.cfg), [n["Resources"] for n in ray.nodes() if n.get("Alive")])
         self.generators = ActorSlots(
-            "generator", lambda slot, generation: self._start_generator(), self.cfg.generator.num_generators
+            "generator",
+            lambda slot, generation: start_generator(self.cfg, self.base_model_dir, self._sampling_seed()),
+            self.cfg.generator.num_generators,
         )
-        self._start_learners()
-        if self.cfg.grpo.kl_coef > 0 and self.cfg.grpo.reference == "actor":
-            from rlfabric.actors.reference import Reference
-
-            lc = self.cfg.learner
-            self.reference = Reference.options(num_cpus=lc.num_cpus, num_gpus=lc.num_gpus).remote(
-                self.reference_dir,
-                self.cfg.sampling.temperature,
-                self.cfg.grpo.micro_batch_size,
-                dtype=self.cfg.model.dtype,
-                device="cuda" if lc.num_gpus > 0 else "cpu",
-                num_threads=self._threads("reference"),
-                matmul_dtype=lc.matmul_dtype,
-                batch_spec=self._batch_spec(),
-                pad_id=self.tokenizer.pad_token_id,
-                sequence_packing=lc.sequence_packing,
-            )
-        self._prompt_refs = {
+        self.learners = start_learners(self.cfg, self.model_dir, self.reference_dir)
+        self.reference = start_reference(self.cfg, self.reference_dir, self.tokenizer.pad_token_id)
+        self.rollouts.prompt_refs = {
             "train": ray.put(PromptSet(self.train_rows, self.train_ids)),
             "eval": ray.put(PromptSet(self.eval_rows, self.eval_ids)),
         }
         self.rollout_workers = ActorSlots("rollout worker", lambda slot, generation: self._start_rollout_worker(), 1)
+        self.rollouts.attach(self.generators, self.rollout_workers)
         try:  # every actor answers before the clock starts, or setup names the one that did not
             ray.get([g.version.remote() for g in self.generators.handles], timeout=SETUP_TIMEOUT_S)
             ray.get([w.pid.remote() for w in self.rollout_workers.handles], timeout=SETUP_TIMEOUT_S)
@@ -397,24 +291,9 @@ class GRPOTrainer:
         self._start = time.monotonic() - self._elapsed_before  # times and rates count every session
 
     def _start_rollout_worker(self) -> Any:
-        from rlfabric.actors.llm_rollout import LLMRolloutWorker
-
-        r = self.cfg.rewards
-        worker = LLMRolloutWorker.options(num_cpus=0).remote(
-            reward_functions=[dataclasses.asdict(f) for f in r.functions],
-            reward_weights=dict(r.weights),
-            num_reward_workers=r.num_workers,
-            reward_timeout_s=r.timeout_s,
-            reward_cpus=r.num_cpus,
-            reward_registry=rewards.snapshot(),
-            prompt_key=self.cfg.data.prompt_key,
-        )
-        self._load_prompts_into(worker)
+        worker = start_rollout_worker(self.cfg)
+        self.rollouts.load_prompts_into(worker)
         return worker
-
-    def _load_prompts_into(self, worker: Any) -> None:
-        for name, ref in self._prompt_refs.items():
-            worker.set_prompts.remote(name, ref)  # queued before any rollout the worker is sent
 
     def _fetch(self, refs: Any, timeout: float | None = None) -> Any:
         """``ray.get`` for the step loop, counting the bytes the driver receives (``driver_received_bytes``)."""
@@ -452,49 +331,6 @@ class GRPOTrainer:
         if attention and not attention.startswith("native"):
             self.log.note(f"generators decode with {attention}")
 
-    # -- rollouts ---------------------------------------------------------------------------------------------
-
-    def _sample_rows(self, k: int) -> list[int]:
-        """k train prompt indices: passes over a shuffled order, reshuffled each pass."""
-        out = []
-        while len(out) < k:
-            if not self._order:
-                self._order = list(self.rng.permutation(len(self.train_rows)))
-            out.append(int(self._order.pop()))
-        return out
-
-    def _params(self, greedy: bool) -> dict[str, Any]:
-        s = self.cfg.sampling
-        if greedy:
-            return {"max_new_tokens": s.max_new_tokens, "temperature": 0.0}
-        return {"max_new_tokens": s.max_new_tokens, "temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k}
-
-    def _rollout_deadline(self, request: RolloutRequest) -> float:
-        """The backstop for a rollout worker's answer: generation, then scoring every group, plus slack."""
-        groups = len(request.indices)
-        return request.timeout_s + self.cfg.rewards.timeout_s * groups + 2 * REWARD_GRACE_S
-
-    def _send(self, request: RolloutRequest, attempt: int = 0) -> Pending:
-        slot, generation, worker = self.rollout_workers.entries()[0]
-        request.generators = self.generators.entries()
-        meta_ref, data_ref = worker.rollout.remote(request)
-        deadline = time.monotonic() + self._rollout_deadline(request)
-        return Pending(request, meta_ref, data_ref, attempt, slot, generation, deadline)
-
-    def _submit_rollout(self, num_prompts: int) -> Pending:
-        indices = self._sample_rows(num_prompts)
-        request = RolloutRequest(
-            "train",
-            indices,
-            self.cfg.grpo.group_size,
-            self._params(False),
-            first_group=self._group_counter,
-            generators=[],
-            timeout_s=self.cfg.generator.timeout_s,
-        )
-        self._group_counter += len(indices)
-        return self._send(request)
-
     def _replace_generator(self, slot: int, generation: int, reason: str) -> None:
         if not self.generators.replace(slot, generation, reason):
             return  # already replaced: a late report about the actor that is gone
@@ -503,90 +339,6 @@ class GRPOTrainer:
         if self.version > 0:
             self.weights.choose_transport()  # the new one may run on another node
             self.version = self.weights.publish([slot], timeout=SETUP_TIMEOUT_S)
-
-    def _replace_rollout_worker(self, slot: int, generation: int, reason: str) -> None:
-        if self.rollout_workers.replace(slot, generation, reason):
-            self._note(f"rollout worker {slot} replaced ({reason})")
-            self._load_prompts_into(self.rollout_workers.handles[slot])
-
-    def _receive(self, pending: Pending) -> tuple[dict[str, Any], ray.ObjectRef | None]:
-        """A rollout's metadata and record ref. A failed generator or rollout worker is replaced and the rollout
-        asked again, once; when that fails too, its samples are recorded as failed (empty metadata)."""
-        request = pending.request
-        try:
-            meta = decode_meta(self._fetch(pending.meta_ref, timeout=max(0.0, pending.deadline - time.monotonic())))
-        except (ray.exceptions.GetTimeoutError, ray.exceptions.RayError) as exc:
-            reason = "missed its deadline" if isinstance(exc, ray.exceptions.GetTimeoutError) else error_summary(exc)
-            self._replace_rollout_worker(pending.worker_slot, pending.worker_generation, reason)
-            meta = {"samples": len(request.indices) * request.group_size, "worker_failure": reason}
-        else:
-            self.rollout_workers.succeeded(pending.worker_slot, pending.worker_generation)
-        for slot, generation, reason in meta.get("generator_failures", []):
-            self._replace_generator(slot, generation, reason)
-        if "generator_failures" not in meta and "worker_failure" not in meta:
-            for slot, generation, _ in request.generators:
-                self.generators.succeeded(slot, generation)
-            return meta, pending.data_ref
-        if pending.attempt == 0:  # requeued exactly once, with the same prompts and group ids
-            return self._receive(self._send(request, attempt=1))
-        lost = len(request.indices) * request.group_size
-        self.counters.failed_samples += lost
-        self._note(f"{lost} samples lost: their rollout failed twice")
-        return {"samples": lost, "rows": 0, "failed": lost, "tokens": 0}, None
-
-    # -- one training step ------------------------------------------------------------------------------------
-
-    def _accept(self, meta: dict[str, Any], ref: ray.ObjectRef | None, step: StepBatch) -> None:
-        """Count one rollout's samples and choose its groups to train on from its per-group statistics."""
-        c, lag = self.counters, self.cfg.training.max_policy_lag
-        c.samples += meta["samples"]
-        c.tokens_generated += meta.get("tokens", 0)
-        self._add_to_step("trajectory_bytes", meta.get("record_bytes", 0))
-        c.failed_samples += meta.get("failed", 0) if "group_stats" in meta else 0
-        for key in ("generate_time_s", "reward_time_s"):
-            self._add_to_step(key, meta.get(key, 0.0))
-        c.reward_worker_restarts += meta.get("reward_restarts", 0)
-        for error in meta.get("errors", []):
-            self._note_reward_error(error)
-        stats = meta.get("group_stats")
-        if stats is None or not len(stats):
-            return
-        step.scored.append(meta)
-        chosen = []
-        for gid, _mean, signal, rows, oldest in stats:
-            if rows == 0:
-                continue
-            if self.version - oldest > lag:
-                c.stale_samples += int(rows)
-                continue
-            if self.cfg.grpo.dynamic_sampling and not signal:
-                c.filtered_groups += 1
-                continue
-            chosen.append((int(gid), int(rows), int(oldest)))
-        if chosen and ref is not None:
-            step.refs.append(ref)
-            step.groups += chosen
-
-    def _note_reward_error(self, error: str) -> None:
-        """The first error of each kind, as it happens (later ones of that kind are counted, not printed)."""
-        if error not in self._errors_seen:
-            self._errors_seen.add(error)
-            self._note(f"reward failed: {error} ({self.counters.failed_samples} failed samples so far)")
-
-    def _gather_batch(self, in_flight: deque[Pending]) -> StepBatch:
-        """The groups to train on for one step, refilling groups dropped by dynamic sampling."""
-        g = self.cfg.grpo
-        step = StepBatch()
-        pending = in_flight.popleft()
-        self._accept(*self._receive(pending), step)
-        for _round in range(g.max_sampling_rounds - 1 if g.dynamic_sampling else 0):
-            missing = g.prompts_per_step - len(step.groups)
-            if missing <= 0:
-                break
-            self._accept(*self._receive(self._submit_rollout(missing)), step)
-        if len(step.groups) > g.prompts_per_step:
-            step.groups = sorted(step.groups)[: g.prompts_per_step]
-        return step
 
     def _lr(self) -> float:
         g = self.cfg.grpo
@@ -613,17 +365,6 @@ class GRPOTrainer:
             for k in metrics[0]
         }
 
-    def _batch_spec(self) -> dict[str, Any]:
-        """How learners and the reference actor turn records into the packed batch (``grpo_batch``'s options)."""
-        g = self.cfg.grpo
-        return {
-            "reward_weights": dict(self.cfg.rewards.weights),
-            "advantage": g.advantage,
-            "scale_by_std": g.scale_by_std,
-            "overlong_filter": g.overlong_filter,
-            "world_size": self.cfg.learner.num_learners,
-        }
-
     # -- SFT warm-up and evaluation ---------------------------------------------------------------------------
 
     def _sft(self) -> None:
@@ -631,7 +372,7 @@ class GRPOTrainer:
         if s.steps == 0:
             return
         for step in range(1, s.steps + 1):
-            indices = self._sample_rows(s.batch_size)
+            indices = self.rollouts.sample_rows(s.batch_size)
             answers = []
             for i in indices:
                 if s.answer_key not in self.train_rows[i]:
@@ -668,16 +409,16 @@ class GRPOTrainer:
             "eval",
             list(range(len(self.eval_rows))),
             1,
-            self._params(True),
+            self.rollouts.sampling_params(True),
             first_group=0,
             generators=[],
             timeout_s=self.cfg.generator.timeout_s,
             keep_samples=self.cfg.training.show_samples,
         )
-        meta, _ = self._receive(self._send(request))
+        meta, _ = self.rollouts.receive(self.rollouts.send(request))
         n, failed = meta["samples"], meta.get("failed", meta["samples"])
         for error in meta.get("errors", []):
-            self._note_reward_error(error)
+            self.rollouts.note_reward_error(error)
         if n and failed == n and meta.get("errors"):
             raise RunAbortedError(f"every held-out sample failed its reward: {meta['errors'][0]}")
         row = {
@@ -749,9 +490,7 @@ class GRPOTrainer:
             initial = logged[0] if logged else {"eval_accuracy": None}
         with stop_requests(STOP_NOTICE) as stop:
             self._grpo_steps(stop)
-        for pending in self._in_flight:  # generated ahead for steps that will not run
-            ray.cancel(pending.meta_ref, force=False)
-        self._in_flight.clear()
+        self.rollouts.cancel_in_flight()  # generated ahead for steps that will not run
         if self.counters.trained_samples == 0:
             raise RunAbortedError(
                 f"trained on no sample in {self.counters.step} steps ({self.counters.failed_samples} failed, "
@@ -773,14 +512,13 @@ class GRPOTrainer:
     def _grpo_steps(self, stop: threading.Event) -> None:
         """GRPO steps up to ``training.total_steps``. Ctrl-C (``stop``) is honoured between steps, after a
         checkpoint of the steps done (with checkpointing on), so an interrupted run resumes where it stopped."""
-        t, in_flight = self.cfg.training, self._in_flight
+        t = self.cfg.training
         while self.counters.step < t.total_steps:
             self._stop_if_asked(stop)
             started = time.monotonic()
             self._step_timings = {}
-            while len(in_flight) < 1 + t.max_policy_lag:  # keep the pipeline as deep as the lag allows
-                in_flight.append(self._submit_rollout(self.cfg.grpo.prompts_per_step))
-            step = self._gather_batch(in_flight)
+            self.rollouts.fill()
+            step = self.rollouts.gather_batch()
             metrics: dict[str, float] = {}
             if step.groups:
                 metrics = self._update(step)
@@ -796,12 +534,12 @@ class GRPOTrainer:
 
     def _check_scoring(self, step: StepBatch) -> None:
         """Stop a run whose rewards fail on every sample, step after step, instead of training on nothing."""
-        if any(m["rows"] for m in step.scored) or not self._errors_seen:
+        if any(m["rows"] for m in step.scored) or not self.rollouts.errors_seen:
             self._steps_without_scores = 0
             return
         self._steps_without_scores += 1
         if self._steps_without_scores >= MAX_STEPS_WITHOUT_SCORES:
-            first = next(iter(self._errors_seen))
+            first = next(iter(self.rollouts.errors_seen))
             raise RunAbortedError(
                 f"every sample of the last {MAX_STEPS_WITHOUT_SCORES} steps failed its reward; first error: {first}"
             )
@@ -830,23 +568,24 @@ class GRPOTrainer:
         reference = reference_entry(self.reference_dir, self.run_dir)
         # Prompts of batches generating ahead were taken from the order but not trained on: a resumed run takes
         # them again first (pop() takes from the end).
-        ahead = [i for pending in reversed(self._in_flight) for i in reversed(pending.request.indices)]
+        ahead = self.rollouts.prompts_ahead()
         return {
             "counters": dataclasses.asdict(self.counters),
             "version": self.version,
             "rng": self.rng.bit_generator.state,
-            "order": [int(i) for i in [*self._order, *ahead]],
-            "group_counter": self._group_counter,
+            "order": [int(i) for i in [*self.rollouts.order, *ahead]],
+            "group_counter": self.rollouts.group_counter,
             "reference_model": reference,
             "elapsed_s": time.monotonic() - self._start,  # wall clock of every session so far
         }
 
     def _restore(self, state: dict[str, Any]) -> None:
-        self.counters = Counters(**state["counters"])
+        for key, value in state["counters"].items():  # in place: the rollout scheduler counts into it too
+            setattr(self.counters, key, value)
         self.version = int(state["version"])
         self.rng.bit_generator.state = state["rng"]
-        self._order = [int(i) for i in state["order"]]
-        self._group_counter = int(state["group_counter"])
+        self.rollouts.order = [int(i) for i in state["order"]]
+        self.rollouts.group_counter = int(state["group_counter"])
         self.reference_dir = reference_path(state.get("reference_model"), self.run_dir)
         self._elapsed_before = float(state.get("elapsed_s", 0.0))
 
@@ -896,8 +635,7 @@ class GRPOTrainer:
             self.log.close()
         if not ray.is_initialized():  # setup stopped before Ray started: no actors to stop
             return
-        for pending in self._in_flight:
-            ray.cancel(pending.meta_ref, force=False)
+        self.rollouts.cancel_in_flight()
         generators = self.generators.handles if self.generators else []
         workers = self.rollout_workers.handles if self.rollout_workers else []
         try:  # let engines stop their schedulers and workers their reward services before the processes go
@@ -913,7 +651,6 @@ class GRPOTrainer:
             if actor is not None:
                 ray.kill(actor, no_restart=True)
         self.generators, self.rollout_workers, self.learners, self.reference = None, None, [], None
-        self._in_flight.clear()
 
 
 ADDITIVE_LEARNER_METRICS = frozenset(

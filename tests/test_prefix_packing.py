@@ -113,3 +113,20 @@ def test_attention_without_custom_masks_is_refused_with_the_field(model_dir):
     model.set_attn_implementation("flex_attention")
     with pytest.raises(ValueError, match=r"learner.sequence_packing = 'shared_prefix'.*'flex_attention'.*padded"):
         check_maskable(model)
+
+
+def test_auto_packs_short_responses_and_keeps_long_equal_ones_padded(model_dir):
+    from rlfabric.models.sequences import model_positions
+
+    model = load_causal_lm(model_dir)  # hidden size 64: rows of up to 64 tokens
+    rng = np.random.default_rng(0)
+    for response_length, packs in ((2, True), (40, False)):
+        prompts = [p for p in (rng.integers(3, 60, 6).tolist() for _ in range(4)) for _ in range(8)]
+        responses = [rng.integers(3, 60, response_length).tolist() for _ in prompts]
+        ids, attention, prompt_len, _ = _padded(prompts, responses)
+        ran = model_positions(model, ids.numpy(), attention.numpy(), prompt_len, "auto", micro_batch_size=32)
+        padded_positions = 32 * (6 + response_length)
+        if packs:  # 4 blocks of 6 + 8 x 2 = 22 tokens, two to a row: 2 rows of 44
+            assert (ran["sequences"], ran["positions"]) == (2, 88)
+        else:  # 6 + 40 + 40 passes 64 tokens: one response per block and row, no cheaper than padded rows
+            assert (ran["sequences"], ran["positions"]) == (32, padded_positions)

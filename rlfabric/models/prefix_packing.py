@@ -81,27 +81,37 @@ def prefix_blocks(rows: list[tuple[tuple, list]], max_tokens: int) -> list[tuple
     return blocks
 
 
+def balanced_rows(sizes: list[int], max_tokens: int) -> list[list[int]]:
+    """Block indices per packed row: k = ceil(sum(sizes) / max_tokens) rows, filled largest block first into the
+    row with the fewest tokens so far (so a row can pass max_tokens by less than its largest block), each row's
+    blocks in their original order."""
+    if not sizes:
+        return []
+    rows = max(1, -(-sum(sizes) // max_tokens))
+    placed: list[list[int]] = [[] for _ in range(rows)]
+    filled = [0] * rows
+    for b in sorted(range(len(sizes)), key=lambda i: -sizes[i]):
+        at = filled.index(min(filled))
+        placed[at].append(b)
+        filled[at] += sizes[b]
+    return [sorted(row) for row in placed if row]
+
+
 def pack_shared_prefix(
     input_ids: np.ndarray, attention_mask: np.ndarray, prompt_len: int, max_tokens: int = 4096
 ) -> SharedPrefixPack:
     """Pack the rows of a padded batch (see ``rlfabric.models.sequences.pack_sequences``) by shared prompt.
 
-    Each block (``prefix_blocks``: a prompt and the responses that follow it) is laid out whole; blocks fill a
-    packed row in order until the next would take it past ``max_tokens``, which bounds the [L, L] attention per
-    row, and padding is only what the rows' lengths leave at their ends.
+    Each block (``prefix_blocks``: a prompt and the responses that follow it) is laid out whole; the blocks are
+    spread over as few rows as ``max_tokens`` allows (``balanced_rows``), which bounds the [L, L] attention per
+    row, with lengths as even as possible, so padding is only what the rows' lengths leave at their ends.
     """
     num_rows, width = input_ids.shape
     rows = [split_padded_row(input_ids[i], attention_mask[i], prompt_len) for i in range(num_rows)]
     blocks = prefix_blocks(rows, max_tokens)
     sizes = [len(prompt) + sum(len(rows[i][1]) for i in members) for prompt, members in blocks]
-    placed: list[list[int]] = []  # the blocks of each packed row
-    filled: list[int] = []
-    for b, size in enumerate(sizes):
-        if not placed or filled[-1] + size > max_tokens:
-            placed.append([])
-            filled.append(0)
-        placed[-1].append(b)
-        filled[-1] += size
+    placed = balanced_rows(sizes, max_tokens)
+    filled = [sum(sizes[b] for b in row) for row in placed]
     length = max(filled, default=0)
     shape = (len(placed), length)
     ids, positions = np.zeros(shape, np.int64), np.zeros(shape, np.int64)
@@ -150,6 +160,39 @@ def pack_shared_prefix(
     )
 
 
+def row_budget(model: Any) -> int:
+    """Tokens per packed row (and per block): the model's hidden size d. The attention over a row of L tokens
+    computes every score, masked or not: 4 d L FLOPs per token and layer, against about 2 x 12 d^2 for the
+    projections, so at L = d it adds about a sixth."""
+    return int(model.config.hidden_size)
+
+
+def projection_parameters_per_layer(model: Any) -> float:
+    """Parameters of one decoder layer: the decoder's, less its token embedding, over its layers."""
+    decoder = model.get_decoder()
+    total = sum(p.numel() for p in decoder.parameters()) - model.get_input_embeddings().weight.numel()
+    return total / max(int(model.config.num_hidden_layers), 1)
+
+
+def layer_flops(row_lengths: list[int], hidden: int, parameters_per_layer: float) -> float:
+    """Forward FLOPs of one decoder layer over rows of these lengths: sum over rows of 2 p L + 4 d L^2 (the
+    projections, then attention scores and the weighted sum over every key of the row)."""
+    return sum(2 * parameters_per_layer * n + 4 * hidden * n * n for n in row_lengths)
+
+
+def cheaper_shared_prefix(
+    model: Any, input_ids: np.ndarray, attention_mask: np.ndarray, prompt_len: int
+) -> SharedPrefixPack | None:
+    """The shared-prefix pack of the batch when it costs the model fewer FLOPs (``layer_flops``) than the
+    padded rows, else None. Short responses behind a shared prompt pack well; long ones of equal length gain
+    little on the projections and pay for the longer rows' attention."""
+    pack = pack_shared_prefix(input_ids, attention_mask, prompt_len, row_budget(model))
+    hidden, parameters = int(model.config.hidden_size), projection_parameters_per_layer(model)
+    rows, width = input_ids.shape
+    packed = layer_flops([pack.input_ids.shape[1]] * pack.input_ids.shape[0], hidden, parameters)
+    return pack if packed < layer_flops([width] * rows, hidden, parameters) else None
+
+
 def shared_prefix_attention(segment_ids: torch.Tensor, prefix_ids: torch.Tensor) -> torch.Tensor:
     """Which keys each query sees, [G, 1, L, L] bool: allowed(q, k) = k <= q and s_k >= 0 and (s_k = s_q or
     s_k = p_q), with s the segment ids (a prompt or a response; -1 padding) and p_q the segment of q's prompt. A
@@ -173,10 +216,15 @@ def attention_mask_for(model: Any, allowed: torch.Tensor) -> torch.Tensor:
     return mask.masked_fill(~allowed, torch.finfo(dtype).min)
 
 
+def maskable(model: Any) -> bool:
+    """Whether the model's attention takes the shared-prefix mask."""
+    return getattr(model.config, "_attn_implementation", "sdpa") in MASKABLE_ATTENTION
+
+
 def check_maskable(model: Any, field: str = "learner.sequence_packing") -> None:
     """Raise a one-line error when the model's attention cannot take the shared-prefix mask."""
     implementation = getattr(model.config, "_attn_implementation", "sdpa")
-    if implementation not in MASKABLE_ATTENTION:
+    if not maskable(model):
         raise ValueError(
             f"{field} = 'shared_prefix' needs attention that takes a custom mask ({', '.join(MASKABLE_ATTENTION)}); "
             f"this model uses {implementation!r}: set {field}: padded"
@@ -191,12 +239,15 @@ def response_logprobs_shared_prefix(
     temperature: float = 1.0,
     with_entropy: bool = False,
     matmul_dtype: str | None = None,
-    max_tokens: int = 4096,
+    max_tokens: int | None = None,
+    pack: SharedPrefixPack | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Logprobs [N, R] of each response token under softmax(logits / temperature) (and optionally the entropy),
-    as ``response_logprobs`` gives them, computed over the shared-prefix packing of the batch. Columns past a
-    row's response are 0."""
-    pack = pack_shared_prefix(input_ids.cpu().numpy(), attention_mask.cpu().numpy(), prompt_len, max_tokens)
+    as ``response_logprobs`` gives them, computed over the shared-prefix packing of the batch (``pack``, or
+    packed here with ``max_tokens``, default ``row_budget``). Columns past a row's response are 0."""
+    if pack is None:
+        budget = max_tokens or row_budget(model)
+        pack = pack_shared_prefix(input_ids.cpu().numpy(), attention_mask.cpu().numpy(), prompt_len, budget)
     device = input_ids.device
     as_tensor = lambda values: torch.from_numpy(values).to(device)  # noqa: E731
     allowed = shared_prefix_attention(as_tensor(pack.segment_ids), as_tensor(pack.prefix_ids))

@@ -15,11 +15,30 @@ import torch
 
 from rlfabric.algorithms.grpo import entropy_from_logits, token_logprobs_from_logits
 from rlfabric.models.precision import matmul_precision
-from rlfabric.models.prefix_packing import pack_shared_prefix, response_logprobs_shared_prefix
+from rlfabric.models.prefix_packing import (
+    SharedPrefixPack,
+    cheaper_shared_prefix,
+    pack_shared_prefix,
+    response_logprobs_shared_prefix,
+    row_budget,
+)
 
-# How a batch's rows reach the model: "shared_prefix" (``rlfabric.models.prefix_packing``) or "padded" (one row
-# each, as laid out here).
-SEQUENCE_PACKINGS = ("shared_prefix", "padded")
+# How a batch's rows reach the model: "shared_prefix" (``rlfabric.models.prefix_packing``), "padded" (one row
+# each, as laid out here), or "auto": whichever costs the model fewer FLOPs, micro-batch by micro-batch.
+SEQUENCE_PACKINGS = ("auto", "shared_prefix", "padded")
+
+
+def packed_layout(
+    model: Any, input_ids: np.ndarray, attention_mask: np.ndarray, prompt_len: int, packing: str
+) -> SharedPrefixPack | None:
+    """The shared-prefix pack ``packing`` runs this batch as, or None for the padded rows."""
+    if packing == "padded":
+        return None
+    if packing == "shared_prefix":
+        return pack_shared_prefix(input_ids, attention_mask, prompt_len, row_budget(model))
+    if packing == "auto":
+        return cheaper_shared_prefix(model, input_ids, attention_mask, prompt_len)
+    raise ValueError(f"packing = {packing!r}: expected one of {SEQUENCE_PACKINGS}")
 
 
 def pack_sequences(
@@ -71,14 +90,19 @@ def micro_slices(n: int, size: int) -> list[slice]:
 
 
 def model_positions(
-    input_ids: np.ndarray, attention_mask: np.ndarray, prompt_len: int, packing: str, micro_batch_size: int
+    model: Any,
+    input_ids: np.ndarray,
+    attention_mask: np.ndarray,
+    prompt_len: int,
+    packing: str,
+    micro_batch_size: int,
 ) -> dict[str, float]:
     """What the model runs over for a padded batch, micro-batch by micro-batch: ``sequences`` (rows of its input),
     ``positions`` (their positions, padding included) and ``head_positions`` (positions through the LM head)."""
     sequences = positions = head = 0
     for rows in micro_slices(len(input_ids), micro_batch_size):
-        if packing == "shared_prefix":
-            pack = pack_shared_prefix(input_ids[rows], attention_mask[rows], prompt_len)
+        pack = packed_layout(model, input_ids[rows], attention_mask[rows], prompt_len, packing)
+        if pack is not None:
             sequences += pack.input_ids.shape[0]
             positions += pack.input_ids.size
             head += len(pack.target)
@@ -132,14 +156,14 @@ def response_logprobs(
     Only the R + 1 last positions go through the LM head (``logits_to_keep``): the prompt's logits are never built.
     ``matmul_dtype`` (e.g. "bfloat16") runs the body's matmuls in that dtype, see ``rlfabric.models.precision``.
     ``packing`` "shared_prefix" computes the same values over rows that share their prompt
-    (``rlfabric.models.prefix_packing``); columns past a row's response are then 0.
+    (``rlfabric.models.prefix_packing``; columns past a row's response are then 0), "auto" does so when that
+    costs fewer FLOPs than the padded rows.
     """
-    if packing == "shared_prefix":
+    pack = packed_layout(model, input_ids.cpu().numpy(), attention_mask.cpu().numpy(), prompt_len, packing)
+    if pack is not None:
         return response_logprobs_shared_prefix(
-            model, input_ids, attention_mask, prompt_len, temperature, with_entropy, matmul_dtype
+            model, input_ids, attention_mask, prompt_len, temperature, with_entropy, matmul_dtype, pack=pack
         )
-    if packing != "padded":
-        raise ValueError(f"packing = {packing!r}: expected one of {SEQUENCE_PACKINGS}")
     width_r = input_ids.shape[1] - prompt_len
     positions = (attention_mask.cumsum(-1) - 1).clamp(min=0)
     with matmul_precision(model, matmul_dtype):

@@ -1,0 +1,135 @@
+"""Starting a GRPO run's actors from its config: generators, learners (and their process group), the reference
+actor, the rollout worker, and what they all ask Ray for."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import ray
+
+from rlfabric import rewards
+from rlfabric.actor_slots import RunAbortedError
+from rlfabric.grpo_config import LLMConfig
+from rlfabric.llm_resources import SETUP_TIMEOUT_S, torch_threads
+from rlfabric.placement import ActorRequest
+
+
+def actor_requests(cfg: LLMConfig) -> list[ActorRequest]:
+    """What every actor of the run asks Ray for, by the config section that sets it."""
+    g, lc, r = cfg.generator, cfg.learner, cfg.rewards
+    reference = int(cfg.grpo.kl_coef > 0 and cfg.grpo.reference == "actor")
+    return [
+        ActorRequest("generator", g.num_generators, {"CPU": g.num_cpus, "GPU": g.num_gpus, **g.resources}),
+        ActorRequest("learner", lc.num_learners + reference, {"CPU": lc.num_cpus, "GPU": lc.num_gpus, **lc.resources}),
+        ActorRequest("rewards", r.num_workers, {"CPU": r.num_cpus}),
+    ]
+
+
+def batch_spec(cfg: LLMConfig) -> dict[str, Any]:
+    """How learners and the reference actor turn records into the packed batch (``grpo_batch``'s options)."""
+    g = cfg.grpo
+    return {
+        "reward_weights": dict(cfg.rewards.weights),
+        "advantage": g.advantage,
+        "scale_by_std": g.scale_by_std,
+        "overlong_filter": g.overlong_filter,
+        "world_size": cfg.learner.num_learners,
+    }
+
+
+def start_generator(cfg: LLMConfig, model_dir: str, seed: int) -> Any:
+    """One generator actor serving ``model_dir``, sampling from ``seed``."""
+    from rlfabric.actors.generator import Generator
+
+    g = cfg.generator
+    options: dict[str, Any]
+    if g.backend == "torch":
+        device = "cuda" if g.num_gpus > 0 else "cpu"
+        options = {"max_batch_size": g.max_batch_size, "device": device, "seed": seed, "matmul_dtype": g.matmul_dtype}
+    else:
+        options = {**dataclasses.asdict(g.vllm), "seed": seed}
+    return Generator.options(num_cpus=g.num_cpus, num_gpus=g.num_gpus, resources=g.resources).remote(
+        g.backend, model_dir, options, num_threads=torch_threads(cfg, "generator")
+    )
+
+
+def start_learners(cfg: LLMConfig, model_dir: str, reference_dir: str | None) -> list[Any]:
+    """``learner.num_learners`` learner actors from ``model_dir``, their data-parallel process group formed (or a
+    ``RunAbortedError`` naming what was asked for, after ``SETUP_TIMEOUT_S``)."""
+    from rlfabric.actors.llm_learner import LLMLearner
+
+    lc = cfg.learner
+    device = lc.device if lc.device != "auto" else ("cuda" if lc.num_gpus > 0 else "cpu")
+    grpo = {**dataclasses.asdict(cfg.grpo), "norm_length": cfg.sampling.max_new_tokens}
+    learners = [
+        LLMLearner.options(num_cpus=lc.num_cpus, num_gpus=lc.num_gpus, resources=lc.resources).remote(
+            model_dir=model_dir,
+            grpo=grpo,
+            sft=dataclasses.asdict(cfg.sft),
+            temperature=cfg.sampling.temperature,
+            dtype=cfg.model.dtype,
+            device=device,
+            rank=rank,
+            world_size=lc.num_learners,
+            seed=cfg.training.seed,
+            gradient_checkpointing=cfg.model.gradient_checkpointing,
+            reference_in_learner=cfg.grpo.kl_coef > 0 and cfg.grpo.reference == "learner",
+            reference_dir=reference_dir,
+            num_threads=torch_threads(cfg, "learner"),
+            matmul_dtype=lc.matmul_dtype,
+            batch_spec=batch_spec(cfg),
+            sequence_packing=lc.sequence_packing,
+        )
+        for rank in range(lc.num_learners)
+    ]
+    if lc.num_learners > 1:
+        asked = f"{lc.num_learners} learners x (num_cpus={lc.num_cpus:g}, num_gpus={lc.num_gpus:g})"
+        try:
+            address = ray.get(learners[0].node_address.remote(), timeout=SETUP_TIMEOUT_S)
+            port = ray.get(learners[0].free_port.remote(), timeout=SETUP_TIMEOUT_S)
+            backend = "nccl" if device == "cuda" else "gloo"
+            ray.get([ln.init_process_group.remote(address, port, backend) for ln in learners], timeout=SETUP_TIMEOUT_S)
+        except ray.exceptions.GetTimeoutError:
+            raise RunAbortedError(
+                f"the data-parallel learners' process group did not form within {SETUP_TIMEOUT_S:g}s ({asked}); "
+                "the cluster may not be able to place them all at once"
+            ) from None
+    return learners
+
+
+def start_reference(cfg: LLMConfig, reference_dir: str | None, pad_id: int) -> Any:
+    """The reference actor (``grpo.reference: actor`` with a KL term), or None."""
+    if not (cfg.grpo.kl_coef > 0 and cfg.grpo.reference == "actor"):
+        return None
+    from rlfabric.actors.reference import Reference
+
+    lc = cfg.learner
+    return Reference.options(num_cpus=lc.num_cpus, num_gpus=lc.num_gpus).remote(
+        reference_dir,
+        cfg.sampling.temperature,
+        cfg.grpo.micro_batch_size,
+        dtype=cfg.model.dtype,
+        device="cuda" if lc.num_gpus > 0 else "cpu",
+        num_threads=torch_threads(cfg, "reference"),
+        matmul_dtype=lc.matmul_dtype,
+        batch_spec=batch_spec(cfg),
+        pad_id=pad_id,
+        sequence_packing=lc.sequence_packing,
+    )
+
+
+def start_rollout_worker(cfg: LLMConfig) -> Any:
+    """The rollout worker, with its reward services (the driver's reward registrations travel with it)."""
+    from rlfabric.actors.llm_rollout import LLMRolloutWorker
+
+    r = cfg.rewards
+    return LLMRolloutWorker.options(num_cpus=0).remote(
+        reward_functions=[dataclasses.asdict(f) for f in r.functions],
+        reward_weights=dict(r.weights),
+        num_reward_workers=r.num_workers,
+        reward_timeout_s=r.timeout_s,
+        reward_cpus=r.num_cpus,
+        reward_registry=rewards.snapshot(),
+        prompt_key=cfg.data.prompt_key,
+    )

@@ -1,0 +1,235 @@
+"""Which prompts go out to the rollout worker, and which scored groups come back to train on.
+
+The driver's side of the rollout layer: it draws prompt indices from a shuffled order, sends them as
+``RolloutRequest``s with a deadline, receives the small metadata (the record stays in the object store), asks a
+failed request again exactly once (with the same prompts and group ids) after replacing what failed, and chooses
+groups from the per-group statistics alone: staleness against ``training.max_policy_lag``, dynamic sampling and
+its refill rounds.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import ray
+
+from rlfabric.actor_slots import ActorSlots, error_summary
+from rlfabric.actors.llm_rollout import RolloutRequest, decode_meta
+from rlfabric.grpo_config import LLMConfig
+from rlfabric.llm_run_state import Counters
+
+REWARD_GRACE_S = 30.0  # the reward pool's slack per call, for starting a replacement service and transfers
+
+
+@dataclass
+class Pending:
+    """A rollout request in flight on a rollout worker."""
+
+    request: RolloutRequest  # its indices are put back in the prompt order when a checkpoint is taken
+    meta_ref: ray.ObjectRef
+    data_ref: ray.ObjectRef
+    attempt: int  # 0, or 1 for the one retry after a generator or rollout worker failed
+    worker_slot: int
+    worker_generation: int
+    deadline: float  # time.monotonic() by which the worker must have answered
+
+
+@dataclass
+class StepBatch:
+    """What one step trains on: record refs and the chosen groups, plus every scored rollout's metadata."""
+
+    refs: list[ray.ObjectRef] = field(default_factory=list)
+    groups: list[tuple[int, int, int]] = field(default_factory=list)  # (group id, rows, oldest policy version)
+    scored: list[dict[str, Any]] = field(default_factory=list)
+
+
+class RolloutScheduler:
+    """Sends rollouts and chooses what to train on; see the module docstring.
+
+    ``fetch`` is the driver's ``ray.get`` (it counts the bytes received), ``add_to_step`` adds to the current
+    step's measures, ``note`` prints one line, ``replace_generator(slot, generation, reason)`` replaces a failed
+    generator (and gives the new one the weights), and ``version()`` is the current policy version.
+    """
+
+    def __init__(
+        self,
+        cfg: LLMConfig,
+        counters: Counters,
+        rng: np.random.Generator,
+        *,
+        fetch: Callable[..., Any],
+        add_to_step: Callable[[str, float], None],
+        note: Callable[[str], None],
+        replace_generator: Callable[[int, int, str], None],
+        version: Callable[[], int],
+    ) -> None:
+        self.cfg, self.counters, self.rng = cfg, counters, rng
+        self._fetch, self._add_to_step, self._note = fetch, add_to_step, note
+        self._replace_generator, self._version = replace_generator, version
+        self.generators: ActorSlots | None = None
+        self.workers: ActorSlots | None = None
+        self.prompt_refs: dict[str, ray.ObjectRef] = {}  # prompt set name -> PromptSet in the object store
+        self.num_train_prompts = 0
+        self.order: list[int] = []  # train prompt indices still to draw this pass (drawn from the end)
+        self.group_counter = 0  # the next group id
+        self.in_flight: deque[Pending] = deque()  # rollouts generating ahead (max_policy_lag > 0)
+        self.errors_seen: set[str] = set()  # reward errors already printed (the first of each kind is)
+
+    def attach(self, generators: ActorSlots, workers: ActorSlots) -> None:
+        self.generators, self.workers = generators, workers
+
+    def load_prompts_into(self, worker: Any) -> None:
+        for name, ref in self.prompt_refs.items():
+            worker.set_prompts.remote(name, ref)  # queued before any rollout the worker is sent
+
+    # -- prompts and requests ---------------------------------------------------------------------------------
+
+    def sample_rows(self, k: int) -> list[int]:
+        """k train prompt indices: passes over a shuffled order, reshuffled each pass."""
+        out = []
+        while len(out) < k:
+            if not self.order:
+                self.order = list(self.rng.permutation(self.num_train_prompts))
+            out.append(int(self.order.pop()))
+        return out
+
+    def sampling_params(self, greedy: bool) -> dict[str, Any]:
+        s = self.cfg.sampling
+        if greedy:
+            return {"max_new_tokens": s.max_new_tokens, "temperature": 0.0}
+        return {"max_new_tokens": s.max_new_tokens, "temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k}
+
+    def _deadline(self, request: RolloutRequest) -> float:
+        """The backstop for a rollout worker's answer: generation, then scoring every group, plus slack."""
+        groups = len(request.indices)
+        return request.timeout_s + self.cfg.rewards.timeout_s * groups + 2 * REWARD_GRACE_S
+
+    def send(self, request: RolloutRequest, attempt: int = 0) -> Pending:
+        assert self.workers is not None and self.generators is not None
+        slot, generation, worker = self.workers.entries()[0]
+        request.generators = self.generators.entries()
+        meta_ref, data_ref = worker.rollout.remote(request)
+        deadline = time.monotonic() + self._deadline(request)
+        return Pending(request, meta_ref, data_ref, attempt, slot, generation, deadline)
+
+    def submit(self, num_prompts: int) -> Pending:
+        """A train rollout of ``num_prompts`` prompts, each ``grpo.group_size`` times, with fresh group ids."""
+        indices = self.sample_rows(num_prompts)
+        request = RolloutRequest(
+            "train",
+            indices,
+            self.cfg.grpo.group_size,
+            self.sampling_params(False),
+            first_group=self.group_counter,
+            generators=[],
+            timeout_s=self.cfg.generator.timeout_s,
+        )
+        self.group_counter += len(indices)
+        return self.send(request)
+
+    def fill(self) -> None:
+        """Keep the pipeline as deep as the lag allows: 1 + ``training.max_policy_lag`` rollouts in flight."""
+        while len(self.in_flight) < 1 + self.cfg.training.max_policy_lag:
+            self.in_flight.append(self.submit(self.cfg.grpo.prompts_per_step))
+
+    def cancel_in_flight(self) -> None:
+        """Drop the rollouts generated ahead for steps that will not run."""
+        for pending in self.in_flight:
+            ray.cancel(pending.meta_ref, force=False)
+        self.in_flight.clear()
+
+    def prompts_ahead(self) -> list[int]:
+        """The prompts taken from the order for rollouts in flight, in the order a resumed run takes them again."""
+        return [i for pending in reversed(self.in_flight) for i in reversed(pending.request.indices)]
+
+    # -- answers ----------------------------------------------------------------------------------------------
+
+    def _replace_worker(self, slot: int, generation: int, reason: str) -> None:
+        assert self.workers is not None
+        if self.workers.replace(slot, generation, reason):
+            self._note(f"rollout worker {slot} replaced ({reason})")
+            self.load_prompts_into(self.workers.handles[slot])
+
+    def receive(self, pending: Pending) -> tuple[dict[str, Any], ray.ObjectRef | None]:
+        """A rollout's metadata and record ref. A failed generator or rollout worker is replaced and the rollout
+        asked again, once; when that fails too, its samples are recorded as failed (empty metadata)."""
+        assert self.workers is not None and self.generators is not None
+        request = pending.request
+        try:
+            meta = decode_meta(self._fetch(pending.meta_ref, timeout=max(0.0, pending.deadline - time.monotonic())))
+        except (ray.exceptions.GetTimeoutError, ray.exceptions.RayError) as exc:
+            reason = "missed its deadline" if isinstance(exc, ray.exceptions.GetTimeoutError) else error_summary(exc)
+            self._replace_worker(pending.worker_slot, pending.worker_generation, reason)
+            meta = {"samples": len(request.indices) * request.group_size, "worker_failure": reason}
+        else:
+            self.workers.succeeded(pending.worker_slot, pending.worker_generation)
+        for slot, generation, reason in meta.get("generator_failures", []):
+            self._replace_generator(slot, generation, reason)
+        if "generator_failures" not in meta and "worker_failure" not in meta:
+            for slot, generation, _ in request.generators:
+                self.generators.succeeded(slot, generation)
+            return meta, pending.data_ref
+        if pending.attempt == 0:  # requeued exactly once, with the same prompts and group ids
+            return self.receive(self.send(request, attempt=1))
+        lost = len(request.indices) * request.group_size
+        self.counters.failed_samples += lost
+        self._note(f"{lost} samples lost: their rollout failed twice")
+        return {"samples": lost, "rows": 0, "failed": lost, "tokens": 0}, None
+
+    def note_reward_error(self, error: str) -> None:
+        """The first error of each kind, as it happens (later ones of that kind are counted, not printed)."""
+        if error not in self.errors_seen:
+            self.errors_seen.add(error)
+            self._note(f"reward failed: {error} ({self.counters.failed_samples} failed samples so far)")
+
+    def accept(self, meta: dict[str, Any], ref: ray.ObjectRef | None, step: StepBatch) -> None:
+        """Count one rollout's samples and choose its groups to train on from its per-group statistics."""
+        c, lag, version = self.counters, self.cfg.training.max_policy_lag, self._version()
+        c.samples += meta["samples"]
+        c.tokens_generated += meta.get("tokens", 0)
+        self._add_to_step("trajectory_bytes", meta.get("record_bytes", 0))
+        c.failed_samples += meta.get("failed", 0) if "group_stats" in meta else 0
+        for key in ("generate_time_s", "reward_time_s"):
+            self._add_to_step(key, meta.get(key, 0.0))
+        c.reward_worker_restarts += meta.get("reward_restarts", 0)
+        for error in meta.get("errors", []):
+            self.note_reward_error(error)
+        stats = meta.get("group_stats")
+        if stats is None or not len(stats):
+            return
+        step.scored.append(meta)
+        chosen = []
+        for gid, _mean, signal, rows, oldest in stats:
+            if rows == 0:
+                continue
+            if version - oldest > lag:
+                c.stale_samples += int(rows)
+                continue
+            if self.cfg.grpo.dynamic_sampling and not signal:
+                c.filtered_groups += 1
+                continue
+            chosen.append((int(gid), int(rows), int(oldest)))
+        if chosen and ref is not None:
+            step.refs.append(ref)
+            step.groups += chosen
+
+    def gather_batch(self) -> StepBatch:
+        """The groups to train on for one step (the oldest rollout in flight), refilling groups dropped by
+        dynamic sampling."""
+        g = self.cfg.grpo
+        step = StepBatch()
+        pending = self.in_flight.popleft()
+        self.accept(*self.receive(pending), step)
+        for _round in range(g.max_sampling_rounds - 1 if g.dynamic_sampling else 0):
+            missing = g.prompts_per_step - len(step.groups)
+            if missing <= 0:
+                break
+            self.accept(*self.receive(self.submit(missing)), step)
+        if len(step.groups) > g.prompts_per_step:
+            step.groups = sorted(step.groups)[: g.prompts_per_step]
+        return step
