@@ -9,7 +9,6 @@ trajectories); as buffers of float32 values in an order both sides import from o
 from __future__ import annotations
 
 import io
-import math
 import pickle
 from collections.abc import Mapping
 from typing import Any
@@ -19,8 +18,9 @@ import ray
 
 
 class FloatFields:
-    """A fixed, ordered set of named numbers: ``pack`` to bytes (absent names as NaN), ``unpack`` back to a dict
-    (NaN entries left out). float32: counts are exact below 2**24; everything else is a measurement."""
+    """A fixed, ordered set of named numbers: ``pack`` to bytes (a presence bit per field, then the float32
+    values), ``unpack`` back to a dict of the fields that were sent, NaN values included. float32: counts are
+    exact below 2**24; everything else is a measurement."""
 
     def __init__(self, *names: str) -> None:
         if len(set(names)) != len(names):
@@ -32,17 +32,20 @@ class FloatFields:
         unknown = [name for name in values if name not in self._index]
         if unknown:
             raise ValueError(f"FloatFields.pack: {unknown} are not among the fields {list(self.names)}")
-        out = np.full(len(self.names), np.nan, np.float32)
+        out = np.zeros(len(self.names), np.float32)
+        present = np.zeros(len(self.names), bool)
         for name, value in values.items():
             out[self._index[name]] = value
-        return out.tobytes()
+            present[self._index[name]] = True
+        return np.packbits(present).tobytes() + out.tobytes()
 
     def unpack(self, data: bytes) -> dict[str, float]:
-        values = np.frombuffer(data, np.float32)
+        flags = -(-len(self.names) // 8)  # one presence bit per field, so a NaN value (a diverged loss) stays
+        present = np.unpackbits(np.frombuffer(data[:flags], np.uint8))[: len(self.names)].astype(bool)
+        values = np.frombuffer(data[flags:], np.float32)
         if len(values) != len(self.names):
             raise ValueError(f"FloatFields.unpack: {len(values)} values for {len(self.names)} fields")
-        return {name: float(v) for name, v in zip(self.names, values, strict=True) if not math.isnan(v)}
-
+        return {name: float(v) for name, v, here in zip(self.names, values, present, strict=True) if here}
 
 class _RefAsId(pickle.Pickler):
     """Pickles an ObjectRef as its id: what a handle costs on the wire, without registering a borrower."""

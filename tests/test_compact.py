@@ -11,8 +11,13 @@ from rlfabric.compact import FloatFields, payload_bytes
 def test_fields_round_trip_and_leave_out_what_was_not_sent():
     fields = FloatFields("a", "b", "c")
     data = fields.pack({"a": 1.5, "c": -2.0})
-    assert len(data) == 12
+    assert len(data) == 1 + 12  # one byte of presence bits, three float32 values
     assert fields.unpack(data) == {"a": 1.5, "c": -2.0}
+
+
+def test_a_nan_metric_reaches_the_driver_as_nan():
+    back = LEARNER_METRICS.unpack(LEARNER_METRICS.pack({"pg_loss": float("nan"), "grad_norm": 2.0}))
+    assert set(back) == {"pg_loss", "grad_norm"} and np.isnan(back["pg_loss"]) and back["grad_norm"] == 2.0
 
 
 def test_an_unlisted_name_is_an_error_not_a_silent_loss():
