@@ -53,6 +53,21 @@ LEARNER_METRICS = FloatFields(
     "trained_positions",
     "trained_head_positions",
 )
+# The metrics that are each rank's share of the whole batch's value (one shared denominator, or counts): summed
+# over data-parallel learners; the others are averaged.
+ADDITIVE_LEARNER_METRICS = frozenset(
+    {
+        "pg_loss",
+        "kl",
+        "entropy",
+        "trained_rows",
+        "skipped_rows",
+        "trained_tokens",
+        "trained_sequences",
+        "trained_positions",
+        "trained_head_positions",
+    }
+)
 
 
 def adamw(params: Any, lr: float, weight_decay: float) -> torch.optim.AdamW:

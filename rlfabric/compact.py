@@ -47,6 +47,7 @@ class FloatFields:
             raise ValueError(f"FloatFields.unpack: {len(values)} values for {len(self.names)} fields")
         return {name: float(v) for name, v, here in zip(self.names, values, present, strict=True) if here}
 
+
 class _RefAsId(pickle.Pickler):
     """Pickles an ObjectRef as its id: what a handle costs on the wire, without registering a borrower."""
 

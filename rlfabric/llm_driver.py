@@ -29,7 +29,7 @@ import ray
 
 from rlfabric import rewards
 from rlfabric.actor_slots import ActorSlots, RunAbortedError, error_summary
-from rlfabric.actors.llm_learner import LEARNER_METRICS
+from rlfabric.actors.llm_learner import ADDITIVE_LEARNER_METRICS, LEARNER_METRICS
 from rlfabric.actors.llm_rollout import PromptSet, RolloutRequest
 from rlfabric.compact import payload_bytes
 from rlfabric.config import ConfigError
@@ -651,21 +651,6 @@ class GRPOTrainer:
             if actor is not None:
                 ray.kill(actor, no_restart=True)
         self.generators, self.rollout_workers, self.learners, self.reference = None, None, [], None
-
-
-ADDITIVE_LEARNER_METRICS = frozenset(
-    {
-        "pg_loss",
-        "kl",
-        "entropy",
-        "trained_rows",
-        "skipped_rows",
-        "trained_tokens",
-        "trained_sequences",
-        "trained_positions",
-        "trained_head_positions",
-    }
-)
 
 
 def train_llm(cfg: LLMConfig, run_dir: str | Path, quiet: bool = False) -> dict[str, Any]:
