@@ -81,9 +81,10 @@ def kill_generators(kills: list[tuple[int, float]], killed: list[int]):
 
 
 # Kills land in every phase: right as a step's rollout starts generating, in the middle of the learner's update
-# (with the weight load queued behind it), and between steps.
+# (with the weight load queued behind it), and between steps. The steps after the last kill must outlast its
+# delay: on this tiny model a step can take well under 0.1 s, so 4 of them could end the run before it landed.
 KILLS = [(1, 0.0), (3, 0.15), (5, 0.4)]
-STEPS = 9
+STEPS = 15
 
 
 @pytest.mark.parametrize("lag", [0, 1])
