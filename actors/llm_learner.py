@@ -25,9 +25,11 @@ from rlfabric.models.sequences import (
     batched_response_logprobs,
     is_row_column,
     keep_rows_with_advantage,
+    layout_positions,
     micro_slices,
-    model_positions,
+    packed_layout,
     response_logprobs,
+    response_logprobs_in,
     select_rows,
 )
 from rlfabric.models.shared_weights import SharedFlatWeights, SharedWeightsWriter
@@ -277,18 +279,23 @@ class LLMLearnerCore:
                 ref_logp = torch.as_tensor(self._logprobs_of(b, self.reference)).to(self.device)
         metrics: dict[str, float] = {}
         gap_sum = 0.0  # sum over loss tokens of |learner logprob - behaviour logprob|, at the batch's weights
+        prompt_len = int(b["prompt_len"])
+        slices = micro_slices(len(mask), g["micro_batch_size"])
+        ids, attention = b["input_ids"].cpu().numpy(), b["attention_mask"].cpu().numpy()
+        # Each micro-batch's layout, chosen (and packed) once for every epoch.
+        layouts = [packed_layout(self.model, ids[rows], attention[rows], prompt_len, self.packing) for rows in slices]
         for epoch in range(g["epochs"]):
             sums: dict[str, float] = {}
-            for rows in micro_slices(len(mask), g["micro_batch_size"]):
-                new_logp, entropy = response_logprobs(
+            for rows, layout in zip(slices, layouts, strict=True):
+                new_logp, entropy = response_logprobs_in(
                     self.model,
                     b["input_ids"][rows],
                     b["attention_mask"][rows],
-                    int(b["prompt_len"]),
+                    prompt_len,
+                    layout,
                     self.temperature,
                     with_entropy=True,
                     matmul_dtype=self.matmul_dtype,
-                    packing=self.packing,
                 )
                 if g["entropy_coef"] == 0:
                     entropy = entropy.detach()
@@ -327,17 +334,9 @@ class LLMLearnerCore:
                 metrics["skipped_rows"] = float(full_rows - len(mask))
                 # What the forward/backward ran over: real tokens, and the model's rows and positions as packed.
                 metrics["trained_tokens"] = float(b["attention_mask"].sum())
-                ran = model_positions(
-                    self.model,
-                    b["input_ids"].cpu().numpy(),
-                    b["attention_mask"].cpu().numpy(),
-                    int(b["prompt_len"]),
-                    self.packing,
-                    g["micro_batch_size"],
-                )
-                metrics["trained_sequences"] = ran["sequences"]
-                metrics["trained_positions"] = ran["positions"]
-                metrics["trained_head_positions"] = ran["head_positions"]
+                for rows, layout in zip(slices, layouts, strict=True):
+                    for key, value in layout_positions(layout, ids[rows], prompt_len).items():
+                        metrics[f"trained_{key}"] = metrics.get(f"trained_{key}", 0.0) + value
             else:
                 metrics.update({f"{k}_last_epoch": v for k, v in sums.items() if k == "clip_fraction"})
         self.version += 1  # one policy version per batch, however many epochs it took

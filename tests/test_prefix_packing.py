@@ -116,7 +116,7 @@ def test_attention_without_custom_masks_is_refused_with_the_field(model_dir):
 
 
 def test_auto_packs_short_responses_and_keeps_long_equal_ones_padded(model_dir):
-    from rlfabric.models.sequences import model_positions
+    from rlfabric.models.sequences import packed_layout
 
     model = load_causal_lm(model_dir)  # hidden size 64: rows of up to 64 tokens
     rng = np.random.default_rng(0)
@@ -124,9 +124,8 @@ def test_auto_packs_short_responses_and_keeps_long_equal_ones_padded(model_dir):
         prompts = [p for p in (rng.integers(3, 60, 6).tolist() for _ in range(4)) for _ in range(8)]
         responses = [rng.integers(3, 60, response_length).tolist() for _ in prompts]
         ids, attention, prompt_len, _ = _padded(prompts, responses)
-        ran = model_positions(model, ids.numpy(), attention.numpy(), prompt_len, "auto", micro_batch_size=32)
-        padded_positions = 32 * (6 + response_length)
+        layout = packed_layout(model, ids.numpy(), attention.numpy(), prompt_len, "auto")
         if packs:  # 4 blocks of 6 + 8 x 2 = 22 tokens, two to a row: 2 rows of 44
-            assert (ran["sequences"], ran["positions"]) == (2, 88)
+            assert layout is not None and layout.input_ids.shape == (2, 44)
         else:  # 6 + 40 + 40 passes 64 tokens: one response per block and row, no cheaper than padded rows
-            assert (ran["sequences"], ran["positions"]) == (32, padded_positions)
+            assert layout is None

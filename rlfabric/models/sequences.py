@@ -89,27 +89,22 @@ def micro_slices(n: int, size: int) -> list[slice]:
     return [slice(i, min(i + size, n)) for i in range(0, n, size)]
 
 
-def model_positions(
-    model: Any,
-    input_ids: np.ndarray,
-    attention_mask: np.ndarray,
-    prompt_len: int,
-    packing: str,
-    micro_batch_size: int,
-) -> dict[str, float]:
-    """What the model runs over for a padded batch, micro-batch by micro-batch: ``sequences`` (rows of its input),
-    ``positions`` (their positions, padding included) and ``head_positions`` (positions through the LM head)."""
-    sequences = positions = head = 0
-    for rows in micro_slices(len(input_ids), micro_batch_size):
-        pack = packed_layout(model, input_ids[rows], attention_mask[rows], prompt_len, packing)
-        if pack is not None:
-            sequences += pack.input_ids.shape[0]
-            positions += pack.input_ids.size
-            head += len(pack.target)
-        else:
-            n, width = input_ids[rows].shape
-            sequences, positions, head = sequences + n, positions + n * width, head + n * (width - prompt_len)
-    return {"sequences": float(sequences), "positions": float(positions), "head_positions": float(head)}
+def layout_positions(layout: SharedPrefixPack | None, input_ids: np.ndarray, prompt_len: int) -> dict[str, float]:
+    """What the model runs over for one micro-batch in ``layout`` (``packed_layout``'s pack, or None for the padded
+    rows ``input_ids``): ``sequences`` (rows of its input), ``positions`` (their positions, padding included) and
+    ``head_positions`` (positions through the LM head)."""
+    if layout is not None:
+        return {
+            "sequences": float(layout.input_ids.shape[0]),
+            "positions": float(layout.input_ids.size),
+            "head_positions": float(len(layout.target)),
+        }
+    rows, width = input_ids.shape
+    return {
+        "sequences": float(rows),
+        "positions": float(rows * width),
+        "head_positions": float(rows * (width - prompt_len)),
+    }
 
 
 @torch.no_grad()
@@ -159,10 +154,27 @@ def response_logprobs(
     (``rlfabric.models.prefix_packing``; columns past a row's response are then 0), "auto" does so when that
     costs fewer FLOPs than the padded rows.
     """
-    pack = packed_layout(model, input_ids.cpu().numpy(), attention_mask.cpu().numpy(), prompt_len, packing)
-    if pack is not None:
+    layout = packed_layout(model, input_ids.cpu().numpy(), attention_mask.cpu().numpy(), prompt_len, packing)
+    return response_logprobs_in(
+        model, input_ids, attention_mask, prompt_len, layout, temperature, with_entropy, matmul_dtype
+    )
+
+
+def response_logprobs_in(
+    model: Any,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    prompt_len: int,
+    layout: SharedPrefixPack | None,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+    matmul_dtype: str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``response_logprobs`` in a layout already chosen (``packed_layout``: a shared-prefix pack, or None for the
+    padded rows), for callers that run the same micro-batch more than once or count what it ran over."""
+    if layout is not None:
         return response_logprobs_shared_prefix(
-            model, input_ids, attention_mask, prompt_len, temperature, with_entropy, matmul_dtype, pack=pack
+            model, input_ids, attention_mask, prompt_len, temperature, with_entropy, matmul_dtype, pack=layout
         )
     width_r = input_ids.shape[1] - prompt_len
     positions = (attention_mask.cumsum(-1) - 1).clamp(min=0)
