@@ -15,9 +15,10 @@ import numpy as np
 import ray
 
 from rlfabric import registry
-from rlfabric.models import ActionSpec, NumpyPolicy
+from rlfabric.models import ActionSpec
 from rlfabric.models.mlp import obs_dim_of
-from rlfabric.normalization import Normalizer, RunningStats, discounted_returns
+from rlfabric.normalization import RunningStats, discounted_returns
+from rlfabric.policies.neural import NeuralNetPolicy
 from rlfabric.trajectory import Trajectories, from_time_major
 from rlfabric.vector import EnvVector
 
@@ -45,33 +46,26 @@ class EnvRunnerCore:
         self.action = ActionSpec.from_space(first.action_space)
         self.fragment_length = fragment_length
         self.gamma = gamma
-        self.obs_clip = obs_clip
-        self.rng = np.random.default_rng(seed)
         self.raw_obs = self.envs.reset([seed * 1000 + i for i in range(num_envs)])
         self.return_carry = np.zeros(num_envs)
-        self.policy: NumpyPolicy | None = None
-        self.version = -1
-        self.normalizer: Normalizer | None = None  # None: the policy sees raw observations
+        self.policy = NeuralNetPolicy(obs_clip, seed)  # acts here; versions arrive through set_weights
         self.rows_made = 0  # rows (env fragments) produced so far: their episode_id counter
 
     def spaces(self) -> dict[str, Any]:
         return {"obs_dim": self.obs_dim, "action": self.action}
 
+    @property
+    def version(self) -> int:
+        return self.policy.version
+
     def set_weights(self, weights: dict[str, Any]) -> int:
         """Install a published policy version: actor arrays plus the observation statistics to normalize with."""
-        self.policy = NumpyPolicy(weights["actor"])
-        self.version = int(weights["version"])
-        stats = weights["obs_stats"]
-        self.normalizer = None if stats is None else Normalizer(RunningStats.from_dict(stats), self.obs_clip)
-        return self.version
-
-    def _policy_input(self, raw: np.ndarray) -> np.ndarray:
-        return raw if self.normalizer is None else self.normalizer(raw)
+        return self.policy.set_weights(weights)
 
     def sample(self) -> tuple[dict[str, Any], Trajectories]:
         """Step every env ``fragment_length`` times; return (small metadata, the fragment as a trajectory record:
         one row per env, see rlfabric.trajectory)."""
-        if self.policy is None:
+        if self.version < 0:
             raise RuntimeError("EnvRunner.sample called before set_weights")
         start = time.perf_counter()
         T, N, D = self.fragment_length, self.envs.num_envs, self.obs_dim
@@ -83,15 +77,14 @@ class EnvRunnerCore:
         rewards = np.empty((T, N), np.float32)
         terminated = np.empty((T, N), bool)
         truncated = np.empty((T, N), bool)
-        noise = self.policy.noise(self.rng, (T, N))  # one draw for the fragment, not one per step
         trunc_index, trunc_raw_obs = [], []
         ep_returns: list[float] = []
         ep_lengths: list[int] = []
         current = self.raw_obs
         for t in range(T):
             raw_obs[t] = current
-            obs[t] = self._policy_input(current)
-            actions[t], logp[t] = self.policy.act_with_noise(obs[t], noise[t])
+            acted = self.policy.act(current)
+            obs[t], actions[t], logp[t] = acted.info["inputs"], acted.actions, acted.logprobs
             step = self.envs.step(actions[t])
             rewards[t], terminated[t], truncated[t] = step.rewards, step.terminated, step.truncated
             for i, final in step.final_obs.items():
@@ -113,9 +106,9 @@ class EnvRunnerCore:
             terminated=terminated,
             truncated=truncated,
             version=self.version,
-            bootstrap_obs=self._policy_input(current),
+            bootstrap_obs=self.policy.inputs(current),
             truncation_index=np.asarray(trunc_index, np.int64).reshape(-1, 2),
-            truncation_obs=self._policy_input(trunc_raw),
+            truncation_obs=self.policy.inputs(trunc_raw),
             first_episode_id=self.rows_made,
             # What this fragment adds to the global statistics; the learner merges them.
             extras={
@@ -135,14 +128,13 @@ class EnvRunnerCore:
 
     def evaluate(self, episodes: int, seed: int) -> list[float]:
         """Returns of ``episodes`` episodes with deterministic actions, on a fresh env (training envs untouched)."""
-        if self.policy is None:
+        if self.version < 0:
             raise RuntimeError("EnvRunner.evaluate called before set_weights")
         env = EnvVector([registry.make_env(self.env_id, self.env_kwargs)])
         obs = env.reset([seed])
         returns: list[float] = []
         while len(returns) < episodes:
-            a, _ = self.policy.act(self._policy_input(obs), self.rng, deterministic=True)
-            step = env.step(a)
+            step = env.step(self.policy.act(obs, greedy=True).actions)
             returns += step.episode_returns
             obs = step.obs
         env.close()

@@ -3,8 +3,8 @@
 The rollout side of LLM post-training. For one request (prompt indices, group size, sampling parameters and the
 generators to use) the worker
 
-1. sends the prompts to the generator actors, a whole group per generator (the LLM policy, served), with the
-   generation deadline;
+1. asks the LLM policy, served by generator actors (``ServedLLMPolicy``), for completions of the prompts: a
+   whole group per generator, one deadline over the calls;
 2. scores whole groups on its reward services (``RewardPool``: deadlines, replacement of dead or poisoned
    services) and keeps the named components;
 3. assembles one ``Trajectories`` record of the scored samples and returns it as an ObjectRef beside small
@@ -28,10 +28,10 @@ import ray
 import torch
 
 from rlfabric import rewards
-from rlfabric.actor_slots import error_summary
 from rlfabric.algorithms.grpo import group_has_signal
 from rlfabric.compact import FloatFields
 from rlfabric.data import row_metadata
+from rlfabric.policies.served import GeneratorsFailed, ServedLLMPolicy
 from rlfabric.reward_pool import RewardPool
 from rlfabric.rewards import RewardInput, RewardResult
 from rlfabric.trajectory import Trajectories, from_token_sequences
@@ -114,39 +114,18 @@ class LLMRolloutCore:
         self.prompt_sets[name] = prompts
         return len(prompts.rows)
 
-    def _generate(self, request: RolloutRequest, prompt_ids: list[list[int]]) -> tuple[list[dict] | None, list]:
-        """Completions for every prompt in order, or (None, [(slot, generation, reason)]) for failed generators."""
-        unit, shares = request.group_size, len(request.generators)
-        n_units = len(prompt_ids) // unit
-        per = -(-n_units // shares)
-        calls = []
-        for k, (slot, generation, handle) in enumerate(request.generators):
-            rows = slice(k * per * unit, min((k + 1) * per * unit, len(prompt_ids)))
-            if rows.start < rows.stop:
-                calls.append((slot, generation, rows, handle.generate.remote(prompt_ids[rows], request.params)))
-        out: list[dict | None] = [None] * len(prompt_ids)
-        failures = []
-        deadline = time.monotonic() + request.timeout_s
-        for slot, generation, rows, ref in calls:
-            try:
-                out[rows] = ray.get(ref, timeout=max(0.0, deadline - time.monotonic()))
-            except ray.exceptions.GetTimeoutError:
-                ray.cancel(ref, force=False)
-                failures.append((slot, generation, f"missed its {request.timeout_s:g}s generation deadline"))
-            except ray.exceptions.RayError as exc:
-                failures.append((slot, generation, error_summary(exc)))
-        return (None, failures) if failures else (out, [])  # type: ignore[return-value]
-
-    def _score(self, rows: list[dict], completions: list[dict], group_size: int) -> tuple[list[RewardResult], int]:
+    def _score(
+        self, rows: list[dict], sampled: list[list[int]], texts: list[str], finish: list[str], group_size: int
+    ) -> tuple[list[RewardResult], int]:
         inputs = [
             RewardInput(
                 prompt=row[self.prompt_key],
-                completion=c["text"],
+                completion=text,
                 metadata=row_metadata(row, self.prompt_key),
-                finish_reason=c["finish_reason"],
-                num_tokens=len(c["token_ids"]),
+                finish_reason=reason,
+                num_tokens=len(ids),
             )
-            for row, c in zip(rows, completions, strict=True)
+            for row, ids, text, reason in zip(rows, sampled, texts, finish, strict=True)
         ]
         groups = [inputs[i : i + group_size] for i in range(0, len(inputs), group_size)]
         with self.lock:
@@ -162,11 +141,14 @@ class LLMRolloutCore:
         rows = [prompts.rows[i] for i in request.indices for _ in range(g)]
         prompt_ids = [prompts.token_ids[i] for i in request.indices for _ in range(g)]
         meta: dict[str, Any] = {**request.meta, "samples": len(rows)}
-        completions, failures = self._generate(request, prompt_ids)
-        if completions is None:
-            return {**meta, "generator_failures": failures}, None
+        policy = ServedLLMPolicy(request.generators, request.params, request.timeout_s, keep_together=g)
+        try:
+            acted = policy.act(prompt_ids)
+        except GeneratorsFailed as failed:
+            return {**meta, "generator_failures": failed.failures}, None
+        sampled, texts, finish = acted.actions, acted.info["text"], acted.info["finish_reason"]
         generated = time.perf_counter()
-        results, restarts = self._score(rows, completions, g)
+        results, restarts = self._score(rows, sampled, texts, finish, g)
         ok = np.array([r.error is None for r in results], bool)
         group_ids = np.repeat(np.arange(request.first_group, request.first_group + len(request.indices)), g)
         components = sorted({k for r in results if r.error is None for k in r.components})
@@ -174,26 +156,26 @@ class LLMRolloutCore:
         kept = np.flatnonzero(ok)
         trajectories = from_token_sequences(
             [prompt_ids[i] for i in kept],
-            [completions[i]["token_ids"] for i in kept],
-            [completions[i]["logprobs"] for i in kept],
-            [[completions[i]["version"]] * len(completions[i]["token_ids"]) for i in kept],
+            [sampled[i] for i in kept],
+            [acted.logprobs[i] for i in kept],
+            [[acted.versions[i]] * len(sampled[i]) for i in kept],
             episode_ids=[request.first_group * g + int(i) for i in kept],
             group_ids=group_ids[kept],
             final_rewards=final,
-            truncated=[completions[i]["finish_reason"] == "length" for i in kept],
+            truncated=[finish[i] == "length" for i in kept],
         )
         scalar = trajectories.total_reward(self.weights)
-        versions = np.array([completions[i]["version"] for i in kept], np.int64)
+        versions = np.array([acted.versions[i] for i in kept], np.int64)
         meta.update(
             {
                 "rows": len(kept),
                 "failed": int((~ok).sum()),
-                "tokens": int(sum(len(c["token_ids"]) for c in completions)),
+                "tokens": int(sum(len(ids) for ids in sampled)),
                 "group_stats": group_statistics(
                     trajectories.group_id, scalar, versions, list(range(request.first_group, group_ids[-1] + 1))
                 ),
                 "component_means": {k: float(np.mean(v)) for k, v in final.items()} if len(kept) else {},
-                "response_length_mean": float(np.mean([len(c["token_ids"]) for c in completions])),
+                "response_length_mean": float(np.mean([len(ids) for ids in sampled])),
                 "reward_restarts": restarts,
                 "record_bytes": trajectories.nbytes(),
                 "generate_time_s": generated - started,
@@ -207,12 +189,12 @@ class LLMRolloutCore:
             meta["shown"] = [
                 {
                     "prompt": row[self.prompt_key],
-                    "completion": c["text"],
+                    "completion": text,
                     "metadata": row_metadata(row, self.prompt_key),
                     "components": r.components,
                     "error": r.error,
                 }
-                for row, c, r in list(zip(rows, completions, results, strict=True))[: request.keep_samples]
+                for row, text, r in list(zip(rows, texts, results, strict=True))[: request.keep_samples]
             ]
         if request.prompt_set == "eval":  # an evaluation reports sums over its samples; nobody trains on them
             meta["correct_sum"] = float(sum(r.components.get("correct", 0.0) for r in results if r.error is None))

@@ -45,13 +45,20 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "rlfabric.envs",
             "rlfabric.rewards",
             "rlfabric.vector",
+            "rlfabric.policies",  # the policy interface, scripted and neural-net policies, batching episodes' calls
         ),
     ),
     # The pools start, supervise and replace actors of a role; the driver and actors that call other actors (a
     # rollout worker scoring on its reward services) both use them.
     (
         "actors and their pools",
-        ("rlfabric.actors", "rlfabric.runner_pool", "rlfabric.actor_slots", "rlfabric.reward_pool"),
+        (
+            "rlfabric.actors",
+            "rlfabric.runner_pool",
+            "rlfabric.actor_slots",
+            "rlfabric.reward_pool",
+            "rlfabric.policies.served",  # the LLM policy: calls generator actors
+        ),
     ),
     (
         "driver, CLI",

@@ -338,7 +338,7 @@ def test_runner_logp_matches_learner_before_and_after_an_update(normalize_obs):
         assert runner.set_weights(learner.weights()) == learner.version
     if normalize_obs:
         assert learner.obs_stats.count == 2 * T * N
-        np.testing.assert_allclose(runner.normalizer.mean, learner.obs_stats.mean, rtol=1e-6)
+        np.testing.assert_allclose(runner.policy.normalizer.mean, learner.obs_stats.mean, rtol=1e-6)
 
 
 def test_discrete_actions_are_shifted_onto_a_space_with_a_start():
