@@ -231,3 +231,19 @@ def test_lower_layers_never_import_upper_ones():
         if low is not None and high is not None and high > low:
             upward.append(f"{edge} (layer '{LAYERS[low][0]}' imports layer '{LAYERS[high][0]}')")
     assert not upward, "imports from a lower layer into a higher one:\n  " + "\n  ".join(upward)
+
+
+def test_every_package_is_installed():
+    """pyproject lists its packages one by one (envs/ and actors/ install under rlfabric.): a package missing
+    there works in an editable checkout and is absent from a wheel."""
+    import tomllib
+
+    setuptools = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    packages = {
+        prefix + ("." + ".".join(init.parent.relative_to(root).parts) if init.parent != root else "")
+        for prefix, root in SOURCES.items()
+        for init in root.rglob("__init__.py")
+    }
+    assert packages <= set(setuptools["packages"]), sorted(packages - set(setuptools["packages"]))
+    for package in packages:
+        assert package in setuptools["package-dir"], package
