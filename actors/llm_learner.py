@@ -8,6 +8,7 @@ weights stay identical. Rank 0 publishes the weights and saves checkpoints.
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -54,6 +55,8 @@ LEARNER_METRICS = FloatFields(
     "trained_sequences",
     "trained_positions",
     "trained_head_positions",
+    "batch_time_s",  # inside the learner: the records read and turned into the batch
+    "compute_time_s",  # inside the learner: forward, backward and optimizer step
 )
 # The metrics that are each rank's share of the whole batch's value (one shared denominator, or counts): summed
 # over data-parallel learners; the others are averaged.
@@ -239,11 +242,15 @@ class LLMLearnerCore:
         lr: float,
         ref_logprobs: np.ndarray | None = None,
     ) -> dict[str, float]:
-        """One GRPO-family update on the chosen groups of the records (see ``train_step``)."""
+        """One GRPO-family update on the chosen groups of the records (see ``train_step``), with the seconds it
+        spent building the batch and computing the update."""
+        started = time.perf_counter()
         batch = self.batch_from(trajectories, groups)
         if ref_logprobs is not None:
             batch["ref_logprobs"] = ref_logprobs
-        return self.train_step(batch, lr)
+        built = time.perf_counter()
+        metrics = self.train_step(batch, lr)
+        return {**metrics, "batch_time_s": built - started, "compute_time_s": time.perf_counter() - built}
 
     def train_step(self, batch: dict[str, np.ndarray], lr: float) -> dict[str, float]:
         """One GRPO-family update on a batch: ``epochs`` passes, each one optimizer step over all micro-batches.
