@@ -22,7 +22,7 @@ import gymnasium as gym
 from rlfabric import shipping
 from rlfabric.config import ConfigError
 
-EnvFactory = Callable[..., gym.Env]
+EnvFactory = Callable[..., Any]  # a gymnasium.Env, or a text env (rlfabric.text_env)
 ENTRY_POINT_GROUP = "rlfabric.envs"
 
 _REGISTRY: dict[str, EnvFactory] = {}
@@ -33,7 +33,8 @@ class EnvNotFoundError(ConfigError):
 
 
 def register_env(name: str, factory: EnvFactory) -> None:
-    """Register ``factory(**kwargs) -> gymnasium.Env`` under ``name`` for this driver and all its runners."""
+    """Register ``factory(**kwargs)`` under ``name`` for this driver and all its workers: a ``gymnasium.Env``
+    (PPO) or a text env (``rlfabric.text_env``: ``reset(task)``, ``step(text)``)."""
     if not isinstance(name, str) or not name or name.startswith("gym:"):
         raise ValueError(f"register_env: name {name!r} is not valid: a non-empty string not starting with 'gym:'")
     if not callable(factory):

@@ -300,6 +300,91 @@ def from_token_sequences(
     )
 
 
+@dataclass
+class TurnTokens:
+    """One agent turn as tokens: what the policy sampled (with behaviour logprobs and the version that sampled
+    them), then the tokens appended after it (the env's observation inside the chat template's delimiters; empty
+    after the last turn), and the reward components the env gave for the turn."""
+
+    sampled: Sequence[int]
+    logprobs: Sequence[float]
+    version: int
+    observation: Sequence[int] = ()
+    rewards: dict[str, float] = field(default_factory=dict)
+
+
+def from_turns(
+    prompts: Sequence[Sequence[int]],
+    episodes: Sequence[Sequence[TurnTokens]],
+    *,
+    episode_ids: Sequence[int],
+    group_ids: Sequence[int],
+    truncated: Sequence[bool],
+    agent_id: str = "agent_0",
+    policy_id: str = "default",
+) -> Trajectories:
+    """Multi-turn LLM episodes: row i = prompt i, then each turn's sampled tokens and the observation after them.
+
+    The loss mask is 1 exactly on sampled tokens; their ``policy_version`` is the turn's version (a partial
+    rollout's turns can differ), -1 on prompt and observation tokens. One step span per turn covers its sampled
+    tokens; ``step_rewards[c]`` is the turn's component c (0 where the turn gave none) and ``final_rewards[c]``
+    its sum over the episode. ``truncated[i]``: the episode was cut (turn or token limit), else it ended.
+    """
+    n = len(prompts)
+    lengths = np.array(
+        [
+            len(p) + sum(len(t.sampled) + len(t.observation) for t in turns)
+            for p, turns in zip(prompts, episodes, strict=True)
+        ],
+        np.int32,
+    )
+    width = int(lengths.max()) if n else 0
+    tokens = np.zeros((n, width), np.int32)
+    loss_mask = np.zeros((n, width), np.float32)
+    behaviour = np.zeros((n, width), np.float32)
+    policy_version = np.full((n, width), NO_VERSION, np.int32)
+    ended = np.zeros((n, width), bool)
+    cut = np.zeros((n, width), bool)
+    spans: list[tuple[int, int, int]] = []
+    components = sorted({k for turns in episodes for t in turns for k in t.rewards})
+    step_rewards: dict[str, list[float]] = {k: [] for k in components}
+    final = {k: np.zeros(n, np.float32) for k in components}
+    for i, turns in enumerate(episodes):
+        at = len(prompts[i])
+        tokens[i, :at] = prompts[i]
+        for t in turns:
+            end = at + len(t.sampled)
+            tokens[i, at:end] = t.sampled
+            loss_mask[i, at:end] = 1.0
+            behaviour[i, at:end] = t.logprobs
+            policy_version[i, at:end] = t.version
+            spans.append((i, at, end))
+            for k in components:
+                step_rewards[k].append(t.rewards.get(k, 0.0))
+                final[k][i] += t.rewards.get(k, 0.0)
+            at = end + len(t.observation)
+            tokens[i, end:at] = t.observation
+        if at > 0:
+            (cut if truncated[i] else ended)[i, at - 1] = True
+    return Trajectories(
+        episode_id=np.asarray(episode_ids, np.int64),
+        group_id=np.asarray(group_ids, np.int64),
+        agent_id=np.full(n, agent_id, dtype=object),
+        policy_id=np.full(n, policy_id, dtype=object),
+        length=lengths,
+        loss_mask=loss_mask,
+        policy_version=policy_version,
+        logprobs=behaviour,
+        terminated=ended,
+        truncated=cut,
+        tokens=tokens,
+        prompt_length=np.array([len(p) for p in prompts], np.int32),
+        final_rewards=final,
+        step_spans=np.asarray(spans, np.int32).reshape(-1, 3),
+        step_rewards={k: np.asarray(v, np.float32) for k, v in step_rewards.items()},
+    )
+
+
 def from_time_major(
     *,
     obs: np.ndarray,

@@ -196,7 +196,7 @@ def test_arithmetic_example_spells_out_the_embedded_default():
 DOC_FILES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 PYTHON_BLOCK = re.compile(r"^```python\n(.*?)^```", flags=re.MULTILINE | re.DOTALL)
 # Where the classes the docs list field by field live.
-DOC_CLASS_HOMES = ("rlfabric.rewards", "rlfabric.engines.base")
+DOC_CLASS_HOMES = ("rlfabric.rewards", "rlfabric.engines.base", "rlfabric.text_env")
 # Calls that start a training run: running a doc example stops before the first of these.
 TRAINING_CALLS = {"train", "train_llm", "Trainer", "GRPOTrainer"}
 

@@ -45,6 +45,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "rlfabric.envs",
             "rlfabric.rewards",
             "rlfabric.vector",
+            "rlfabric.text_env",  # the text env contract (multi-turn envs)
+            "rlfabric.agent_loop",  # multi-turn episodes of text envs, built token by token
             "rlfabric.policies",  # the policy interface, scripted and neural-net policies, batching episodes' calls
         ),
     ),

@@ -18,6 +18,12 @@ from rlfabric.config import ConfigError
 # Characters the built-in tokenizer knows: enough for arithmetic, countdown and short English prompts.
 DEFAULT_ALPHABET = string.digits + "+-*/=()., :?<>\n" + string.ascii_letters
 SPECIAL_TOKENS = ("<pad>", "<eos>", "<bos>")
+# The character tokenizer's chat template: "role: content<eos>" per line, "assistant: " opens the model's turn.
+# Short and append-only, so multi-turn envs can build episodes token by token (rlfabric.models.chat_tokens).
+CHAR_CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}<eos>\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant: {% endif %}"
+)
 
 
 def _quiet_transformers() -> None:
@@ -29,7 +35,8 @@ def _quiet_transformers() -> None:
 
 
 def build_char_tokenizer(alphabet: str = DEFAULT_ALPHABET) -> Any:
-    """A character-level ``PreTrainedTokenizerFast``: one token per character, plus <pad>, <eos> and <bos>.
+    """A character-level ``PreTrainedTokenizerFast``: one token per character, plus <pad>, <eos> and <bos>, with
+    ``CHAR_CHAT_TEMPLATE`` as its chat template.
 
     It saves with ``save_pretrained`` and loads with ``AutoTokenizer`` like any hub tokenizer.
     """
@@ -41,9 +48,11 @@ def build_char_tokenizer(alphabet: str = DEFAULT_ALPHABET) -> Any:
     backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token=None))
     backend.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")  # every character is a token
     backend.decoder = decoders.Fuse()
-    return PreTrainedTokenizerFast(
+    tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=backend, pad_token="<pad>", eos_token="<eos>", bos_token="<bos>", padding_side="left"
     )
+    tokenizer.chat_template = CHAR_CHAT_TEMPLATE
+    return tokenizer
 
 
 def build_small_qwen2(

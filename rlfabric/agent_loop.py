@@ -1,0 +1,153 @@
+"""Multi-turn episodes of text envs, many in flight at once, built token by token.
+
+``run_episodes`` plays one episode per task concurrently (asyncio tasks): each resets its own env, asks the
+policy for a turn through the shared ``ActBatcher`` (so the episodes' requests reach the generators in batches),
+steps the env with the sampled text under a deadline, and appends the sampled ids and the env's reply tokens
+(``ChatTokens``) to its sequence, until the env ends the episode or a limit cuts it. ``episodes_to_trajectories``
+turns the finished episodes into one trajectory record (loss mask 1 exactly on sampled tokens, one step span per
+turn, rewards by component per turn and per episode).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from rlfabric.models.chat_tokens import ChatTokens
+from rlfabric.policies.batching import ActBatcher
+from rlfabric.text_env import TextEnv, TextStep, call_env
+from rlfabric.trajectory import Trajectories, TurnTokens, from_turns
+
+
+@dataclass(frozen=True)
+class EpisodeLimits:
+    """``max_turns`` policy turns; ``turn_tokens``: the most a turn samples (the sampling's max_new_tokens), so
+    a turn is started only when prompt and turns so far plus ``turn_tokens`` fit in ``max_episode_tokens``;
+    ``step_timeout_s``: deadline of each reset and step; ``on_env_error``: a step that raises or misses its
+    deadline ends the episode as failed (``fail``) or is shown to the agent as an error observation
+    (``observe``)."""
+
+    max_turns: int = 8
+    turn_tokens: int = 32
+    max_episode_tokens: int = 1024
+    step_timeout_s: float = 30.0
+    on_env_error: Literal["fail", "observe"] = "fail"
+
+    def __post_init__(self) -> None:
+        if self.on_env_error not in ("fail", "observe"):
+            raise ValueError(f"on_env_error = {self.on_env_error!r}: expected 'fail' or 'observe'")
+        if self.max_turns < 1 or self.turn_tokens < 1 or self.step_timeout_s <= 0:
+            raise ValueError("max_turns, turn_tokens and step_timeout_s must be positive")
+
+
+@dataclass
+class Episode:
+    """One played episode: its first prompt ids, its turns as tokens, the sampled texts, and how it ended."""
+
+    task_index: int
+    prompt: list[int]
+    turns: list[TurnTokens] = field(default_factory=list)
+    texts: list[str] = field(default_factory=list)
+    truncated: bool = False
+    error: str | None = None  # why the episode failed (its env raised or hung); failed episodes are not trained
+    env_errors: int = 0  # steps that raised or hung and were shown to the agent (on_env_error = "observe")
+
+    @property
+    def rewards(self) -> dict[str, float]:
+        """Reward components summed over the turns."""
+        total: dict[str, float] = {}
+        for turn in self.turns:
+            for name, value in turn.rewards.items():
+                total[name] = total.get(name, 0.0) + value
+        return total
+
+
+def _describe(exc: BaseException, timeout_s: float) -> str:
+    if isinstance(exc, (asyncio.TimeoutError, TimeoutError)):
+        return f"missed its {timeout_s:g}s deadline"
+    return f"{type(exc).__name__}: {exc}"
+
+
+async def _env_call(method: Any, arg: Any, limits: EpisodeLimits) -> Any:
+    return await asyncio.wait_for(call_env(method, arg), limits.step_timeout_s)
+
+
+def _opening(env: TextEnv, observation: str) -> list[dict[str, str]]:
+    system = getattr(env, "system_prompt", None)
+    return ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": observation}]
+
+
+async def play(
+    env: TextEnv, task: dict[str, Any], task_index: int, batcher: ActBatcher, chat: ChatTokens, limits: EpisodeLimits
+) -> Episode:
+    """One episode of ``env`` on ``task`` (see the module docstring). A failing policy call raises: the caller
+    decides what a lost generator means; a failing env ends the episode as failed or as an observation."""
+    try:
+        observation = await _env_call(env.reset, task, limits)
+    except Exception as exc:  # noqa: BLE001 - any env failure is the episode's, recorded
+        return Episode(task_index, [], error=f"reset {_describe(exc, limits.step_timeout_s)}")
+    episode = Episode(task_index, chat.prompt(_opening(env, str(observation))))
+    context = list(episode.prompt)
+    for _ in range(limits.max_turns):
+        if len(context) + limits.turn_tokens > limits.max_episode_tokens:
+            episode.truncated = True
+            return episode
+        acted = await batcher.act(context)
+        sampled, text = list(acted.actions[0]), str(acted.info["text"][0])
+        try:
+            step = await _env_call(env.step, text, limits)
+            if not isinstance(step, TextStep):
+                raise TypeError(f"step returned {type(step).__name__}, expected TextStep")
+        except Exception as exc:  # noqa: BLE001 - recorded as the episode's error or shown to the agent
+            reason = f"step {_describe(exc, limits.step_timeout_s)}"
+            if limits.on_env_error == "fail":
+                episode.error = reason
+                return episode
+            episode.env_errors += 1
+            step = TextStep(f"error: {reason}")
+        done = step.terminated or step.truncated
+        try:
+            reply = [] if done else chat.reply(sampled, str(step.observation))
+        except Exception as exc:  # noqa: BLE001 - e.g. a character the tokenizer has no token for
+            episode.error = f"observation could not be tokenized: {type(exc).__name__}: {exc}"
+            return episode
+        episode.turns.append(
+            TurnTokens(sampled, list(acted.logprobs[0]), int(acted.versions[0]), reply, dict(step.rewards))
+        )
+        episode.texts.append(text)
+        context += sampled + reply
+        if done:
+            episode.truncated = step.truncated and not step.terminated
+            return episode
+    episode.truncated = True  # out of turns
+    return episode
+
+
+async def run_episodes(
+    make_env: Callable[[], TextEnv],
+    tasks: Sequence[dict[str, Any]],
+    batcher: ActBatcher,
+    chat: ChatTokens,
+    limits: EpisodeLimits,
+) -> list[Episode]:
+    """One episode per task, all in flight at once, each on its own env from ``make_env``; in task order."""
+    return list(
+        await asyncio.gather(*(play(make_env(), task, i, batcher, chat, limits) for i, task in enumerate(tasks)))
+    )
+
+
+def episodes_to_trajectories(
+    episodes: Sequence[Episode], episode_ids: Sequence[int], group_ids: Sequence[int]
+) -> Trajectories:
+    """The record of the episodes that did not fail (see ``rlfabric.trajectory.from_turns``); ``episode_ids``
+    and ``group_ids`` are per episode, failed ones included."""
+    kept = [i for i, e in enumerate(episodes) if e.error is None]
+    return from_turns(
+        [episodes[i].prompt for i in kept],
+        [episodes[i].turns for i in kept],
+        episode_ids=[episode_ids[i] for i in kept],
+        group_ids=[group_ids[i] for i in kept],
+        truncated=[episodes[i].truncated for i in kept],
+    )

@@ -1,0 +1,64 @@
+"""Token-in/token-out turns through a tokenizer's chat template.
+
+A multi-turn episode's token sequence is built by appending, never by re-tokenizing the conversation: the first
+prompt is the chat template applied to the opening messages; after that, each turn appends the generator's sampled
+ids exactly as sampled, then the tokens of the env's reply wrapped in the template's delimiters. Re-tokenizing
+the whole chat each turn can split the sampled text differently from how it was sampled, so the learner would
+score tokens the policy never produced.
+
+The delimiters are read off the template once, by rendering a probe conversation with marker strings and cutting
+at the markers: what closes an assistant turn (e.g. ``<|im_end|>\\n``), what opens and closes a user turn, and the
+generation prompt that opens the next assistant turn. When the sample already ends with the token that closes the
+turn (the model stopped on it), only the rest of the closing text is added.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+_USER, _ASSISTANT, _NEXT = "\x01USER\x01", "\x01ASSISTANT\x01", "\x01NEXT\x01"
+
+
+class ChatTokens:
+    """The token pieces of a multi-turn chat for one tokenizer (see the module docstring)."""
+
+    def __init__(self, tokenizer: Any, role: str = "user") -> None:
+        if not getattr(tokenizer, "chat_template", None):
+            raise ValueError(
+                f"{type(tokenizer).__name__} has no chat template: multi-turn envs format turns through one "
+                "(set tokenizer.chat_template, or use a model whose tokenizer ships one)"
+            )
+        self.tokenizer = tokenizer
+        self.role = role
+        first = [{"role": "user", "content": _USER}, {"role": "assistant", "content": _ASSISTANT}]
+        before = self._render(first, generation_prompt=False)
+        after = self._render([*first, {"role": role, "content": _NEXT}], generation_prompt=True)
+        if not after.startswith(before):
+            raise ValueError(
+                "the tokenizer's chat template renders earlier turns differently once a turn is added, so turns "
+                "cannot be appended token by token; multi-turn envs need an append-only template"
+            )
+        closing = before[before.index(_ASSISTANT) + len(_ASSISTANT) :]
+        opening, reply_end = after[len(before) :].split(_NEXT)
+        self.turn_close = self._ids(closing)  # after the assistant's text: e.g. <|im_end|> and a newline
+        self.reply_open = self._ids(opening)  # e.g. <|im_start|>user\n
+        self.reply_close = self._ids(reply_end)  # e.g. <|im_end|>\n<|im_start|>assistant\n
+
+    def _render(self, messages: list[dict[str, str]], generation_prompt: bool) -> str:
+        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+
+    def _ids(self, text: str) -> list[int]:
+        return list(self.tokenizer(text, add_special_tokens=False).input_ids) if text else []
+
+    def prompt(self, messages: Sequence[dict[str, str]]) -> list[int]:
+        """The first prompt: the opening messages through the template, with the generation prompt."""
+        return self._ids(self._render(list(messages), generation_prompt=True))
+
+    def reply(self, sampled: Sequence[int], text: str) -> list[int]:
+        """The tokens to append after a turn's ``sampled`` ids: the rest of the turn's closing delimiter, then
+        the env's reply ``text`` as a ``role`` message, then the next assistant turn's opening."""
+        close = self.turn_close
+        if close and sampled and sampled[-1] == close[0]:
+            close = close[1:]  # the model sampled the closing token itself
+        return [*close, *self.reply_open, *self._ids(text), *self.reply_close]

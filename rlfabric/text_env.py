@@ -1,0 +1,75 @@
+"""The text env contract: multi-turn envs whose observations and actions are text.
+
+An episode is ``observation = env.reset(task)``, then ``env.step(action_text) -> TextStep`` until it says
+terminated or truncated. ``task`` is one row of the run's task data (a dict, e.g. ``{"secret": 12}``). Either
+method may be a coroutine (an env waiting on a tool server) or a plain function (run in a worker thread, so a slow
+one does not stall the other episodes). Rewards come back as named components per step; the trajectory keeps them
+on the turn's step span and sums them into the episode's outcome.
+
+Text envs are registered and named like every env (``register_env``, ``package.module:factory`` specs, the
+``rlfabric.envs`` entry points); ``make_text_env`` builds one and checks it keeps the contract.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+import gymnasium as gym
+
+from rlfabric import registry
+
+
+@dataclass
+class TextStep:
+    """What one ``step`` returns: the next observation (shown to the agent unless the episode ended), reward
+    components for this step, whether the episode ended (terminated) or was cut (truncated), and free info."""
+
+    observation: str
+    rewards: dict[str, float] = field(default_factory=dict)
+    terminated: bool = False
+    truncated: bool = False
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+@runtime_checkable
+class TextEnv(Protocol):
+    """See the module docstring. ``system_prompt`` (optional attribute): a system message for every episode."""
+
+    def reset(self, task: dict[str, Any]) -> Any: ...
+
+    def step(self, action: str) -> Any: ...
+
+
+def make_text_env(spec: str, kwargs: dict[str, Any] | None = None, field_name: str = "env.id") -> TextEnv:
+    """The text env ``spec`` names, built with ``kwargs``; a factory that returns something else is one clear
+    error naming the spec."""
+    env = registry.resolve(spec, field_name)(**(kwargs or {}))
+    if isinstance(env, gym.Env):
+        raise TypeError(
+            f"{field_name} = {spec!r} is a Gymnasium env, not a text env (reset(task) -> str, step(text) -> "
+            "TextStep): Gymnasium envs train with algo: ppo"
+        )
+    missing = [m for m in ("reset", "step") if not callable(getattr(env, m, None))]
+    if missing:
+        raise TypeError(
+            f"{field_name} = {spec!r}: its factory returned {type(env).__name__}, which has no "
+            f"{' or '.join(missing)}: a text env needs reset(task) -> str and step(action) -> TextStep"
+        )
+    return env
+
+
+# Plain env methods run here, not in asyncio's default pool (a handful of threads on a small machine): a step that
+# hangs past its deadline keeps its thread, and must not leave the other episodes without one.
+_ENV_THREADS = ThreadPoolExecutor(max_workers=64, thread_name_prefix="text-env")
+
+
+async def call_env(method: Any, *args: Any) -> Any:
+    """Call an env method, coroutine or plain: a plain one runs in a worker thread so the loop keeps going."""
+    if inspect.iscoroutinefunction(method):
+        return await method(*args)
+    result = await asyncio.get_running_loop().run_in_executor(_ENV_THREADS, method, *args)
+    return await result if inspect.isawaitable(result) else result
