@@ -17,6 +17,8 @@ staleness): the driver does that from the metadata.
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import os
 import threading
 import time
@@ -27,13 +29,18 @@ import numpy as np
 import ray
 import torch
 
-from rlfabric import rewards
+from rlfabric import registry, rewards
+from rlfabric.agent_loop import EpisodeLimits, episodes_to_trajectories, run_episodes
 from rlfabric.algorithms.grpo import group_has_signal
 from rlfabric.compact import FloatFields
 from rlfabric.data import row_metadata
+from rlfabric.models.chat_tokens import ChatTokens
+from rlfabric.models.hf import load_tokenizer
+from rlfabric.policies.batching import ActBatcher
 from rlfabric.policies.served import GeneratorsFailed, ServedLLMPolicy
 from rlfabric.reward_pool import RewardPool
 from rlfabric.rewards import RewardInput, RewardResult
+from rlfabric.text_env import make_text_env
 from rlfabric.trajectory import Trajectories, from_token_sequences
 
 MAX_ERRORS_IN_META = 5
@@ -52,6 +59,18 @@ class PromptSet:
 
     rows: list[dict[str, Any]]
     token_ids: list[list[int]]
+
+
+@dataclass
+class TextEnvSource:
+    """Where episodes come from when the run trains on a text env (``env.id``): the env spec and kwargs, the
+    limits of an episode, the driver's env registrations, and the model folder whose tokenizer formats turns."""
+
+    spec: str
+    kwargs: dict[str, Any]
+    limits: EpisodeLimits
+    registry: bytes
+    model_dir: str
 
 
 @dataclass
@@ -96,15 +115,25 @@ class LLMRolloutCore:
         reward_cpus: float,
         reward_registry: bytes,
         prompt_key: str,
+        text_env: TextEnvSource | None = None,
     ) -> None:
         rewards.load_snapshot(reward_registry)
-        self.pool = RewardPool(
-            reward_functions,
-            num_reward_workers,
-            reward_timeout_s,
-            num_cpus_per_worker=reward_cpus,
-            snapshot=reward_registry,
+        self.pool = (
+            RewardPool(
+                reward_functions,
+                num_reward_workers,
+                reward_timeout_s,
+                num_cpus_per_worker=reward_cpus,
+                snapshot=reward_registry,
+            )
+            if reward_functions
+            else None  # a text env gives the rewards itself
         )
+        self.text_env = text_env
+        self.chat: ChatTokens | None = None
+        if text_env is not None:
+            registry.load_snapshot(text_env.registry)
+            self.chat = ChatTokens(load_tokenizer(text_env.model_dir))
         self.weights = reward_weights
         self.prompt_key = prompt_key
         self.prompt_sets: dict[str, PromptSet] = {}
@@ -128,6 +157,7 @@ class LLMRolloutCore:
             for row, ids, text, reason in zip(rows, sampled, texts, finish, strict=True)
         ]
         groups = [inputs[i : i + group_size] for i in range(0, len(inputs), group_size)]
+        assert self.pool is not None  # single-turn runs always have reward functions (config validation)
         with self.lock:
             restarts = self.pool.worker_restarts
             results = [r for g in self.pool.score(groups) for r in g]
@@ -135,6 +165,8 @@ class LLMRolloutCore:
 
     def rollout(self, request: RolloutRequest) -> tuple[dict[str, Any], Trajectories | None]:
         """(metadata, record of the scored samples) for one request; see the module docstring."""
+        if self.text_env is not None:
+            return self._play(request)
         started = time.perf_counter()
         prompts = self.prompt_sets[request.prompt_set]
         g = request.group_size
@@ -202,11 +234,69 @@ class LLMRolloutCore:
             return meta, None
         return meta, trajectories
 
+    def _play(self, request: RolloutRequest) -> tuple[dict[str, Any], Trajectories | None]:
+        """``rollout`` on a text env: ``group_size`` episodes per task row, all in flight at once, the policy's
+        turns batched across them; the env's reward components are the samples' rewards."""
+        assert self.text_env is not None and self.chat is not None
+        source, g = self.text_env, request.group_size
+        started = time.perf_counter()
+        tasks = [self.prompt_sets[request.prompt_set].rows[i] for i in request.indices for _ in range(g)]
+        meta: dict[str, Any] = {**request.meta, "samples": len(tasks)}
+        policy = ServedLLMPolicy(request.generators, request.params, request.timeout_s)
+        make_env = functools.partial(make_text_env, source.spec, source.kwargs)
+        try:
+            episodes = asyncio.run(run_episodes(make_env, tasks, ActBatcher(policy), self.chat, source.limits))
+        except GeneratorsFailed as failed:
+            return {**meta, "generator_failures": failed.failures}, None
+        group_ids = np.repeat(np.arange(request.first_group, request.first_group + len(request.indices)), g)
+        episode_ids = [request.first_group * g + i for i in range(len(episodes))]
+        trajectories = episodes_to_trajectories(episodes, episode_ids, group_ids)
+        kept = [e for e in episodes if e.error is None]
+        scalar = trajectories.total_reward(self.weights)
+        versions = np.array([min((t.version for t in e.turns), default=-1) for e in kept], np.int64)
+        sampled = [sum(len(t.sampled) for t in e.turns) for e in episodes]
+        meta.update(
+            {
+                "rows": len(kept),
+                "failed": len(episodes) - len(kept),
+                "tokens": int(sum(sampled)),
+                "group_stats": group_statistics(
+                    trajectories.group_id, scalar, versions, list(range(request.first_group, group_ids[-1] + 1))
+                ),
+                "component_means": {k: float(v.mean()) for k, v in trajectories.final_rewards.items()} if kept else {},
+                "response_length_mean": float(np.mean(sampled)),
+                "reward_restarts": 0,
+                "record_bytes": trajectories.nbytes(),
+                "generate_time_s": time.perf_counter() - started,  # episodes interleave generation and env steps
+                "reward_time_s": 0.0,
+            }
+        )
+        errors = list(dict.fromkeys(e.error for e in episodes if e.error is not None))[:MAX_ERRORS_IN_META]
+        if errors:
+            meta["errors"] = errors
+        if request.keep_samples:
+            meta["shown"] = [
+                {
+                    "prompt": task.get(self.prompt_key, ""),
+                    "completion": " | ".join(e.texts),
+                    "metadata": row_metadata(task, self.prompt_key),
+                    "components": e.rewards,
+                    "error": e.error,
+                }
+                for task, e in list(zip(tasks, episodes, strict=True))[: request.keep_samples]
+            ]
+        if request.prompt_set == "eval":
+            meta["correct_sum"] = float(sum(e.rewards.get("correct", 0.0) for e in kept))
+            meta["reward_sum"] = float(scalar.sum())
+            return meta, None
+        return meta, trajectories
+
     def reward_pids(self) -> list[int]:
-        return self.pool.pids()
+        return [] if self.pool is None else self.pool.pids()
 
     def shutdown(self) -> None:
-        self.pool.shutdown()
+        if self.pool is not None:
+            self.pool.shutdown()
 
 
 def encode_meta(meta: dict[str, Any]) -> tuple:

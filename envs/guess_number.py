@@ -2,15 +2,15 @@
 "higher" or "lower" until the guess is right or the turns run out. Binary search solves 1..``high`` in
 ceil(log2(high + 1)) turns; without reading the replies, a guess is right one time in ``high``.
 
-A text env (rlfabric.text_env): ``reset(task)`` with ``task = {"secret": int}``, ``step(text)`` reads the first
-integer in the text. Reward components: ``solved`` 1 on the right guess; ``invalid`` 1 for a reply with no number
-(weight it negatively in ``rewards.weights``). Spec: ``rlfabric/GuessNumber-v0`` (an entry point) or
-``rlfabric.envs.guess_number:GuessNumber``.
+A text env (rlfabric.text_env): ``reset(task)`` with ``task = {"secret": int}`` and optionally ``"high"`` (the
+range's top for this task; else the env's), ``step(text)`` reads the first integer in the text. Reward
+components: ``correct`` 1 on the right guess (what ``eval_accuracy`` averages); ``invalid`` 1 for a reply with no
+number (weight it negatively in ``rewards.weights``). Spec: ``rlfabric/GuessNumber-v0`` (an entry point) or
+``rlfabric.envs.guess_number:GuessNumber``; tasks: ``data.train: task:guess_number`` (``rlfabric.tasks``).
 """
 
 from __future__ import annotations
 
-import random
 import re
 from typing import Any
 
@@ -29,11 +29,11 @@ class GuessNumber:
         self.secret: int | None = None
 
     def reset(self, task: dict[str, Any]) -> str:
-        secret = int(task["secret"])
-        if not 1 <= secret <= self.high:
-            raise ValueError(f"GuessNumber task secret = {secret}: must lie in 1..{self.high}")
+        secret, high = int(task["secret"]), int(task.get("high", self.high))
+        if not 1 <= secret <= high:
+            raise ValueError(f"GuessNumber task secret = {secret}: must lie in 1..{high}")
         self.secret = secret
-        return f"Guess my number, 1 to {self.high}."
+        return f"Guess my number, 1 to {high}."
 
     def step(self, action: str) -> TextStep:
         if self.secret is None:
@@ -43,14 +43,8 @@ class GuessNumber:
             return TextStep("Say a number.", {"invalid": 1.0})
         guess = int(found.group())
         if guess == self.secret:
-            return TextStep("Right.", {"solved": 1.0}, terminated=True)
+            return TextStep("Right.", {"correct": 1.0}, terminated=True)
         return TextStep("higher" if guess < self.secret else "lower")
-
-
-def guess_number_tasks(n: int, high: int = 16, seed: int = 0) -> list[dict[str, Any]]:
-    """``n`` tasks with secrets drawn uniformly from 1..``high``."""
-    rng = random.Random(seed)
-    return [{"secret": rng.randint(1, high)} for _ in range(n)]
 
 
 def binary_search_guess(low: int, high: int) -> int:

@@ -9,6 +9,7 @@ import re
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from ray.exceptions import RayError
 
@@ -199,6 +200,8 @@ def cmd_envs_check(args: argparse.Namespace) -> int:
     except Exception as exc:  # the factory's own error is the report
         print(f"FAIL {args.name}: building the env raised {exc.__class__.__name__}: {exc}")
         return 1
+    if not hasattr(env, "unwrapped") and callable(getattr(env, "step", None)):
+        return _check_text_env(args, env)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
@@ -211,6 +214,25 @@ def cmd_envs_check(args: argparse.Namespace) -> int:
     print(f"OK {args.name}: observation {env.observation_space}, action {env.action_space}")
     for w in caught:
         print("  warning:", _ANSI_COLOR.sub("", str(w.message)))
+    return 0
+
+
+def _check_text_env(args: argparse.Namespace, env: Any) -> int:
+    """``envs check`` on a text env: one turn on ``--task``."""
+    from rlfabric.text_env import check_text_env
+
+    try:
+        task = json.loads(args.task) if args.task else {}
+    except json.JSONDecodeError:
+        task = None
+    if not isinstance(task, dict):
+        raise ConfigError(f"--task {args.task!r} is not valid: expected a JSON object, e.g. '{{\"secret\": 3}}'")
+    try:
+        report = check_text_env(env, task)
+    except Exception as exc:  # the env's own error, or the contract check's, is the report
+        print(f"FAIL {args.name} (text env): {exc.__class__.__name__}: {exc}")
+        return 1
+    print(f"OK {args.name} (text env): {report}")
     return 0
 
 
@@ -281,9 +303,12 @@ def build_parser() -> argparse.ArgumentParser:
     env_list.add_argument("--all", action="store_true", help="list every Gymnasium id")
     env_list.add_argument("--import", dest="import_modules", action="append", help="module to import first")
     env_list.set_defaults(func=cmd_envs_list)
-    check = envs.add_parser("check", help="run Gymnasium's env checker on an env spec")
+    check = envs.add_parser(
+        "check", help="run Gymnasium's env checker on an env spec, or one turn of a text env on --task"
+    )
     check.add_argument("name", help="a registered name, gym:<id>, entry-point name or package.module:factory")
     check.add_argument("--kwargs", help="JSON object of factory keyword arguments")
+    check.add_argument("--task", help="text envs: the JSON task row to reset on (default {})")
     check.add_argument("--import", dest="import_modules", action="append", help="module to import first")
     check.set_defaults(func=cmd_envs_check)
     return parser

@@ -96,7 +96,10 @@ def config_from_dict(data: dict[str, Any] | None) -> Any:
         raise ConfigError(f"algo = {algo!r} is not valid: expected one of {', '.join(map(repr, ALGOS))}")
     if algo == "ppo":
         return validate(build_config(Config, data))
-    ppo_keys = sorted({"env", "runners", "ppo"} & data.keys())  # sections only a PPO config has
+    ppo_keys = sorted({"runners", "ppo"} & data.keys())  # sections only a PPO config has
+    env = data.get("env")
+    if isinstance(env, dict) and str(env.get("id", "")).startswith("gym:"):  # GRPO trains text envs, not these
+        ppo_keys.insert(0, "env")
     if "algo" not in data and ppo_keys:
         raise ConfigError(
             f"config key {ppo_keys[0]!r} belongs to a PPO config: add 'algo: ppo' "

@@ -50,6 +50,23 @@ class DataConfig:
 
 
 @dataclass
+class LLMEnvConfig:
+    # A text env (rlfabric.text_env) the policy plays over several turns, one episode per task row of data.train:
+    # a registered name, an entry point (rlfabric/GuessNumber-v0) or "package.module:factory". "" (the default):
+    # single-turn completions of data.train's prompts, scored by rewards.functions.
+    id: str = ""
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    max_turns: int = 8
+    # Prompt plus every turn; a turn starts only if sampling.max_new_tokens more fit (null: the model's context).
+    max_episode_tokens: int | None = None
+    # Deadline of each reset and step of the env.
+    step_timeout_s: float = 30.0
+    # A step that raises or misses its deadline: "fail" ends the episode as failed (never trained on), "observe"
+    # shows the error to the agent as its observation.
+    on_env_error: Literal["fail", "observe"] = "fail"
+
+
+@dataclass
 class SamplingConfig:
     max_new_tokens: int = 8
     temperature: float = 1.0
@@ -191,6 +208,7 @@ class LLMConfig:
     algo: Literal["grpo"] = "grpo"
     model: LLMModelConfig = field(default_factory=LLMModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
+    env: LLMEnvConfig = field(default_factory=LLMEnvConfig)
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     generator: GeneratorConfig = field(default_factory=GeneratorConfig)
     rewards: RewardsConfig = field(default_factory=RewardsConfig)
@@ -287,14 +305,36 @@ def validate_llm(cfg: LLMConfig) -> LLMConfig:
         cfg.learner.device,
         "'cuda' needs learner.num_gpus > 0 (Ray hides GPUs from actors that did not ask for one)",
     )
-    require(
-        cfg.model.path != "builtin" or not cfg.data.chat_template,
-        "data.chat_template",
-        cfg.data.chat_template,
-        "the builtin character model has no chat template; set it false",
-    )
     for i, fn in enumerate(cfg.rewards.functions):
         require(bool(fn.name), f"rewards.functions[{i}].name", fn.name, "must name a reward function")
-    if not cfg.rewards.functions:
+    if cfg.env.id:
+        _validate_env(cfg)
+    elif not cfg.rewards.functions:
         raise ConfigError("rewards.functions = [] is not valid: list at least one reward function")
     return cfg
+
+
+def _validate_env(cfg: LLMConfig) -> None:
+    """Checks for training on a text env (``env.id`` set)."""
+    e = cfg.env
+    require(e.max_turns >= 1, "env.max_turns", e.max_turns, "must be at least 1")
+    _positive("env.step_timeout_s", e.step_timeout_s)
+    if e.max_episode_tokens is not None:
+        require(
+            e.max_episode_tokens > cfg.sampling.max_new_tokens,
+            "env.max_episode_tokens",
+            e.max_episode_tokens,
+            f"must exceed sampling.max_new_tokens ({cfg.sampling.max_new_tokens}) to leave room for the prompt",
+        )
+    require(
+        cfg.sft.steps == 0,
+        "sft.steps",
+        cfg.sft.steps,
+        "must be 0 with env.id: the supervised warm-up reads single-turn answers (data's sft.answer_key)",
+    )
+    require(
+        not cfg.rewards.functions,
+        "rewards.functions",
+        [f.name for f in cfg.rewards.functions],
+        "must be [] with env.id: the text env gives the rewards, by component, at each step",
+    )

@@ -119,8 +119,9 @@ def start_reference(cfg: LLMConfig, reference_dir: str | None, pad_id: int) -> A
     )
 
 
-def start_rollout_worker(cfg: LLMConfig) -> Any:
-    """The rollout worker, with its reward services (the driver's reward registrations travel with it)."""
+def start_rollout_worker(cfg: LLMConfig, text_env: Any = None) -> Any:
+    """The rollout worker, with its reward services (the driver's reward registrations travel with it), playing
+    ``text_env`` (a ``TextEnvSource``) when the run trains on one."""
     from rlfabric.actors.llm_rollout import LLMRolloutWorker
 
     r = cfg.rewards
@@ -132,4 +133,5 @@ def start_rollout_worker(cfg: LLMConfig) -> Any:
         reward_cpus=r.num_cpus,
         reward_registry=rewards.snapshot(),
         prompt_key=cfg.data.prompt_key,
+        text_env=text_env,
     )

@@ -30,7 +30,7 @@ import ray
 from rlfabric import rewards
 from rlfabric.actor_slots import ActorSlots, RunAbortedError, error_summary
 from rlfabric.actors.llm_learner import ADDITIVE_LEARNER_METRICS, LEARNER_METRICS
-from rlfabric.actors.llm_rollout import PromptSet, RolloutRequest
+from rlfabric.actors.llm_rollout import PromptSet, RolloutRequest, TextEnvSource
 from rlfabric.compact import payload_bytes
 from rlfabric.config import ConfigError
 from rlfabric.data import check_prompt_lengths, load_heldout, load_prompts
@@ -53,6 +53,7 @@ from rlfabric.llm_run_state import (
     reference_entry,
     reference_path,
 )
+from rlfabric.llm_text_env import text_env_source
 from rlfabric.models.hf import check_model_source, model_max_positions
 from rlfabric.models.llm_batch import pad_rows_for_learners
 from rlfabric.models.sequences import pack_sequences
@@ -100,6 +101,7 @@ class GRPOTrainer:
         self.rollout_workers: ActorSlots | None = None
         self.learners: list[Any] = []
         self.reference: Any = None
+        self.text_env: TextEnvSource | None = None  # what the rollout worker plays, when env.id names a text env
         self.log: RunLog | None = None
         self._elapsed_before = 0.0  # wall clock of the sessions before a resume
         # The weights the KL penalty anchors to: the initial model, or the policy after the SFT warm-up (saved
@@ -215,8 +217,13 @@ class GRPOTrainer:
         self.eval_rows = load_heldout(
             eval_spec, train_rows=self.train_rows, num_rows=d.num_eval, seed=seed, prompt_key=d.prompt_key
         )
-        self.train_ids = [self._encode(r[d.prompt_key]) for r in self.train_rows]
         self.rollouts.num_train_prompts = len(self.train_rows)
+        if self.cfg.env.id:  # task rows for a text env: its reset writes the first prompt
+            context = model_max_positions(self.model_dir)
+            self.text_env = text_env_source(self.cfg, self.tokenizer, self.model_dir, self.train_rows[0], context)
+            self.train_ids, self.eval_ids = [[] for _ in self.train_rows], [[] for _ in self.eval_rows]
+            return
+        self.train_ids = [self._encode(r[d.prompt_key]) for r in self.train_rows]
         self.eval_ids = [self._encode(r[d.prompt_key]) for r in self.eval_rows]
         check_prompt_lengths(  # prompts that cannot fit the model's context fail here, not in a generator
             {"data.train": self.train_ids, "data.eval": self.eval_ids},
@@ -291,7 +298,7 @@ class GRPOTrainer:
         self._start = time.monotonic() - self._elapsed_before  # times and rates count every session
 
     def _start_rollout_worker(self) -> Any:
-        worker = start_rollout_worker(self.cfg)
+        worker = start_rollout_worker(self.cfg, self.text_env)
         self.rollouts.load_prompts_into(worker)
         return worker
 

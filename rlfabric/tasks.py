@@ -123,7 +123,24 @@ def countdown_rows(n: int, seed: int, num_numbers: int = 3, max_number: int = 20
 
 
 # Data specs name these as "task:<name>" (rlfabric.data reads this table); the reward of the same name scores them.
+def guess_number_rows(n: int, seed: int, min_high: int = 8, max_high: int = 16) -> list[dict]:
+    """Tasks of the GuessNumber text env (``rlfabric/GuessNumber-v0``): rows like ``{"prompt": "7 of 1..12",
+    "secret": 7, "high": 12}``, the range's top uniform in ``[min_high, max_high]`` and the secret uniform in it.
+    ``prompt`` names the task (held-out splits keep tasks apart by it); the env writes what the agent reads."""
+    _check_count(n, seed)
+    if not isinstance(min_high, int) or not isinstance(max_high, int) or not 2 <= min_high <= max_high:
+        raise ValueError(f"min_high = {min_high!r}, max_high = {max_high!r}: need integers with 2 <= min <= max")
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(n):
+        high = rng.randint(min_high, max_high)
+        secret = rng.randint(1, high)
+        rows.append({"prompt": f"{secret} of 1..{high}", "secret": secret, "high": high})
+    return rows
+
+
 TASKS: dict[str, Callable[..., list[dict[str, Any]]]] = {
     "arithmetic": arithmetic_rows,
     "countdown": countdown_rows,
+    "guess_number": guess_number_rows,
 }

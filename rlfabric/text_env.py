@@ -73,3 +73,21 @@ async def call_env(method: Any, *args: Any) -> Any:
         return await method(*args)
     result = await asyncio.get_running_loop().run_in_executor(_ENV_THREADS, method, *args)
     return await result if inspect.isawaitable(result) else result
+
+
+def check_text_env(env: Any, task: dict[str, Any], action: str = "") -> str:
+    """Play one turn of ``env`` on ``task`` (reset, then ``step(action)``) and check what comes back has the
+    contract's types; return a one-line description, or raise TypeError naming what is wrong."""
+
+    async def one_turn() -> tuple[Any, Any]:
+        return await call_env(env.reset, task), await call_env(env.step, action)
+
+    observation, step = asyncio.run(one_turn())
+    if not isinstance(observation, str):
+        raise TypeError(f"reset returned {type(observation).__name__}, expected str (the first observation)")
+    if not isinstance(step, TextStep):
+        raise TypeError(f"step returned {type(step).__name__}, expected rlfabric.text_env.TextStep")
+    bad = {k: v for k, v in step.rewards.items() if not isinstance(k, str) or not isinstance(v, (int, float))}
+    if bad:
+        raise TypeError(f"step rewards {bad} are not str -> number components")
+    return f"reset -> {observation[:60]!r}; step({action!r}) -> {step.observation[:60]!r}, rewards {step.rewards}"

@@ -13,7 +13,7 @@ The record lives in Ray's object store: producers return it as an ObjectRef next
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -200,11 +200,14 @@ def concat(parts: Sequence[Trajectories]) -> Trajectories:
         elif f.name in POSITION_COLUMNS:
             out[f.name] = None if any(v is None for v in values) else _concat_padded(values, width)
         elif f.name == "rewards":
-            out[f.name] = {k: _concat_padded([v[k] for v in values], width) for k in _common_keys(values)}
+            filled = _filled(parts, f.name, lambda p: (p.num_rows, p.width))
+            out[f.name] = {k: _concat_padded([v[k] for v in filled], width) for k in filled[0]}
         elif f.name == "final_rewards":
-            out[f.name] = {k: np.concatenate([v[k] for v in values]) for k in _common_keys(values)}
+            filled = _filled(parts, f.name, lambda p: (p.num_rows,))
+            out[f.name] = {k: np.concatenate([v[k] for v in filled]) for k in filled[0]}
         elif f.name == "step_rewards":
-            out[f.name] = {k: np.concatenate([v[k] for v in values]) for k in _common_keys(values)}
+            filled = _filled(parts, f.name, lambda p: (0 if p.step_spans is None else len(p.step_spans),))
+            out[f.name] = {k: np.concatenate([v[k] for v in filled]) for k in filled[0]}
         elif f.name in ("step_spans", "truncation_index"):
             out[f.name] = None if any(v is None for v in values) else _concat_row_index(values, offsets)
         elif f.name in ("state_keys", "truncation_obs"):
@@ -214,12 +217,11 @@ def concat(parts: Sequence[Trajectories]) -> Trajectories:
     return Trajectories(**out)
 
 
-def _common_keys(dicts: Sequence[dict[str, np.ndarray]]) -> list[str]:
-    keys = set(dicts[0])
-    for d in dicts[1:]:
-        if set(d) != keys:
-            raise ValueError(f"concat: reward components differ between parts: {sorted(keys)} vs {sorted(d)}")
-    return sorted(keys)
+def _filled(parts: Sequence[Trajectories], name: str, shape: Callable[[Trajectories], tuple[int, ...]]) -> list:
+    """Each part's ``name`` reward dict over every component any part has: a component a part lacks (no row of it
+    earned one, say) is zeros of ``shape(part)`` there, since an absent reward is a zero one."""
+    keys = sorted({k for p in parts for k in getattr(p, name)})
+    return [{k: getattr(p, name).get(k, np.zeros(shape(p), np.float32)) for k in keys} for p in parts]
 
 
 def _concat_padded(values: Sequence[np.ndarray], width: int) -> np.ndarray:

@@ -139,7 +139,7 @@ def test_concurrent_episodes_solve_guess_number_by_bisection_in_batched_policy_c
     batcher = ActBatcher(BinarySearchPlayer(tok, 16))
     tasks = [{"secret": s} for s in range(1, 17)]
     episodes = asyncio.run(run_episodes(lambda: GuessNumber(16), tasks, batcher, chat, EpisodeLimits(max_turns=5)))
-    assert all(e.error is None and e.rewards == {"solved": 1.0} and not e.truncated for e in episodes)
+    assert all(e.error is None and e.rewards == {"correct": 1.0} and not e.truncated for e in episodes)
     assert max(len(e.turns) for e in episodes) == 5 and min(len(e.turns) for e in episodes) == 1
     assert batcher.requests == sum(len(e.turns) for e in episodes)
     assert batcher.calls < batcher.requests / 2  # the episodes' turns went out together, not one by one

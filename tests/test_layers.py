@@ -72,6 +72,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "rlfabric.llm_run_state",  # a GRPO run's checkpoint state, counters and KL reference entry
             "rlfabric.llm_resources",  # CPUs, torch threads, OpenMP wait policy, setup deadline
             "rlfabric.llm_actors",  # starting the run's actors from its config
+            "rlfabric.llm_text_env",  # a run on a text env: its checks before actors start
             "rlfabric.rollout_scheduler",  # which prompts go out, which groups come back to train on
             "rlfabric.weight_publisher",  # learner 0's weights to the generators
             "rlfabric.run",  # the run skeleton: outputs, checkpoints, resume, progress, plots, Ctrl-C

@@ -139,3 +139,30 @@ def test_group_statistics_are_what_the_driver_chooses_groups_by():
     assert stats[:3].tolist() == [[3, 0.5, 1, 2, 2], [4, 1.0, 0, 2, 4], [5, 2.0, 0, 1, 1]]
     assert stats[3, 0] == 6 and np.isnan(stats[3, 1]) and stats[3, 2:].tolist() == [0, 0, -1]
     assert stats.dtype == np.float32
+
+
+def test_concat_fills_a_reward_component_a_part_lacks_with_zeros():
+    """Two rollouts where only one earned 'correct' (a multi-turn env gives components as they happen)."""
+    first = from_token_sequences(
+        [[1]],
+        [[2, 3]],
+        [[-0.1, -0.2]],
+        [[0, 0]],
+        episode_ids=[0],
+        group_ids=[0],
+        final_rewards={"correct": [1.0], "invalid": [0.0]},
+        truncated=[False],
+    )
+    second = from_token_sequences(
+        [[4]],
+        [[5]],
+        [[-0.3]],
+        [[0]],
+        episode_ids=[1],
+        group_ids=[1],
+        final_rewards={"invalid": [2.0]},
+        truncated=[False],
+    )
+    both = concat([first, second])
+    np.testing.assert_array_equal(both.final_rewards["correct"], [1.0, 0.0])
+    np.testing.assert_array_equal(both.final_rewards["invalid"], [0.0, 2.0])
