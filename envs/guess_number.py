@@ -6,7 +6,8 @@ A text env (rlfabric.text_env): ``reset(task)`` with ``task = {"secret": int}`` 
 range's top for this task; else the env's), ``step(text)`` reads the first integer in the text. Reward
 components: ``correct`` 1 on the right guess (what ``eval_accuracy`` averages); ``invalid`` 1 for a reply with no
 number (weight it negatively in ``rewards.weights``). Spec: ``rlfabric/GuessNumber-v0`` (an entry point) or
-``rlfabric.envs.guess_number:GuessNumber``; tasks: ``data.train: task:guess_number`` (``rlfabric.tasks``).
+``rlfabric.envs.guess_number:GuessNumber``; tasks: ``data.train: task:guess_number`` (``rlfabric.tasks``);
+``bisection_player`` plays it perfectly, for a supervised warm-up on its demonstrations.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Any
 from rlfabric.text_env import TextStep
 
 _NUMBER = re.compile(r"-?\d+")
+_RANGE = re.compile(r"1 to (\d+)")
 
 
 class GuessNumber:
@@ -47,7 +49,18 @@ class GuessNumber:
         return TextStep("higher" if guess < self.secret else "lower")
 
 
-def binary_search_guess(low: int, high: int) -> int:
-    """The scripted player's next guess when the secret lies in low..high (the demonstrations an SFT warm-up
-    can learn from)."""
-    return (low + high) // 2
+def bisection_player(task: dict[str, Any], messages: list[dict[str, str]]) -> str:
+    """The scripted player (``sft.player: rlfabric.envs.guess_number:bisection_player``): the middle of the range
+    the replies so far leave, read from the chat (the first message gives the range's top)."""
+    top = _RANGE.search(messages[0]["content"] if messages else "")
+    low, high = 1, int(top.group(1)) if top else int(task.get("high", 16))
+    for said, heard in zip(messages[1::2], messages[2::2], strict=False):
+        found = _NUMBER.search(said["content"])
+        if found is None:
+            continue
+        guess = int(found.group())
+        if heard["content"] == "higher":
+            low = max(low, guess + 1)
+        elif heard["content"] == "lower":
+            high = min(high, guess - 1)
+    return str((low + high) // 2)

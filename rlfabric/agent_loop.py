@@ -18,7 +18,10 @@ from typing import Any, Literal
 from rlfabric.models.chat_tokens import ChatTokens
 from rlfabric.policies.batching import ActBatcher
 from rlfabric.text_env import TextEnv, TextStep, call_env
-from rlfabric.trajectory import Trajectories, TurnTokens, from_turns
+from rlfabric.trajectory import NO_VERSION, Trajectories, TurnTokens, from_turns
+
+# A scripted player of a text env: (task, the chat so far as role/content messages) -> the next action's text.
+Player = Callable[[dict[str, Any], list[dict[str, str]]], str]
 
 
 @dataclass(frozen=True)
@@ -64,6 +67,41 @@ class Episode:
         return total
 
 
+@dataclass
+class Turn:
+    """One turn's action: the token ids (as sampled), their behaviour logprobs, the version that chose them, and
+    their text."""
+
+    sampled: list[int]
+    logprobs: list[float]
+    version: int
+    text: str
+
+
+class PolicyTurns:
+    """Turns from a policy over token contexts, through an ``ActBatcher`` shared by the episodes in flight."""
+
+    def __init__(self, batcher: ActBatcher) -> None:
+        self.batcher = batcher
+
+    async def next_turn(self, context: list[int], messages: list[dict[str, str]], task: dict[str, Any]) -> Turn:
+        acted = await self.batcher.act(context)
+        return Turn(list(acted.actions[0]), list(acted.logprobs[0]), int(acted.versions[0]), str(acted.info["text"][0]))
+
+
+class ScriptedTurns:
+    """Demonstration turns from a scripted ``Player``: its text tokenized and closed with the template's
+    end-of-turn token (so a model trained on them learns to stop); logprob 0 and no policy version."""
+
+    def __init__(self, player: Player, chat: ChatTokens) -> None:
+        self.player, self.chat = player, chat
+
+    async def next_turn(self, context: list[int], messages: list[dict[str, str]], task: dict[str, Any]) -> Turn:
+        text = str(self.player(task, messages))
+        ids = self.chat.text_ids(text) + self.chat.turn_close[:1]
+        return Turn(ids, [0.0] * len(ids), NO_VERSION, text)
+
+
 def _describe(exc: BaseException, timeout_s: float) -> str:
     if isinstance(exc, (asyncio.TimeoutError, TimeoutError)):
         return f"missed its {timeout_s:g}s deadline"
@@ -80,7 +118,12 @@ def _opening(env: TextEnv, observation: str) -> list[dict[str, str]]:
 
 
 async def play(
-    env: TextEnv, task: dict[str, Any], task_index: int, batcher: ActBatcher, chat: ChatTokens, limits: EpisodeLimits
+    env: TextEnv,
+    task: dict[str, Any],
+    task_index: int,
+    turns: PolicyTurns | ScriptedTurns,
+    chat: ChatTokens,
+    limits: EpisodeLimits,
 ) -> Episode:
     """One episode of ``env`` on ``task`` (see the module docstring). A failing policy call raises: the caller
     decides what a lost generator means; a failing env ends the episode as failed or as an observation."""
@@ -88,14 +131,15 @@ async def play(
         observation = await _env_call(env.reset, task, limits)
     except Exception as exc:  # noqa: BLE001 - any env failure is the episode's, recorded
         return Episode(task_index, [], error=f"reset {_describe(exc, limits.step_timeout_s)}")
-    episode = Episode(task_index, chat.prompt(_opening(env, str(observation))))
+    messages = _opening(env, str(observation))
+    episode = Episode(task_index, chat.prompt(messages))
     context = list(episode.prompt)
     for _ in range(limits.max_turns):
         if len(context) + limits.turn_tokens > limits.max_episode_tokens:
             episode.truncated = True
             return episode
-        acted = await batcher.act(context)
-        sampled, text = list(acted.actions[0]), str(acted.info["text"][0])
+        turn = await turns.next_turn(context, messages, task)
+        sampled, text = turn.sampled, turn.text
         try:
             step = await _env_call(env.step, text, limits)
             if not isinstance(step, TextStep):
@@ -113,10 +157,9 @@ async def play(
         except Exception as exc:  # noqa: BLE001 - e.g. a character the tokenizer has no token for
             episode.error = f"observation could not be tokenized: {type(exc).__name__}: {exc}"
             return episode
-        episode.turns.append(
-            TurnTokens(sampled, list(acted.logprobs[0]), int(acted.versions[0]), reply, dict(step.rewards))
-        )
+        episode.turns.append(TurnTokens(sampled, turn.logprobs, turn.version, reply, dict(step.rewards)))
         episode.texts.append(text)
+        messages += [{"role": "assistant", "content": text}, {"role": chat.role, "content": str(step.observation)}]
         context += sampled + reply
         if done:
             episode.truncated = step.truncated and not step.terminated
@@ -128,13 +171,15 @@ async def play(
 async def run_episodes(
     make_env: Callable[[], TextEnv],
     tasks: Sequence[dict[str, Any]],
-    batcher: ActBatcher,
+    turns: ActBatcher | PolicyTurns | ScriptedTurns,
     chat: ChatTokens,
     limits: EpisodeLimits,
 ) -> list[Episode]:
-    """One episode per task, all in flight at once, each on its own env from ``make_env``; in task order."""
+    """One episode per task, all in flight at once, each on its own env from ``make_env``; in task order. The
+    turns come from a policy (an ``ActBatcher`` over it) or a scripted player (``ScriptedTurns``)."""
+    source = PolicyTurns(turns) if isinstance(turns, ActBatcher) else turns
     return list(
-        await asyncio.gather(*(play(make_env(), task, i, batcher, chat, limits) for i, task in enumerate(tasks)))
+        await asyncio.gather(*(play(make_env(), task, i, source, chat, limits) for i, task in enumerate(tasks)))
     )
 
 

@@ -164,6 +164,9 @@ class SFTConfig:
     lr: float = 1e-3
     # Dataset column with the target completion (a list: several demonstrations, one picked at random per use).
     answer_key: str = "teacher"
+    # With a text env (env.id): the scripted player whose episodes are the demonstrations, "package.module:function"
+    # taking (task, chat messages so far) and returning the next action's text.
+    player: str = ""
 
 
 @dataclass
@@ -327,10 +330,10 @@ def _validate_env(cfg: LLMConfig) -> None:
             f"must exceed sampling.max_new_tokens ({cfg.sampling.max_new_tokens}) to leave room for the prompt",
         )
     require(
-        cfg.sft.steps == 0,
+        cfg.sft.steps == 0 or bool(cfg.sft.player),
         "sft.steps",
         cfg.sft.steps,
-        "must be 0 with env.id: the supervised warm-up reads single-turn answers (data's sft.answer_key)",
+        "needs sft.player with env.id (a scripted player whose episodes are the demonstrations), or 0",
     )
     require(
         not cfg.rewards.functions,

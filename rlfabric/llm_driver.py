@@ -53,7 +53,8 @@ from rlfabric.llm_run_state import (
     reference_entry,
     reference_path,
 )
-from rlfabric.llm_text_env import text_env_source
+from rlfabric.llm_text_env import demonstration_batch, scripted_player, text_env_source
+from rlfabric.models.chat_tokens import ChatTokens
 from rlfabric.models.hf import check_model_source, model_max_positions
 from rlfabric.models.llm_batch import pad_rows_for_learners
 from rlfabric.models.sequences import pack_sequences
@@ -221,6 +222,8 @@ class GRPOTrainer:
         if self.cfg.env.id:  # task rows for a text env: its reset writes the first prompt
             context = model_max_positions(self.model_dir)
             self.text_env = text_env_source(self.cfg, self.tokenizer, self.model_dir, self.train_rows[0], context)
+            if self.cfg.sft.steps:
+                scripted_player(self.cfg.sft.player)  # a player that names nothing fails here, before Ray
             self.train_ids, self.eval_ids = [[] for _ in self.train_rows], [[] for _ in self.eval_rows]
             return
         self.train_ids = [self._encode(r[d.prompt_key]) for r in self.train_rows]
@@ -380,12 +383,7 @@ class GRPOTrainer:
             return
         for step in range(1, s.steps + 1):
             indices = self.rollouts.sample_rows(s.batch_size)
-            answers = []
-            for i in indices:
-                if s.answer_key not in self.train_rows[i]:
-                    raise ConfigError(f"sft.answer_key = {s.answer_key!r}: train row {i} has no such column")
-                answers.append(self._encode_answer(self._demonstration(self.train_rows[i][s.answer_key])))
-            batch = pack_sequences([self.train_ids[i] for i in indices], answers, self.tokenizer.pad_token_id)
+            batch = self._sft_batch(indices)
             batch = pad_rows_for_learners(batch, self.cfg.learner.num_learners)
             ref = ray.put(batch)
             metrics = self._from_learners([ln.sft_step.remote([ref]) for ln in self.learners], "an SFT step")
@@ -400,6 +398,22 @@ class GRPOTrainer:
             if self.cfg.training.checkpoint_every:
                 path = self.run_dir / REFERENCE_MODEL_DIR
                 self.reference_dir = ray.get(self.learners[0].save.remote(str(path), False))
+
+    def _sft_batch(self, indices: list[int]) -> dict[str, np.ndarray]:
+        """Demonstrations of the rows ``indices``: their answers after their prompts, or with a text env the
+        scripted player's episodes on them."""
+        pad_id = self.tokenizer.pad_token_id
+        if self.text_env is not None:
+            player = scripted_player(self.cfg.sft.player)
+            tasks = [self.train_rows[i] for i in indices]
+            return demonstration_batch(self.text_env, player, ChatTokens(self.tokenizer), tasks, pad_id)
+        answers = []
+        key = self.cfg.sft.answer_key
+        for i in indices:
+            if key not in self.train_rows[i]:
+                raise ConfigError(f"sft.answer_key = {key!r}: train row {i} has no such column")
+            answers.append(self._encode_answer(self._demonstration(self.train_rows[i][key])))
+        return pack_sequences([self.train_ids[i] for i in indices], answers, pad_id)
 
     def _demonstration(self, value: Any) -> str:
         """A row's target completion; a list holds several demonstrations, one picked at random per use."""

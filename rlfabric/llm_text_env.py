@@ -4,14 +4,18 @@ worker is given to play episodes."""
 from __future__ import annotations
 
 import asyncio
+import functools
 from typing import Any
 
-from rlfabric import registry
+import numpy as np
+
+from rlfabric import registry, shipping
 from rlfabric.actors.llm_rollout import TextEnvSource
-from rlfabric.agent_loop import EpisodeLimits
+from rlfabric.agent_loop import EpisodeLimits, Player, ScriptedTurns, episodes_to_trajectories, run_episodes
 from rlfabric.config import ConfigError
 from rlfabric.grpo_config import LLMConfig
 from rlfabric.models.chat_tokens import ChatTokens
+from rlfabric.models.llm_batch import pack_trajectories
 from rlfabric.text_env import call_env, make_text_env
 
 DEFAULT_EPISODE_TOKENS = 2048  # when the model's config does not say how long its context is
@@ -48,3 +52,24 @@ def text_env_source(
         on_env_error=e.on_env_error,
     )
     return TextEnvSource(e.id, dict(e.kwargs), limits, registry.snapshot(), model_dir)
+
+
+def scripted_player(spec: str) -> Player:
+    """The ``sft.player`` function, or one ConfigError naming it."""
+    player = shipping.import_callable(spec)
+    if not callable(player):
+        raise ConfigError(f"sft.player = {spec!r} is not valid: not an importable 'package.module:function'")
+    return player
+
+
+def demonstration_batch(
+    source: TextEnvSource, player: Player, chat: ChatTokens, tasks: list[dict[str, Any]], pad_id: int
+) -> dict[str, np.ndarray]:
+    """The SFT batch of the scripted player's episodes on ``tasks``: their token rows, loss on its turns only.
+    An episode that fails (its env raised) is left out; none left is an error naming the player."""
+    make_env = functools.partial(make_text_env, source.spec, source.kwargs)
+    episodes = asyncio.run(run_episodes(make_env, tasks, ScriptedTurns(player, chat), chat, source.limits))
+    trajectories = episodes_to_trajectories(episodes, list(range(len(tasks))), list(range(len(tasks))))
+    if trajectories.num_rows == 0:
+        raise ConfigError(f"sft.player: every demonstration episode failed; the first: {episodes[0].error}")
+    return pack_trajectories(trajectories, pad_id)

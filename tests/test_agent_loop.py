@@ -5,7 +5,6 @@ the generator's on what was sampled."""
 from __future__ import annotations
 
 import asyncio
-import re
 import time
 
 import numpy as np
@@ -15,8 +14,8 @@ from grpo_runs import TINY
 
 from rlfabric.actors.generator import Generator
 from rlfabric.actors.llm_learner import LLMLearnerCore
-from rlfabric.agent_loop import EpisodeLimits, episodes_to_trajectories, run_episodes
-from rlfabric.envs.guess_number import GuessNumber, binary_search_guess
+from rlfabric.agent_loop import EpisodeLimits, ScriptedTurns, episodes_to_trajectories, run_episodes
+from rlfabric.envs.guess_number import GuessNumber, bisection_player
 from rlfabric.grpo_config import GRPOConfig
 from rlfabric.models.chat_tokens import ChatTokens
 from rlfabric.models.hf import build_char_tokenizer, build_small_model_dir
@@ -112,54 +111,63 @@ def test_turns_lay_out_sampled_tokens_under_the_loss_mask_and_replies_outside_it
 # -- episodes in flight, with a scripted player ------------------------------------------------------------------
 
 
-class BinarySearchPlayer:
-    """A scripted policy over token-id contexts: reads the env's replies back from the text and bisects."""
+class SayOne:
+    """A policy over token contexts that always answers "1" (and closes its turn)."""
 
-    def __init__(self, tokenizer, high: int) -> None:
-        self.tok, self.high, self.version = tokenizer, high, 0
-
-    def _guess(self, context: list[int]) -> int:
-        low, high = 1, self.high
-        text = self.tok.decode(context)
-        guesses = [int(g) for g in re.findall(r"assistant: (\d+)", text)]
-        replies = re.findall(r"user: (higher|lower)", text)
-        for guess, reply in zip(guesses, replies, strict=False):
-            low, high = (guess + 1, high) if "higher" in reply else (low, guess - 1)
-        return binary_search_guess(low, high)
+    def __init__(self, tokenizer) -> None:
+        self.tok, self.version = tokenizer, 0
 
     def act(self, observations):
-        texts = [str(self._guess(list(c))) for c in observations]
-        ids = [self.tok(t, add_special_tokens=False).input_ids + [self.tok.eos_token_id] for t in texts]
-        return PolicyOutput(ids, [[0.0] * len(i) for i in ids], [self.version] * len(ids), {"text": texts})
+        ids = [self.tok("1", add_special_tokens=False).input_ids + [self.tok.eos_token_id] for _ in observations]
+        return PolicyOutput(ids, [[0.0] * len(i) for i in ids], [self.version] * len(ids), {"text": ["1"] * len(ids)})
 
 
-def test_concurrent_episodes_solve_guess_number_by_bisection_in_batched_policy_calls():
+def test_episodes_in_flight_send_their_turns_to_the_policy_together():
+    tok = build_char_tokenizer()
+    batcher = ActBatcher(SayOne(tok))
+    tasks = [{"secret": s} for s in range(1, 17)]
+    episodes = asyncio.run(
+        run_episodes(lambda: GuessNumber(16), tasks, batcher, ChatTokens(tok), EpisodeLimits(max_turns=5))
+    )
+    assert [len(e.turns) for e in episodes] == [1] + [5] * 15  # only secret 1 is found; the rest run out of turns
+    assert [e.truncated for e in episodes] == [False] + [True] * 15
+    assert batcher.requests == 76 and batcher.calls < batcher.requests / 2  # batched, not one call per turn
+
+
+def test_the_scripted_bisection_player_solves_every_task_and_its_record_is_the_templated_chat():
     tok = build_char_tokenizer()
     chat = ChatTokens(tok)
-    batcher = ActBatcher(BinarySearchPlayer(tok, 16))
     tasks = [{"secret": s} for s in range(1, 17)]
-    episodes = asyncio.run(run_episodes(lambda: GuessNumber(16), tasks, batcher, chat, EpisodeLimits(max_turns=5)))
+    turns = ScriptedTurns(bisection_player, chat)
+    episodes = asyncio.run(run_episodes(lambda: GuessNumber(16), tasks, turns, chat, EpisodeLimits(max_turns=5)))
     assert all(e.error is None and e.rewards == {"correct": 1.0} and not e.truncated for e in episodes)
     assert max(len(e.turns) for e in episodes) == 5 and min(len(e.turns) for e in episodes) == 1
-    assert batcher.requests == sum(len(e.turns) for e in episodes)
-    assert batcher.calls < batcher.requests / 2  # the episodes' turns went out together, not one by one
     traj = episodes_to_trajectories(episodes, list(range(16)), [0] * 16)
-    assert len(traj.step_spans) == batcher.requests
+    assert len(traj.step_spans) == sum(len(e.turns) for e in episodes)
     for row, e in enumerate(episodes):  # the row is the template's rendering of the episode's chat
-        assert tok.decode(traj.tokens[row, : traj.length[row]]).startswith("user: Guess my number, 1 to 16.<eos>\n")
+        messages = [{"role": "user", "content": "Guess my number, 1 to 16."}]
+        for turn, text in zip(e.turns, e.texts, strict=True):
+            messages.append({"role": "assistant", "content": text})
+            if turn.observation:
+                messages.append(
+                    {"role": "user", "content": tok.decode(turn.observation).split("user: ")[1].split("<eos>")[0]}
+                )
+        whole = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=False)
+        # the same, but for the newline the template puts after the last turn's end: nothing follows it here
+        assert tok.decode(traj.tokens[row, : traj.length[row]]) + "\n" == whole
         assert int(traj.loss_mask[row].sum()) == sum(len(t.sampled) for t in e.turns)
 
 
 def test_turn_and_token_limits_truncate_the_episode():
     tok = build_char_tokenizer()
     chat = ChatTokens(tok)
-    never = BinarySearchPlayer(tok, 16)
+    never = SayOne(tok)
     limits = EpisodeLimits(max_turns=2)
-    (short,) = asyncio.run(run_episodes(lambda: GuessNumber(16), [{"secret": 1}], ActBatcher(never), chat, limits))
+    (short,) = asyncio.run(run_episodes(lambda: GuessNumber(16), [{"secret": 2}], ActBatcher(never), chat, limits))
     assert short.truncated and len(short.turns) == 2 and short.rewards == {}
     prompt_len = len(chat.prompt([{"role": "user", "content": "Guess my number, 1 to 16."}]))
     tight = EpisodeLimits(max_turns=5, turn_tokens=4, max_episode_tokens=prompt_len + 4 + 20)
-    (cut,) = asyncio.run(run_episodes(lambda: GuessNumber(16), [{"secret": 1}], ActBatcher(never), chat, tight))
+    (cut,) = asyncio.run(run_episodes(lambda: GuessNumber(16), [{"secret": 2}], ActBatcher(never), chat, tight))
     assert cut.truncated and len(cut.turns) == 1
 
 
@@ -194,9 +202,7 @@ def test_env_failures_end_as_recorded_errors_never_a_crash_or_a_hang(on_env_erro
     limits = EpisodeLimits(max_turns=2, step_timeout_s=0.3, on_env_error=on_env_error)
     started = time.monotonic()
     episodes = asyncio.run(
-        run_episodes(
-            Faulty, [{"kind": k} for k in kinds], ActBatcher(BinarySearchPlayer(tok, 16)), ChatTokens(tok), limits
-        )
+        run_episodes(Faulty, [{"kind": k} for k in kinds], ActBatcher(SayOne(tok)), ChatTokens(tok), limits)
     )
     assert time.monotonic() - started < 2.5  # the hung steps hit their deadline; nothing waited them out
     by_kind = dict(zip(kinds, episodes, strict=True))

@@ -90,3 +90,22 @@ def test_envs_check_plays_one_turn_of_a_text_env(capsys):
     register_env("broken-board", Broken)
     assert main(["envs", "check", "broken-board", "--task", "{}"]) == 1
     assert capsys.readouterr().out == "FAIL broken-board (text env): RuntimeError: no board\n"
+
+
+def test_sft_warm_up_on_a_scripted_players_episodes(local_ray, tmp_path):
+    run = run_grpo(
+        tmp_path / "run",
+        sft={"steps": 30, "batch_size": 16, "lr": 3e-3, "player": "rlfabric.envs.guess_number:bisection_player"},
+        training={"total_steps": 1, "eval_every": 0},
+        **GAME,
+    )
+    losses = [r["sft_loss"] for r in run.phase("sft")]
+    assert len(losses) == 30 and losses[-1] < 0.5 * losses[0]  # it learns the demonstrations
+    assert run.phase("eval")[1]["label"] == "after_sft"
+
+
+def test_a_player_that_names_nothing_stops_setup_before_ray(tmp_path):
+    t = trainer(tmp_path, sft={"steps": 5, "player": "rlfabric.envs.guess_number:no_such_player"})
+    with pytest.raises(ConfigError, match="sft.player = 'rlfabric.envs.guess_number:no_such_player' is not valid"):
+        t.setup()
+    assert t.generators is None

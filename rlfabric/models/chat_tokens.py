@@ -51,6 +51,10 @@ class ChatTokens:
     def _ids(self, text: str) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=False).input_ids) if text else []
 
+    def text_ids(self, text: str) -> list[int]:
+        """``text`` alone as token ids (no special tokens added): a scripted turn's action."""
+        return self._ids(text)
+
     def prompt(self, messages: Sequence[dict[str, str]]) -> list[int]:
         """The first prompt: the opening messages through the template, with the generation prompt."""
         return self._ids(self._render(list(messages), generation_prompt=True))
