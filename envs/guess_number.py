@@ -12,6 +12,7 @@ number (weight it negatively in ``rewards.weights``). Spec: ``rlfabric/GuessNumb
 
 from __future__ import annotations
 
+import random
 import re
 from typing import Any
 
@@ -19,6 +20,7 @@ from rlfabric.text_env import TextStep
 
 _NUMBER = re.compile(r"-?\d+")
 _RANGE = re.compile(r"1 to (\d+)")
+_CARELESS = random.Random(0)  # the careless player's slips: seeded, so a run's demonstrations repeat
 
 
 class GuessNumber:
@@ -64,3 +66,12 @@ def bisection_player(task: dict[str, Any], messages: list[dict[str, str]]) -> st
         elif heard["content"] == "lower":
             high = min(high, guess - 1)
     return str((low + high) // 2)
+
+
+def careless_player(task: dict[str, Any], messages: list[dict[str, str]]) -> str:
+    """``bisection_player`` that guesses anywhere in 1..top on a third of its turns: demonstrations that teach the
+    game's format and roughly its strategy, leaving GRPO the rest (as the arithmetic task's unreliable teacher)."""
+    if _CARELESS.random() < 1 / 3:
+        top = _RANGE.search(messages[0]["content"] if messages else "")
+        return str(_CARELESS.randint(1, int(top.group(1)) if top else int(task.get("high", 16))))
+    return bisection_player(task, messages)

@@ -56,6 +56,8 @@ class Episode:
     truncated: bool = False
     error: str | None = None  # why the episode failed (its env raised or hung); failed episodes are not trained
     env_errors: int = 0  # steps that raised or hung and were shown to the agent (on_env_error = "observe")
+    tool_calls: int = 0  # tool calls the env ran or refused (TextStep.info["tool_calls"])
+    invalid_tool_calls: dict[str, int] = field(default_factory=dict)  # by kind (TextStep.info, rlfabric.tools)
 
     @property
     def rewards(self) -> dict[str, float]:
@@ -151,6 +153,9 @@ async def play(
                 return episode
             episode.env_errors += 1
             step = TextStep(f"error: {reason}")
+        episode.tool_calls += int(step.info.get("tool_calls", 0))
+        for kind, count in step.info.get("invalid_tool_calls", {}).items():
+            episode.invalid_tool_calls[kind] = episode.invalid_tool_calls.get(kind, 0) + int(count)
         done = step.terminated or step.truncated
         try:
             reply = [] if done else chat.reply(sampled, str(step.observation))

@@ -68,7 +68,8 @@ _ENV_THREADS = ThreadPoolExecutor(max_workers=64, thread_name_prefix="text-env")
 
 
 async def call_env(method: Any, *args: Any) -> Any:
-    """Call an env method, coroutine or plain: a plain one runs in a worker thread so the loop keeps going."""
+    """Call an env method (or a tool), coroutine or plain: a plain one runs in a worker thread so the loop keeps
+    going."""
     if inspect.iscoroutinefunction(method):
         return await method(*args)
     result = await asyncio.get_running_loop().run_in_executor(_ENV_THREADS, method, *args)

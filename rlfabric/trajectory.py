@@ -259,47 +259,28 @@ def from_token_sequences(
     agent_id: str = "agent_0",
     policy_id: str = "default",
 ) -> Trajectories:
-    """Single-turn LLM episodes: row i = prompt i then response i, one step span over the response.
+    """Single-turn LLM episodes: row i = prompt i then response i, one step span over the response (``from_turns``
+    with one turn per row, whose reward components are the outcome ``final_rewards``).
 
     The loss mask is 1 on the response tokens; ``versions[i][t]`` is the policy version that sampled response
     token t; ``truncated[i]``: the response was cut at the length limit (else it ended, ``terminated``).
     """
-    n = len(prompts)
-    lengths = np.array([len(p) + len(r) for p, r in zip(prompts, responses, strict=True)], np.int32)
-    prompt_length = np.array([len(p) for p in prompts], np.int32)
-    width = int(lengths.max()) if n else 0
-    tokens = np.zeros((n, width), np.int32)
-    loss_mask = np.zeros((n, width), np.float32)
-    behaviour = np.zeros((n, width), np.float32)
-    policy_version = np.full((n, width), NO_VERSION, np.int32)
-    ended = np.zeros((n, width), bool)
-    cut = np.zeros((n, width), bool)
-    for i, (p, r) in enumerate(zip(prompts, responses, strict=True)):
-        start, end = len(p), len(p) + len(r)
-        tokens[i, :start] = p
-        tokens[i, start:end] = r
-        loss_mask[i, start:end] = 1.0
-        behaviour[i, start:end] = logprobs[i]
-        policy_version[i, start:end] = versions[i]
-        if end > 0:
-            (cut if truncated[i] else ended)[i, end - 1] = True
-    spans = np.stack([np.arange(n), prompt_length, lengths], axis=1).astype(np.int32) if n else None
-    return Trajectories(
-        episode_id=np.asarray(episode_ids, np.int64),
-        group_id=np.asarray(group_ids, np.int64),
-        agent_id=np.full(n, agent_id, dtype=object),
-        policy_id=np.full(n, policy_id, dtype=object),
-        length=lengths,
-        loss_mask=loss_mask,
-        policy_version=policy_version,
-        logprobs=behaviour,
-        terminated=ended,
-        truncated=cut,
-        tokens=tokens,
-        prompt_length=prompt_length,
-        final_rewards={k: np.asarray(v, np.float32) for k, v in final_rewards.items()},
-        step_spans=spans if spans is not None else np.zeros((0, 3), np.int32),
+    rewards = {k: np.asarray(v, np.float32) for k, v in final_rewards.items()}
+    turns = [
+        [TurnTokens(r, lp, v, rewards={k: float(c[i]) for k, c in rewards.items()})]
+        for i, (r, lp, v) in enumerate(zip(responses, logprobs, versions, strict=True))
+    ]
+    out = from_turns(
+        prompts,
+        turns,
+        episode_ids=episode_ids,
+        group_ids=group_ids,
+        truncated=truncated,
+        agent_id=agent_id,
+        policy_id=policy_id,
     )
+    out.final_rewards = rewards  # as given, every component kept (from_turns sums what the turns carry)
+    return out
 
 
 @dataclass
@@ -310,7 +291,7 @@ class TurnTokens:
 
     sampled: Sequence[int]
     logprobs: Sequence[float]
-    version: int
+    version: int | Sequence[int]  # one for the turn, or one per sampled token
     observation: Sequence[int] = ()
     rewards: dict[str, float] = field(default_factory=dict)
 

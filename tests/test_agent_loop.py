@@ -265,3 +265,13 @@ def test_the_learner_recomputes_the_generators_logprobs_on_a_multi_turn_record(l
     mask = batch["response_mask"] > 0
     np.testing.assert_allclose(recomputed[mask], batch["behaviour_logprobs"][mask], atol=2e-4)
     assert mask.sum() == sum(len(t.sampled) for e in episodes for t in e.turns)
+
+
+def test_the_careless_player_bisects_on_most_turns_and_guesses_in_range_on_the_others():
+    from rlfabric.envs.guess_number import careless_player
+
+    opening = [{"role": "user", "content": "Guess my number, 1 to 12."}]
+    guesses = [int(careless_player({}, opening)) for _ in range(600)]
+    assert all(1 <= g <= 12 for g in guesses)
+    slips = sum(g != 6 for g in guesses)  # bisection says 6; a random guess is 6 one time in 12
+    assert 600 * (1 / 3) * (11 / 12) * 0.75 < slips < 600 * (1 / 3) * (11 / 12) * 1.25

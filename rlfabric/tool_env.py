@@ -1,0 +1,62 @@
+"""A text env whose agent may call tools before it answers.
+
+``ToolEnv(task_env, tools)`` wraps a task env that poses a question on ``reset(task)`` and scores a final answer
+with ``answer(text) -> TextStep``. Each turn, the agent's text is parsed for tool calls (``parser``, Hermes-style
+by default): calls are checked against their schemas and run under ``tool_timeout_s``, and their results (or
+errors) come back as the next observation, wrapped in ``<tool_response>`` tags the way Qwen's chat template
+renders tool messages; a turn without a call is the answer. Every bad call becomes an error observation and is
+counted in ``TextStep.info["invalid_tool_calls"]`` by kind (``rlfabric.tools.ERROR_KINDS``); none ends the episode.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+from rlfabric.text_env import TextStep, call_env
+from rlfabric.tools import ToolSet, tool_call_parser
+
+
+class AnswerTask(Protocol):
+    """What ``ToolEnv`` wraps: ``reset(task) -> question`` and ``answer(text) -> TextStep`` (the final score)."""
+
+    def reset(self, task: dict[str, Any]) -> Any: ...
+
+    def answer(self, text: str) -> Any: ...
+
+
+class ToolEnv:
+    """See the module docstring. ``system_prompt`` lists the tools and the call format for the agent."""
+
+    def __init__(self, task_env: AnswerTask, tools: ToolSet, parser: str = "hermes", tool_timeout_s: float = 10.0):
+        self.task_env, self.tools = task_env, tools
+        self.parse = tool_call_parser(parser, "ToolEnv parser")
+        self.tool_timeout_s = tool_timeout_s
+        names = ", ".join(f"{t.name}({', '.join(t.parameters.get('properties', {}))})" for t in tools.tools.values())
+        self.system_prompt = (
+            f'Tools: {names}. Call one as <tool_call>{{"name": ..., "arguments": {{...}}}}</tool_call>.'
+        )
+
+    async def reset(self, task: dict[str, Any]) -> str:
+        return str(await call_env(self.task_env.reset, task))
+
+    async def step(self, action: str) -> TextStep:
+        parsed = self.parse(action)
+        if parsed.malformed is not None and not parsed.calls:
+            return TextStep(
+                _responses([f"error: malformed tool call: {parsed.malformed}"]),
+                info={"invalid_tool_calls": {"malformed": 1}},
+            )
+        if not parsed.calls:
+            return await call_env(self.task_env.answer, action)
+        invalid: dict[str, int] = {"malformed": 1} if parsed.malformed else {}
+        texts = []
+        for call in parsed.calls:
+            outcome = await self.tools.call(call, self.tool_timeout_s)
+            texts.append(outcome.text)
+            if outcome.error:
+                invalid[outcome.error] = invalid.get(outcome.error, 0) + 1
+        return TextStep(_responses(texts), info={"tool_calls": len(parsed.calls), "invalid_tool_calls": invalid})
+
+
+def _responses(texts: list[str]) -> str:
+    return "\n".join(f"<tool_response>\n{t}\n</tool_response>" for t in texts)
