@@ -41,6 +41,7 @@ from rlfabric.policies.served import GeneratorsFailed, ServedLLMPolicy
 from rlfabric.reward_pool import RewardPool
 from rlfabric.rewards import RewardInput, RewardResult
 from rlfabric.text_env import make_text_env
+from rlfabric.tools import ERROR_KINDS
 from rlfabric.trajectory import Trajectories, from_token_sequences
 
 MAX_ERRORS_IN_META = 5
@@ -48,8 +49,16 @@ MAX_ERRORS_IN_META = 5
 GROUP_ID, GROUP_REWARD_MEAN, GROUP_HAS_SIGNAL, GROUP_ROWS, GROUP_MIN_VERSION = range(5)
 # The metadata's numbers, as they travel to the driver (see ``encode_meta``); the counts come back as ints.
 META_COUNTS = ("samples", "rows", "failed", "tokens", "reward_restarts", "record_bytes")
+# What text-env episodes add (sums over a rollout's episodes); the driver logs each step's totals.
+EPISODE_COUNTS = ("turns", "env_errors", "tool_calls", *(f"invalid_tool_calls_{k}" for k in ERROR_KINDS))
 META_NUMBERS = FloatFields(
-    *META_COUNTS, "response_length_mean", "generate_time_s", "reward_time_s", "correct_sum", "reward_sum"
+    *META_COUNTS,
+    *EPISODE_COUNTS,
+    "response_length_mean",
+    "generate_time_s",
+    "reward_time_s",
+    "correct_sum",
+    "reward_sum",
 )
 
 
@@ -267,6 +276,13 @@ class LLMRolloutCore:
                 "response_length_mean": float(np.mean(sampled)),
                 "reward_restarts": 0,
                 "record_bytes": trajectories.nbytes(),
+                "turns": sum(len(e.turns) for e in episodes),
+                "env_errors": sum(e.env_errors for e in episodes),
+                "tool_calls": sum(e.tool_calls for e in episodes),
+                **{
+                    f"invalid_tool_calls_{kind}": sum(e.invalid_tool_calls.get(kind, 0) for e in episodes)
+                    for kind in ERROR_KINDS
+                },
                 "generate_time_s": time.perf_counter() - started,  # episodes interleave generation and env steps
                 "reward_time_s": 0.0,
             }
@@ -322,7 +338,7 @@ def decode_meta(raw: tuple) -> dict[str, Any]:
     """``encode_meta``'s input back, as a dict."""
     numbers, stats, names, means, rest = raw
     meta: dict[str, Any] = META_NUMBERS.unpack(numbers)
-    for key in META_COUNTS:
+    for key in (*META_COUNTS, *EPISODE_COUNTS):
         if key in meta:
             meta[key] = int(meta[key])
     if stats is not None:

@@ -53,11 +53,10 @@ from rlfabric.llm_run_state import (
     reference_entry,
     reference_path,
 )
-from rlfabric.llm_text_env import demonstration_batch, scripted_player, text_env_source
-from rlfabric.models.chat_tokens import ChatTokens
+from rlfabric.llm_sft import sft_batch
+from rlfabric.llm_text_env import episode_totals, scripted_player, text_env_source
 from rlfabric.models.hf import check_model_source, model_max_positions
 from rlfabric.models.llm_batch import pad_rows_for_learners
-from rlfabric.models.sequences import pack_sequences
 from rlfabric.models.shared_weights import remove_stale
 from rlfabric.placement import check_fits
 from rlfabric.rollout_scheduler import RolloutScheduler, StepBatch
@@ -383,7 +382,9 @@ class GRPOTrainer:
             return
         for step in range(1, s.steps + 1):
             indices = self.rollouts.sample_rows(s.batch_size)
-            batch = self._sft_batch(indices)
+            batch = sft_batch(
+                self.cfg, self.tokenizer, self.train_rows, self.train_ids, indices, self.rng, self.text_env
+            )
             batch = pad_rows_for_learners(batch, self.cfg.learner.num_learners)
             ref = ray.put(batch)
             metrics = self._from_learners([ln.sft_step.remote([ref]) for ln in self.learners], "an SFT step")
@@ -398,31 +399,6 @@ class GRPOTrainer:
             if self.cfg.training.checkpoint_every:
                 path = self.run_dir / REFERENCE_MODEL_DIR
                 self.reference_dir = ray.get(self.learners[0].save.remote(str(path), False))
-
-    def _sft_batch(self, indices: list[int]) -> dict[str, np.ndarray]:
-        """Demonstrations of the rows ``indices``: their answers after their prompts, or with a text env the
-        scripted player's episodes on them."""
-        pad_id = self.tokenizer.pad_token_id
-        if self.text_env is not None:
-            player = scripted_player(self.cfg.sft.player)
-            tasks = [self.train_rows[i] for i in indices]
-            return demonstration_batch(self.text_env, player, ChatTokens(self.tokenizer), tasks, pad_id)
-        answers = []
-        key = self.cfg.sft.answer_key
-        for i in indices:
-            if key not in self.train_rows[i]:
-                raise ConfigError(f"sft.answer_key = {key!r}: train row {i} has no such column")
-            answers.append(self._encode_answer(self._demonstration(self.train_rows[i][key])))
-        return pack_sequences([self.train_ids[i] for i in indices], answers, pad_id)
-
-    def _demonstration(self, value: Any) -> str:
-        """A row's target completion; a list holds several demonstrations, one picked at random per use."""
-        if isinstance(value, (list, tuple, np.ndarray)) and len(value) > 0:
-            return str(value[int(self.rng.integers(len(value)))])
-        return str(value)
-
-    def _encode_answer(self, text: str) -> list[int]:
-        return list(self.tokenizer(text, add_special_tokens=False).input_ids) + [self.tokenizer.eos_token_id]
 
     def evaluate(self, label: str) -> dict[str, Any]:
         """Greedy completions of the held-out prompts, scored by the reward services (on the rollout side)."""
@@ -493,6 +469,7 @@ class GRPOTrainer:
             "filtered_groups": c.filtered_groups,
             "reward_worker_restarts": c.reward_worker_restarts,
             "generator_restarts": c.generator_restarts,
+            **episode_totals(scored, samples),
             "step_time_s": elapsed,
             **self._step_timings,
             **metrics,

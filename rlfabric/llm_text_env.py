@@ -1,5 +1,5 @@
-"""A GRPO run on a text env (``env.id``): the checks that run before any actor starts, and what the rollout
-worker is given to play episodes."""
+"""A GRPO run on a text env (``env.id``): the checks that run before any actor starts, what the rollout worker is
+given to play episodes, the warm-up's demonstration batches, and each step's episode counts."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 
 from rlfabric import registry, shipping
-from rlfabric.actors.llm_rollout import TextEnvSource
+from rlfabric.actors.llm_rollout import EPISODE_COUNTS, TextEnvSource
 from rlfabric.agent_loop import EpisodeLimits, Player, ScriptedTurns, episodes_to_trajectories, run_episodes
 from rlfabric.config import ConfigError
 from rlfabric.grpo_config import LLMConfig
@@ -73,3 +73,14 @@ def demonstration_batch(
     if trajectories.num_rows == 0:
         raise ConfigError(f"sft.player: every demonstration episode failed; the first: {episodes[0].error}")
     return pack_trajectories(trajectories, pad_id)
+
+
+def episode_totals(scored: list[dict[str, Any]], samples: int) -> dict[str, float]:
+    """A step's text-env episode counts (turns, env errors, tool calls, invalid tool calls by kind and in all),
+    summed over its rollouts; nothing for single-turn runs."""
+    if not any("turns" in m for m in scored):
+        return {}
+    totals = {key: float(sum(m.get(key, 0) for m in scored)) for key in EPISODE_COUNTS}
+    totals["invalid_tool_calls"] = sum(v for k, v in totals.items() if k.startswith("invalid_tool_calls_"))
+    totals["turns_mean"] = totals.pop("turns") / max(samples, 1)
+    return totals

@@ -28,7 +28,8 @@ def test_grpo_trains_on_multi_turn_episodes_of_a_text_env(local_ray, tmp_path):
     assert sum(r["trained_rows"] for r in steps) > 0
     assert all(r["reward_invalid"] > 0 for r in steps)
     # Several turns per episode: more tokens than one turn's budget per sample.
-    assert max(r["response_length_mean"] for r in steps) > 4
+    assert max(r["response_length_mean"] for r in steps) > 4 and max(r["turns_mean"] for r in steps) > 1
+    assert all(r["tool_calls"] == 0 and r["invalid_tool_calls"] == 0 and r["env_errors"] == 0 for r in steps)
     evals = run.phase("eval")
     assert [e["label"] for e in evals][0] == "initial" and all(0 <= e["eval_accuracy"] <= 1 for e in evals)
     assert run.summary["steps"] == 3

@@ -75,6 +75,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "rlfabric.llm_resources",  # CPUs, torch threads, OpenMP wait policy, setup deadline
             "rlfabric.llm_actors",  # starting the run's actors from its config
             "rlfabric.llm_text_env",  # a run on a text env: its checks before actors start
+            "rlfabric.llm_sft",  # the supervised warm-up's batches
             "rlfabric.rollout_scheduler",  # which prompts go out, which groups come back to train on
             "rlfabric.weight_publisher",  # learner 0's weights to the generators
             "rlfabric.run",  # the run skeleton: outputs, checkpoints, resume, progress, plots, Ctrl-C
