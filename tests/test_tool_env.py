@@ -45,7 +45,7 @@ def calculator_player(task, messages):
 
 
 def test_an_agent_calls_a_tool_reads_its_result_and_answers_and_bad_calls_are_counted_by_kind():
-    tok = build_char_tokenizer(DEFAULT_ALPHABET + '{}"_[]\'')  # room for JSON and quoted names
+    tok = build_char_tokenizer(DEFAULT_ALPHABET + "{}\"_[]'")  # room for JSON and quoted names
     chat = ChatTokens(tok)
     bad_calls = [
         "<tool_call>{multiply}</tool_call>",
