@@ -55,6 +55,7 @@ LEARNER_METRICS = FloatFields(
     "trained_sequences",
     "trained_positions",
     "trained_head_positions",
+    "drifted_trajectories",  # rows whose tokens were not what the generator sampled: never trained on
     "batch_time_s",  # inside the learner: the records read and turned into the batch
     "compute_time_s",  # inside the learner: forward, backward and optimizer step
 )
@@ -140,6 +141,7 @@ class LLMLearnerCore:
         self.version = 0
         self._shared_writer: SharedWeightsWriter | None = None
         self.shared_unavailable: str | None = None  # why shared-memory publishing is off on this node, once known
+        self.drift_reported = False  # the first drifted trajectory is printed, the rest only counted
 
     # -- distributed ----------------------------------------------------------------------------------------
 
@@ -248,9 +250,19 @@ class LLMLearnerCore:
         batch = self.batch_from(trajectories, groups)
         if ref_logprobs is not None:
             batch["ref_logprobs"] = ref_logprobs
+        report = batch.pop("drift_report", None)
+        if report is not None and not self.drift_reported and self.rank == 0:
+            self.drift_reported = True  # the first instance, readable; the count goes to the metrics every step
+            print(f"rlfabric learner: rejected a trajectory whose tokens drifted from the sampled ones: {report}")
+        drifted = float(batch.pop("drifted_rows", 0))
         built = time.perf_counter()
         metrics = self.train_step(batch, lr)
-        return {**metrics, "batch_time_s": built - started, "compute_time_s": time.perf_counter() - built}
+        return {
+            **metrics,
+            "drifted_trajectories": drifted,
+            "batch_time_s": built - started,
+            "compute_time_s": time.perf_counter() - built,
+        }
 
     def train_step(self, batch: dict[str, np.ndarray], lr: float) -> dict[str, float]:
         """One GRPO-family update on a batch: ``epochs`` passes, each one optimizer step over all micro-batches.

@@ -31,6 +31,7 @@ POSITION_COLUMNS = (
     "terminated",
     "truncated",
     "tokens",
+    "sampled_tokens",
     "obs",
     "actions",
     "values",
@@ -55,6 +56,10 @@ class Trajectories:
     truncated: np.ndarray  # bool: the episode was cut at this position (bootstrap from the next observation)
     # -- token sequences (LLM envs) --
     tokens: np.ndarray | None = None  # int32 [N, L]: prompt, then response (and tool/env tokens), as sampled
+    # int32 [N, L]: the generator's sampled ids, placed where the producer put each turn; -1 elsewhere. The trace
+    # check (``drifted_rows``) compares them with ``tokens``: a producer that rebuilt ``tokens`` some other way
+    # (re-tokenizing the chat) is caught on arrival.
+    sampled_tokens: np.ndarray | None = None
     prompt_length: np.ndarray | None = None  # int32 [N]: the first prompt's tokens at the start of each row
     # -- observations and actions (classic envs) --
     obs: np.ndarray | None = None  # float32 [N, L, D]: what the policy saw (normalized when normalizing)
@@ -323,6 +328,7 @@ def from_turns(
     )
     width = int(lengths.max()) if n else 0
     tokens = np.zeros((n, width), np.int32)
+    sampled_tokens = np.full((n, width), -1, np.int32)
     loss_mask = np.zeros((n, width), np.float32)
     behaviour = np.zeros((n, width), np.float32)
     policy_version = np.full((n, width), NO_VERSION, np.int32)
@@ -338,6 +344,7 @@ def from_turns(
         for t in turns:
             end = at + len(t.sampled)
             tokens[i, at:end] = t.sampled
+            sampled_tokens[i, at:end] = t.sampled
             loss_mask[i, at:end] = 1.0
             behaviour[i, at:end] = t.logprobs
             policy_version[i, at:end] = t.version
@@ -361,6 +368,7 @@ def from_turns(
         terminated=ended,
         truncated=cut,
         tokens=tokens,
+        sampled_tokens=sampled_tokens,
         prompt_length=np.array([len(p) for p in prompts], np.int32),
         final_rewards=final,
         step_spans=np.asarray(spans, np.int32).reshape(-1, 3),
@@ -415,3 +423,26 @@ def from_time_major(
 def time_major(column: np.ndarray) -> np.ndarray:
     """A per-position column [N, L, ...] as [L, N, ...] (a view), the layout GAE runs over."""
     return np.swapaxes(column, 0, 1)
+
+
+def drifted_rows(traj: Trajectories) -> tuple[np.ndarray, str | None]:
+    """The trace check on arrival: [N] bool, True for rows whose ``tokens`` are not exactly the sampled ids
+    wherever the producer placed a turn, or whose sampled ids lie outside the loss mask; and a readable
+    description of the first such row (None when every row checks). Rows without ``sampled_tokens`` pass."""
+    if traj.sampled_tokens is None or traj.tokens is None:
+        return np.zeros(traj.num_rows, bool), None
+    placed = traj.sampled_tokens >= 0
+    wrong = placed & ((traj.tokens != traj.sampled_tokens) | (traj.loss_mask == 0))
+    unplaced_loss = (traj.loss_mask > 0) & ~placed
+    bad = (wrong | unplaced_loss).any(axis=1)
+    if not bad.any():
+        return bad, None
+    row = int(np.flatnonzero(bad)[0])
+    at = int(np.flatnonzero(wrong[row] | unplaced_loss[row])[0])
+    window = slice(max(0, at - 3), at + 5)
+    return bad, (
+        f"episode {int(traj.episode_id[row])} (row {row}), position {at}: the record has tokens "
+        f"{traj.tokens[row, window].tolist()} where the generator sampled {traj.sampled_tokens[row, window].tolist()} "
+        "(-1: not sampled), loss mask "
+        f"{traj.loss_mask[row, window].astype(int).tolist()}"
+    )

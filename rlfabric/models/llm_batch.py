@@ -13,7 +13,7 @@ import torch
 
 from rlfabric.algorithms.grpo import compute_advantages
 from rlfabric.models.sequences import is_row_column, pack_sequences
-from rlfabric.trajectory import Trajectories, concat
+from rlfabric.trajectory import Trajectories, concat, drifted_rows
 
 
 def select_groups(trajectories: Sequence[Trajectories], groups: Sequence[int] | None) -> Trajectories:
@@ -58,7 +58,10 @@ def grpo_batch(
 ) -> dict[str, np.ndarray]:
     """The packed GRPO batch of the chosen groups: scalar reward r = sum_c w_c * final_rewards[c], advantages by
     ``advantage`` over the groups, no loss on truncated rows with ``overlong_filter``, padded for
-    ``world_size`` data-parallel learners."""
+    ``world_size`` data-parallel learners.
+
+    Rows that fail the trace check (``drifted_rows``: their tokens are not what the generator sampled) get no loss;
+    ``batch["drifted_rows"]`` counts them and ``batch["drift_report"]`` describes the first."""
     traj = select_groups(trajectories, groups)
     rewards = torch.from_numpy(traj.total_reward(reward_weights))
     advantages = compute_advantages(advantage, rewards, torch.from_numpy(traj.group_id), scale_by_std=scale_by_std)
@@ -66,6 +69,12 @@ def grpo_batch(
     if overlong_filter:
         batch["response_mask"][traj.truncated.any(axis=1)] = 0.0
     batch["advantages"] = advantages.numpy().astype(np.float32)
+    drifted, report = drifted_rows(traj)
+    batch["response_mask"][drifted] = 0.0
+    batch["advantages"][drifted] = 0.0  # no loss, so the learner may skip them like any zero-advantage row
+    batch["drifted_rows"] = np.int64(drifted.sum())
+    if report is not None:
+        batch["drift_report"] = report
     return pad_rows_for_learners(batch, world_size)
 
 
