@@ -427,12 +427,13 @@ def time_major(column: np.ndarray) -> np.ndarray:
 
 def drifted_rows(traj: Trajectories) -> tuple[np.ndarray, str | None]:
     """The trace check on arrival: [N] bool, True for rows whose ``tokens`` are not exactly the sampled ids
-    wherever the producer placed a turn, or whose sampled ids lie outside the loss mask; and a readable
-    description of the first such row (None when every row checks). Rows without ``sampled_tokens`` pass."""
+    wherever the producer placed a turn, or whose loss mask covers a token no generator sampled (a producer may
+    leave sampled tokens out of the loss, never put others in); and a readable description of the first such
+    row (None when every row checks). Rows without ``sampled_tokens`` pass."""
     if traj.sampled_tokens is None or traj.tokens is None:
         return np.zeros(traj.num_rows, bool), None
     placed = traj.sampled_tokens >= 0
-    wrong = placed & ((traj.tokens != traj.sampled_tokens) | (traj.loss_mask == 0))
+    wrong = placed & (traj.tokens != traj.sampled_tokens)
     unplaced_loss = (traj.loss_mask > 0) & ~placed
     bad = (wrong | unplaced_loss).any(axis=1)
     if not bad.any():

@@ -77,3 +77,14 @@ def test_the_learner_trains_on_the_rows_that_check_and_counts_the_ones_that_do_n
     metrics = learner.train_on([concat([good]), drifted], None, lr=1e-3)
     assert metrics["drifted_trajectories"] == 4
     assert metrics["trained_rows"] == 4  # the drifted rows have no loss and no advantage: skipped
+
+
+def test_a_producer_may_leave_sampled_tokens_out_of_the_loss_but_never_put_others_in(tmp_path):
+    tokenizer = load_tokenizer(build_small_model_dir(tmp_path / "m", **{**TINY, "max_positions": 256}))
+    record = played(tokenizer, [3, 11])
+    record.loss_mask[0] = 0.0  # e.g. an overlong or otherwise filtered episode: still a faithful trace
+    assert not drifted_rows(record)[0].any()
+    prompt_end = int(record.prompt_length[1])
+    record.loss_mask[1, prompt_end - 1] = 1.0  # a prompt token under the loss: not something the policy sampled
+    bad, report = drifted_rows(record)
+    assert bad.tolist() == [False, True] and f"position {prompt_end - 1}" in report
