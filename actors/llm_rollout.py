@@ -18,10 +18,10 @@ staleness): the driver does that from the metadata.
 from __future__ import annotations
 
 import asyncio
-import functools
 import os
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,7 +40,7 @@ from rlfabric.policies.batching import ActBatcher
 from rlfabric.policies.served import GeneratorsFailed, ServedLLMPolicy
 from rlfabric.reward_pool import RewardPool
 from rlfabric.rewards import RewardInput, RewardResult
-from rlfabric.text_env import make_text_env
+from rlfabric.text_env import TextEnv, text_env_factory
 from rlfabric.tools import ERROR_KINDS
 from rlfabric.trajectory import Trajectories, from_token_sequences
 
@@ -140,9 +140,11 @@ class LLMRolloutCore:
         )
         self.text_env = text_env
         self.chat: ChatTokens | None = None
+        self.make_env: Callable[[], TextEnv] | None = None
         if text_env is not None:
             registry.load_snapshot(text_env.registry)
             self.chat = ChatTokens(load_tokenizer(text_env.model_dir))
+            self.make_env = text_env_factory(text_env.spec, text_env.kwargs)
         self.weights = reward_weights
         self.prompt_key = prompt_key
         self.prompt_sets: dict[str, PromptSet] = {}
@@ -246,15 +248,14 @@ class LLMRolloutCore:
     def _play(self, request: RolloutRequest) -> tuple[dict[str, Any], Trajectories | None]:
         """``rollout`` on a text env: ``group_size`` episodes per task row, all in flight at once, the policy's
         turns batched across them; the env's reward components are the samples' rewards."""
-        assert self.text_env is not None and self.chat is not None
+        assert self.text_env is not None and self.chat is not None and self.make_env is not None
         source, g = self.text_env, request.group_size
         started = time.perf_counter()
         tasks = [self.prompt_sets[request.prompt_set].rows[i] for i in request.indices for _ in range(g)]
         meta: dict[str, Any] = {**request.meta, "samples": len(tasks)}
         policy = ServedLLMPolicy(request.generators, request.params, request.timeout_s)
-        make_env = functools.partial(make_text_env, source.spec, source.kwargs)
         try:
-            episodes = asyncio.run(run_episodes(make_env, tasks, ActBatcher(policy), self.chat, source.limits))
+            episodes = asyncio.run(run_episodes(self.make_env, tasks, ActBatcher(policy), self.chat, source.limits))
         except GeneratorsFailed as failed:
             return {**meta, "generator_failures": failed.failures}, None
         group_ids = np.repeat(np.arange(request.first_group, request.first_group + len(request.indices)), g)

@@ -54,7 +54,7 @@ from rlfabric.llm_run_state import (
     reference_path,
 )
 from rlfabric.llm_sft import sft_batch
-from rlfabric.llm_text_env import episode_totals, scripted_player, text_env_source
+from rlfabric.llm_text_env import Demonstrations, episode_totals, text_env_source
 from rlfabric.models.hf import check_model_source, model_max_positions
 from rlfabric.models.llm_batch import pad_rows_for_learners
 from rlfabric.models.shared_weights import remove_stale
@@ -102,6 +102,7 @@ class GRPOTrainer:
         self.learners: list[Any] = []
         self.reference: Any = None
         self.text_env: TextEnvSource | None = None  # what the rollout worker plays, when env.id names a text env
+        self.demonstrations: Demonstrations | None = None  # the scripted player's episodes, for a text env's warm-up
         self.log: RunLog | None = None
         self._elapsed_before = 0.0  # wall clock of the sessions before a resume
         # The weights the KL penalty anchors to: the initial model, or the policy after the SFT warm-up (saved
@@ -221,8 +222,8 @@ class GRPOTrainer:
         if self.cfg.env.id:  # task rows for a text env: its reset writes the first prompt
             context = model_max_positions(self.model_dir)
             self.text_env = text_env_source(self.cfg, self.tokenizer, self.model_dir, self.train_rows[0], context)
-            if self.cfg.sft.steps:
-                scripted_player(self.cfg.sft.player)  # a player that names nothing fails here, before Ray
+            if self.cfg.sft.steps:  # a player that names nothing fails here, before Ray
+                self.demonstrations = Demonstrations(self.text_env, self.cfg.sft.player, self.tokenizer)
             self.train_ids, self.eval_ids = [[] for _ in self.train_rows], [[] for _ in self.eval_rows]
             return
         self.train_ids = [self._encode(r[d.prompt_key]) for r in self.train_rows]
@@ -383,7 +384,7 @@ class GRPOTrainer:
         for step in range(1, s.steps + 1):
             indices = self.rollouts.sample_rows(s.batch_size)
             batch = sft_batch(
-                self.cfg, self.tokenizer, self.train_rows, self.train_ids, indices, self.rng, self.text_env
+                self.cfg, self.tokenizer, self.train_rows, self.train_ids, indices, self.rng, self.demonstrations
             )
             batch = pad_rows_for_learners(batch, self.cfg.learner.num_learners)
             ref = ray.put(batch)

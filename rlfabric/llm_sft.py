@@ -1,5 +1,5 @@
 """The supervised warm-up's batches (``sft``): each row's demonstration after its prompt, or with a text env a
-scripted player's episodes on the rows' tasks (``rlfabric.llm_text_env.demonstration_batch``)."""
+scripted player's episodes on the rows' tasks (``rlfabric.llm_text_env.Demonstrations``)."""
 
 from __future__ import annotations
 
@@ -7,11 +7,9 @@ from typing import Any
 
 import numpy as np
 
-from rlfabric.actors.llm_rollout import TextEnvSource
 from rlfabric.config import ConfigError
 from rlfabric.grpo_config import LLMConfig
-from rlfabric.llm_text_env import demonstration_batch, scripted_player
-from rlfabric.models.chat_tokens import ChatTokens
+from rlfabric.llm_text_env import Demonstrations
 from rlfabric.models.sequences import pack_sequences
 
 
@@ -22,14 +20,13 @@ def sft_batch(
     prompt_ids: list[list[int]],
     indices: list[int],
     rng: np.random.Generator,
-    text_env: TextEnvSource | None,
+    demonstrations: Demonstrations | None,
 ) -> dict[str, np.ndarray]:
     """The SFT batch of the rows ``indices``: their ``sft.answer_key`` demonstration (one at random from a list)
-    after their prompt, closed with EOS; or with ``text_env`` the ``sft.player``'s episodes on them."""
+    after their prompt, closed with EOS; or, on a text env, the scripted player's episodes on them."""
     pad_id = tokenizer.pad_token_id
-    if text_env is not None:
-        tasks = [rows[i] for i in indices]
-        return demonstration_batch(text_env, scripted_player(cfg.sft.player), ChatTokens(tokenizer), tasks, pad_id)
+    if demonstrations is not None:
+        return demonstrations.batch([rows[i] for i in indices])
     key = cfg.sft.answer_key
     answers = []
     for i in indices:

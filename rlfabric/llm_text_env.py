@@ -4,7 +4,6 @@ given to play episodes, the warm-up's demonstration batches, and each step's epi
 from __future__ import annotations
 
 import asyncio
-import functools
 from typing import Any
 
 import numpy as np
@@ -16,7 +15,7 @@ from rlfabric.config import ConfigError
 from rlfabric.grpo_config import LLMConfig
 from rlfabric.models.chat_tokens import ChatTokens
 from rlfabric.models.llm_batch import pack_trajectories
-from rlfabric.text_env import call_env, make_text_env
+from rlfabric.text_env import call_env, make_text_env, text_env_factory
 
 DEFAULT_EPISODE_TOKENS = 2048  # when the model's config does not say how long its context is
 
@@ -62,17 +61,26 @@ def scripted_player(spec: str) -> Player:
     return player
 
 
-def demonstration_batch(
-    source: TextEnvSource, player: Player, chat: ChatTokens, tasks: list[dict[str, Any]], pad_id: int
-) -> dict[str, np.ndarray]:
-    """The SFT batch of the scripted player's episodes on ``tasks``: their token rows, loss on its turns only.
-    An episode that fails (its env raised) is left out; none left is an error naming the player."""
-    make_env = functools.partial(make_text_env, source.spec, source.kwargs)
-    episodes = asyncio.run(run_episodes(make_env, tasks, ScriptedTurns(player, chat), chat, source.limits))
-    trajectories = episodes_to_trajectories(episodes, list(range(len(tasks))), list(range(len(tasks))))
-    if trajectories.num_rows == 0:
-        raise ConfigError(f"sft.player: every demonstration episode failed; the first: {episodes[0].error}")
-    return pack_trajectories(trajectories, pad_id)
+class Demonstrations:
+    """The scripted player's episodes on a text env, as SFT batches (``sft.player``). Built once before the
+    warm-up: the player and the env are resolved and the template's delimiters read here, not every step."""
+
+    def __init__(self, source: TextEnvSource, player_spec: str, tokenizer: Any) -> None:
+        self.player = scripted_player(player_spec)
+        self.chat = ChatTokens(tokenizer)
+        self.make_env = text_env_factory(source.spec, source.kwargs)
+        self.limits = source.limits
+        self.pad_id = tokenizer.pad_token_id
+
+    def batch(self, tasks: list[dict[str, Any]]) -> dict[str, np.ndarray]:
+        """The SFT batch of the player's episodes on ``tasks``: their token rows, loss on its turns only. An
+        episode that fails (its env raised) is left out; none left is an error naming the player."""
+        turns = ScriptedTurns(self.player, self.chat)
+        episodes = asyncio.run(run_episodes(self.make_env, tasks, turns, self.chat, self.limits))
+        trajectories = episodes_to_trajectories(episodes, list(range(len(tasks))), list(range(len(tasks))))
+        if trajectories.num_rows == 0:
+            raise ConfigError(f"sft.player: every demonstration episode failed; the first: {episodes[0].error}")
+        return pack_trajectories(trajectories, self.pad_id)
 
 
 def episode_totals(scored: list[dict[str, Any]], samples: int) -> dict[str, float]:

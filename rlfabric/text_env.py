@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
@@ -44,22 +45,36 @@ class TextEnv(Protocol):
     def step(self, action: str) -> Any: ...
 
 
+def text_env_factory(
+    spec: str, kwargs: dict[str, Any] | None = None, field_name: str = "env.id"
+) -> Callable[[], TextEnv]:
+    """A function that builds a fresh text env ``spec`` names, with ``kwargs``. The spec is resolved here, once
+    (looking a name up among the installed entry points takes milliseconds: too slow to repeat per episode); each
+    build checks that the factory returned a text env, else one clear error naming the spec."""
+    factory = registry.resolve(spec, field_name)
+    kwargs = dict(kwargs or {})
+
+    def build() -> TextEnv:
+        env = factory(**kwargs)
+        if isinstance(env, gym.Env):
+            raise TypeError(
+                f"{field_name} = {spec!r} is a Gymnasium env, not a text env (reset(task) -> str, step(text) -> "
+                "TextStep): Gymnasium envs train with algo: ppo"
+            )
+        missing = [m for m in ("reset", "step") if not callable(getattr(env, m, None))]
+        if missing:
+            raise TypeError(
+                f"{field_name} = {spec!r}: its factory returned {type(env).__name__}, which has no "
+                f"{' or '.join(missing)}: a text env needs reset(task) -> str and step(action) -> TextStep"
+            )
+        return env
+
+    return build
+
+
 def make_text_env(spec: str, kwargs: dict[str, Any] | None = None, field_name: str = "env.id") -> TextEnv:
-    """The text env ``spec`` names, built with ``kwargs``; a factory that returns something else is one clear
-    error naming the spec."""
-    env = registry.resolve(spec, field_name)(**(kwargs or {}))
-    if isinstance(env, gym.Env):
-        raise TypeError(
-            f"{field_name} = {spec!r} is a Gymnasium env, not a text env (reset(task) -> str, step(text) -> "
-            "TextStep): Gymnasium envs train with algo: ppo"
-        )
-    missing = [m for m in ("reset", "step") if not callable(getattr(env, m, None))]
-    if missing:
-        raise TypeError(
-            f"{field_name} = {spec!r}: its factory returned {type(env).__name__}, which has no "
-            f"{' or '.join(missing)}: a text env needs reset(task) -> str and step(action) -> TextStep"
-        )
-    return env
+    """The text env ``spec`` names, built once (see ``text_env_factory``)."""
+    return text_env_factory(spec, kwargs, field_name)()
 
 
 # Plain env methods run here, not in asyncio's default pool (a handful of threads on a small machine): a step that
