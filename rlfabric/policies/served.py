@@ -72,21 +72,33 @@ class ServedLLMPolicy:
             return f"missed its {self.timeout_s:g}s generation deadline"
         return error_summary(exc) if isinstance(exc, ray.exceptions.RayError) else repr(exc)
 
-    def act(self, observations: Sequence[list[int]]) -> PolicyOutput:
-        """Completions of the prompts ``observations`` (token ids), in order; blocks until all are back."""
-        out: list[dict[str, Any]] = [{}] * len(observations)
+    def _collect(self, calls: list, results: list[Any], size: int) -> PolicyOutput:
+        """The calls' completions in prompt order, or ``GeneratorsFailed`` naming every call whose result is an
+        exception (a missed deadline also cancels its call)."""
+        out: list[dict[str, Any]] = [{}] * size
         failures = []
-        deadline = time.monotonic() + self.timeout_s
-        for slot, generation, rows, ref in self._send(observations):
-            try:
-                out[rows] = ray.get(ref, timeout=max(0.0, deadline - time.monotonic()))
-            except ray.exceptions.RayError as exc:  # GetTimeoutError is one
-                if isinstance(exc, ray.exceptions.GetTimeoutError):
+        for (slot, generation, rows, ref), result in zip(calls, results, strict=True):
+            if isinstance(result, BaseException):
+                if isinstance(result, (ray.exceptions.GetTimeoutError, asyncio.TimeoutError, TimeoutError)):
                     ray.cancel(ref, force=False)
-                failures.append((slot, generation, self._failure(exc)))
+                failures.append((slot, generation, self._failure(result)))
+            else:
+                out[rows] = result
         if failures:
             raise GeneratorsFailed(failures)
         return self._output(out)
+
+    def act(self, observations: Sequence[list[int]]) -> PolicyOutput:
+        """Completions of the prompts ``observations`` (token ids), in order; blocks until all are back."""
+        calls = self._send(observations)
+        deadline = time.monotonic() + self.timeout_s
+        results: list[Any] = []
+        for *_, ref in calls:
+            try:
+                results.append(ray.get(ref, timeout=max(0.0, deadline - time.monotonic())))
+            except ray.exceptions.RayError as exc:  # GetTimeoutError is one
+                results.append(exc)
+        return self._collect(calls, results, len(observations))
 
     async def act_async(self, observations: Sequence[list[int]]) -> PolicyOutput:
         """``act`` for a worker's event loop: the calls are awaited, so its other episodes go on meanwhile."""
@@ -95,15 +107,4 @@ class ServedLLMPolicy:
             *(asyncio.wait_for(asyncio.wrap_future(ref.future()), self.timeout_s) for *_, ref in calls),
             return_exceptions=True,
         )
-        out: list[dict[str, Any]] = [{}] * len(observations)
-        failures = []
-        for (slot, generation, rows, ref), result in zip(calls, results, strict=True):
-            if isinstance(result, BaseException):
-                if isinstance(result, (asyncio.TimeoutError, TimeoutError)):
-                    ray.cancel(ref, force=False)
-                failures.append((slot, generation, self._failure(result)))
-            else:
-                out[rows] = result
-        if failures:
-            raise GeneratorsFailed(failures)
-        return self._output(out)
+        return self._collect(calls, list(results), len(observations))
