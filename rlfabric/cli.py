@@ -188,12 +188,7 @@ def cmd_envs_check(args: argparse.Namespace) -> int:
     from rlfabric import registry
 
     _import_user_modules(args.import_modules)
-    try:
-        kwargs = json.loads(args.kwargs) if args.kwargs else {}
-    except json.JSONDecodeError:
-        kwargs = None
-    if not isinstance(kwargs, dict):
-        raise ConfigError(f"--kwargs {args.kwargs!r} is not valid: expected a JSON object, e.g. '{{\"size\": 7}}'")
+    kwargs = _json_object("--kwargs", args.kwargs, '{"size": 7}')
     factory = registry.resolve(args.name, field="envs check NAME")
     try:
         env = factory(**kwargs)
@@ -217,16 +212,22 @@ def cmd_envs_check(args: argparse.Namespace) -> int:
     return 0
 
 
+def _json_object(option: str, text: str | None, example: str) -> dict[str, Any]:
+    """An option's JSON object ({} when not given), or one ConfigError naming the option."""
+    try:
+        value = json.loads(text) if text else {}
+    except json.JSONDecodeError:
+        value = None
+    if not isinstance(value, dict):
+        raise ConfigError(f"{option} {text!r} is not valid: expected a JSON object, e.g. '{example}'")
+    return value
+
+
 def _check_text_env(args: argparse.Namespace, env: Any) -> int:
     """``envs check`` on a text env: one turn on ``--task``."""
     from rlfabric.text_env import check_text_env
 
-    try:
-        task = json.loads(args.task) if args.task else {}
-    except json.JSONDecodeError:
-        task = None
-    if not isinstance(task, dict):
-        raise ConfigError(f"--task {args.task!r} is not valid: expected a JSON object, e.g. '{{\"secret\": 3}}'")
+    task = _json_object("--task", args.task, '{"secret": 3}')
     try:
         report = check_text_env(env, task)
     except Exception as exc:  # the env's own error, or the contract check's, is the report
