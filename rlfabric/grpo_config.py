@@ -8,11 +8,19 @@ any actor starts.
 from __future__ import annotations
 
 import dataclasses
+import string
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from rlfabric.config_base import ConfigError, RayConfig, require
 from rlfabric.objectives import TABLES
+
+# The builtin character tokenizer's alphabets by name (model.builtin.alphabet), kept here so that validating a
+# config never imports torch; rlfabric.models.hf builds the tokenizer from one.
+DEFAULT_ALPHABET = string.digits + "+-*/=()., :?<>\n" + string.ascii_letters  # arithmetic, countdown, short English
+TOOL_ALPHABET = DEFAULT_ALPHABET + "{}[]\"'_\\"  # and Hermes JSON tool calls (and JSON's error messages)
+BUILTIN_ALPHABETS = {"default": DEFAULT_ALPHABET, "tool": TOOL_ALPHABET}
+_TEMPLATE_CHARACTERS = "systemuserassistant: \n"  # what the character chat template writes around the texts
 
 
 @dataclass
@@ -22,6 +30,23 @@ class BuiltinModelConfig:
     hidden_size: int = 128
     num_heads: int = 2
     max_positions: int = 64
+    # The tokenizer's characters: a name in BUILTIN_ALPHABETS ("default"; "tool": with {}[]"'_\ for JSON tool
+    # calls) or the characters themselves.
+    alphabet: str = "default"
+
+
+def builtin_alphabet(value: str, field_name: str = "model.builtin.alphabet") -> str:
+    """The characters ``value`` names (a key of ``BUILTIN_ALPHABETS``) or is; a one-line ConfigError naming
+    ``field_name`` if they cannot make a tokenizer for the character chat template."""
+    chars = BUILTIN_ALPHABETS.get(value, value)
+    missing = "".join(sorted(set(_TEMPLATE_CHARACTERS) - set(chars)))
+    if missing:
+        names = ", ".join(BUILTIN_ALPHABETS)
+        raise ConfigError(
+            f"{field_name} = {value!r} is not valid: lacks {missing!r}, which the chat template writes; allowed: "
+            f"a name ({names}) or a string of characters that includes {_TEMPLATE_CHARACTERS!r}"
+        )
+    return chars
 
 
 @dataclass
@@ -308,6 +333,8 @@ def validate_llm(cfg: LLMConfig) -> LLMConfig:
         cfg.learner.device,
         "'cuda' needs learner.num_gpus > 0 (Ray hides GPUs from actors that did not ask for one)",
     )
+    if cfg.model.path == "builtin":
+        builtin_alphabet(cfg.model.builtin.alphabet)
     for i, fn in enumerate(cfg.rewards.functions):
         require(bool(fn.name), f"rewards.functions[{i}].name", fn.name, "must name a reward function")
     if cfg.env.id:

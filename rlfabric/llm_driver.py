@@ -197,6 +197,7 @@ class GRPOTrainer:
             hidden_size=b.hidden_size,
             num_heads=b.num_heads,
             max_positions=b.max_positions,
+            alphabet=b.alphabet,
         )
         return str(path)
 

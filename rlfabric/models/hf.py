@@ -7,16 +7,17 @@ and from then on load them exactly as they would load a real model.
 
 from __future__ import annotations
 
-import string
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from rlfabric.config import ConfigError
+from rlfabric.grpo_config import BUILTIN_ALPHABETS, DEFAULT_ALPHABET, TOOL_ALPHABET, builtin_alphabet  # noqa: F401
 
-# Characters the built-in tokenizer knows: enough for arithmetic, countdown and short English prompts.
-DEFAULT_ALPHABET = string.digits + "+-*/=()., :?<>\n" + string.ascii_letters
+# The characters the built-in tokenizer knows are named in rlfabric.grpo_config (model.builtin.alphabet, checked
+# without torch) and re-exported here: DEFAULT_ALPHABET is enough for arithmetic, countdown and short English
+# prompts; TOOL_ALPHABET adds what Hermes JSON tool calls need.
 SPECIAL_TOKENS = ("<pad>", "<eos>", "<bos>")
 # The character tokenizer's chat template: "role: content<eos>" per line, "assistant: " opens the model's turn.
 # Short and append-only, so multi-turn envs can build episodes token by token (rlfabric.models.chat_tokens).
@@ -183,8 +184,9 @@ def save_pretrained(model: Any, tokenizer: Any, path: str | Path) -> Path:
     return path
 
 
-def build_small_model_dir(path: str | Path, seed: int = 0, **model_kwargs: Any) -> Path:
-    """Build the character tokenizer and a small Qwen2 model and save both at ``path`` (HF format)."""
-    tokenizer = build_char_tokenizer()
+def build_small_model_dir(path: str | Path, seed: int = 0, alphabet: str = "default", **model_kwargs: Any) -> Path:
+    """Build the character tokenizer of ``alphabet`` (a name in ``BUILTIN_ALPHABETS`` or the characters) and a
+    small Qwen2 model and save both at ``path`` (HF format)."""
+    tokenizer = build_char_tokenizer(builtin_alphabet(alphabet))
     model = build_small_qwen2(tokenizer, seed=seed, **model_kwargs)
     return save_pretrained(model, tokenizer, path)
