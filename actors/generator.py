@@ -40,9 +40,12 @@ class Generator:
         self.tokenizer = load_tokenizer(model_dir)
         self.engine = build_engine(backend, model_dir, options)
 
-    async def generate(self, prompts: list[list[int]], params: dict[str, Any]) -> list[dict[str, Any]]:
-        """One completion per prompt: token ids, behaviour logprobs, finish reason, version and decoded text."""
-        completions = await self.engine.generate(prompts, SamplingParams(**params))
+    async def generate(
+        self, prompts: list[list[int]], params: dict[str, Any], sessions: list[str | None] | None = None
+    ) -> list[dict[str, Any]]:
+        """One completion per prompt: token ids, behaviour logprobs, finish reason, version and decoded text.
+        ``sessions``: a conversation key (or None) per prompt, so the engine continues its stored turns."""
+        completions = await self.engine.generate(prompts, SamplingParams(**params), sessions)
         texts = self.tokenizer.batch_decode([c.token_ids for c in completions], skip_special_tokens=True)
         return [{**asdict(c), "text": text} for c, text in zip(completions, texts, strict=False)]
 
@@ -54,6 +57,11 @@ class Generator:
         if isinstance(published, SharedFlatWeights):
             published.check_intact()
         return version
+
+    def stats(self) -> dict[str, int]:
+        """The engine's counters (``TorchEngine.stats``: prefilled and session-reused prompt tokens); {} for vLLM."""
+        stats = getattr(self.engine, "stats", None)
+        return stats() if stats is not None else {}
 
     def attention(self) -> str | None:
         """Which attention the torch engine decodes with (see ``TorchEngine.attention``); None for vLLM."""

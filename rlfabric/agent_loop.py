@@ -1,16 +1,18 @@
 """Multi-turn episodes of text envs, many in flight at once, built token by token.
 
 ``run_episodes`` plays one episode per task concurrently (asyncio tasks): each resets its own env, asks the
-policy for a turn through the shared ``ActBatcher`` (so the episodes' requests reach the generators in batches),
-steps the env with the sampled text under a deadline, and appends the sampled ids and the env's reply tokens
-(``ChatTokens``) to its sequence, until the env ends the episode or a limit cuts it. ``episodes_to_trajectories``
-turns the finished episodes into one trajectory record (loss mask 1 exactly on sampled tokens, one step span per
-turn, rewards by component per turn and per episode).
+policy for a turn through the shared ``ActBatcher`` (so the episodes' requests reach the generators in batches,
+each under its episode's session key, so a generator continues the episode's stored KV instead of prefilling its
+earlier turns again), steps the env with the sampled text under a deadline, and appends the sampled ids and the
+env's reply tokens (``ChatTokens``) to its sequence, until the env ends the episode or a limit cuts it.
+``episodes_to_trajectories`` turns the finished episodes into one trajectory record (loss mask 1 exactly on
+sampled tokens, one step span per turn, rewards by component per turn and per episode).
 """
 
 from __future__ import annotations
 
 import asyncio
+import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -81,13 +83,15 @@ class Turn:
 
 
 class PolicyTurns:
-    """Turns from a policy over token contexts, through an ``ActBatcher`` shared by the episodes in flight."""
+    """One episode's turns from a policy over token contexts, through an ``ActBatcher`` shared by the episodes in
+    flight; ``session`` keys the episode's requests (see ``rlfabric.engines.session_cache``)."""
 
-    def __init__(self, batcher: ActBatcher) -> None:
+    def __init__(self, batcher: ActBatcher, session: str | None = None) -> None:
         self.batcher = batcher
+        self.session = session
 
     async def next_turn(self, context: list[int], messages: list[dict[str, str]], task: dict[str, Any]) -> Turn:
-        acted = await self.batcher.act(context)
+        acted = await self.batcher.act(context, self.session)
         return Turn(list(acted.actions[0]), list(acted.logprobs[0]), int(acted.versions[0]), str(acted.info["text"][0]))
 
 
@@ -181,10 +185,15 @@ async def run_episodes(
     limits: EpisodeLimits,
 ) -> list[Episode]:
     """One episode per task, all in flight at once, each on its own env from ``make_env``; in task order. The
-    turns come from a policy (an ``ActBatcher`` over it) or a scripted player (``ScriptedTurns``)."""
-    source = PolicyTurns(turns) if isinstance(turns, ActBatcher) else turns
+    turns come from a policy (an ``ActBatcher`` over it; each episode's requests under a session key of its own)
+    or a scripted player (``ScriptedTurns``)."""
+    run = uuid.uuid4().hex[:12]  # session keys unique across calls and workers sharing a generator
+
+    def source(i: int) -> PolicyTurns | ScriptedTurns:
+        return PolicyTurns(turns, f"{run}/{i}") if isinstance(turns, ActBatcher) else turns
+
     return list(
-        await asyncio.gather(*(play(make_env(), task, i, source, chat, limits) for i, task in enumerate(tasks)))
+        await asyncio.gather(*(play(make_env(), task, i, source(i), chat, limits) for i, task in enumerate(tasks)))
     )
 
 

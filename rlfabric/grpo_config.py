@@ -97,6 +97,8 @@ class SamplingConfig:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
+    # A completion (a turn, with a text env) also ends once its text holds one of these, e.g. "</tool_call>".
+    stop: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -121,6 +123,9 @@ class GeneratorConfig:
     # Torch engine: dtype of the decoder's matrix multiplications ("bfloat16": about 1.4x faster decoding on CPUs
     # with AVX-512 BF16; attention, KV cache and logprobs stay float32). vLLM uses generator.vllm.dtype.
     matmul_dtype: Literal["float32", "bfloat16"] = "float32"
+    # Torch engine: memory for multi-turn episodes' KV between their turns (session continuation; 0 turns it off:
+    # every turn prefills the whole conversation). vLLM's prefix caching does the same by content.
+    session_cache_mb: float = 1024.0
     vllm: VLLMConfig = field(default_factory=VLLMConfig)
 
 
@@ -307,6 +312,7 @@ def validate_llm(cfg: LLMConfig) -> LLMConfig:
         ("training.show_samples", t.show_samples),
         ("generator.num_cpus", cfg.generator.num_cpus),
         ("generator.num_gpus", cfg.generator.num_gpus),
+        ("generator.session_cache_mb", cfg.generator.session_cache_mb),
         ("rewards.num_cpus", cfg.rewards.num_cpus),
         ("learner.num_cpus", cfg.learner.num_cpus),
         ("learner.num_gpus", cfg.learner.num_gpus),
@@ -314,6 +320,9 @@ def validate_llm(cfg: LLMConfig) -> LLMConfig:
         _positive(path, value, allow_zero=True)
     require(s.temperature > 0, "sampling.temperature", s.temperature, "must be > 0 for training (exploration)")
     require(0 < s.top_p <= 1, "sampling.top_p", s.top_p, "must be in (0, 1]")
+    require(
+        all(isinstance(stop, str) and stop for stop in s.stop), "sampling.stop", s.stop, "must be non-empty strings"
+    )
     require(0 <= t.seed < 2**32, "training.seed", t.seed, "must be in [0, 2**32)")
     require(
         cfg.batch_size % cfg.learner.num_learners == 0,

@@ -46,7 +46,13 @@ def start_generator(cfg: LLMConfig, model_dir: str, seed: int) -> Any:
     options: dict[str, Any]
     if g.backend == "torch":
         device = "cuda" if g.num_gpus > 0 else "cpu"
-        options = {"max_batch_size": g.max_batch_size, "device": device, "seed": seed, "matmul_dtype": g.matmul_dtype}
+        options = {
+            "max_batch_size": g.max_batch_size,
+            "device": device,
+            "seed": seed,
+            "matmul_dtype": g.matmul_dtype,
+            "session_cache_mb": g.session_cache_mb,
+        }
     else:
         options = {**dataclasses.asdict(g.vllm), "seed": seed}
     return Generator.options(num_cpus=g.num_cpus, num_gpus=g.num_gpus, resources=g.resources).remote(

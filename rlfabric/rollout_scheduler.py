@@ -100,9 +100,10 @@ class RolloutScheduler:
 
     def sampling_params(self, greedy: bool) -> dict[str, Any]:
         s = self.cfg.sampling
+        common = {"max_new_tokens": s.max_new_tokens, **({"stop": list(s.stop)} if s.stop else {})}
         if greedy:
-            return {"max_new_tokens": s.max_new_tokens, "temperature": 0.0}
-        return {"max_new_tokens": s.max_new_tokens, "temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k}
+            return {**common, "temperature": 0.0}
+        return {**common, "temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k}
 
     def _deadline(self, request: RolloutRequest) -> float:
         """The backstop for a rollout worker's answer: generation, then scoring every group, plus slack."""

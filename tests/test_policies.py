@@ -150,17 +150,21 @@ def test_served_policy_batches_episodes_in_flight_into_one_generator_call_per_tu
     prompts = [tokenizer(t, add_special_tokens=False).input_ids for t in ["1+2=", "40+9=", "hello", "7*7=", "(3)"]]
     policy = ServedLLMPolicy([(0, 0, gen)], GREEDY, timeout_s=120)
     batcher = ActBatcher(policy)
+    reused_before = ray.get(gen.stats.remote())["reused_tokens"]
 
-    async def episode(prompt):  # two turns: the second prompt is the first plus what was sampled
-        first = await batcher.act(prompt)
-        second = await batcher.act(prompt + first.actions[0])
+    async def episode(i, prompt):  # two turns: the second prompt is the first plus what was sampled
+        first = await batcher.act(prompt, session=f"policy-test-{i}")
+        second = await batcher.act(prompt + first.actions[0], session=f"policy-test-{i}")
         return first, second
 
     async def main():
-        return await asyncio.gather(*(episode(p) for p in prompts))
+        return await asyncio.gather(*(episode(i, p) for i, p in enumerate(prompts)))
 
     turns = asyncio.run(main())
     assert batcher.calls == 2 and batcher.requests == 2 * len(prompts)
+    # the second turns continued the first turns' stored KV: all of it but the last sampled token (never fed back)
+    reused = ray.get(gen.stats.remote())["reused_tokens"] - reused_before
+    assert reused == sum(len(p) + len(first.actions[0]) - 1 for p, (first, _) in zip(prompts, turns, strict=True))
     model = load_causal_lm(model_dir)
     for prompt, (first, second) in zip(prompts, turns, strict=True):
         for context, out in ((prompt, first), (prompt + first.actions[0], second)):
@@ -192,3 +196,22 @@ def test_served_policy_names_a_dead_generator_by_slot_and_generation(served):
     assert [(slot, gen) for slot, gen, _ in failed.value.failures] == [(3, 2)]
     with pytest.raises(GeneratorsFailed, match="generator 3 \\(generation 2\\)"):
         asyncio.run(policy.act_async([[5, 6, 7]]))
+
+
+def test_served_policy_keeps_each_session_on_one_generator(served):
+    model_dir, gen = served
+    other = Generator.options(num_cpus=0.5).remote("torch", str(model_dir), {"max_batch_size": 16}, num_threads=1)
+    try:
+        generators = [gen, other]
+        before = sum(stats["reused_tokens"] for stats in ray.get([g.stats.remote() for g in generators]))
+        policy = ServedLLMPolicy([(0, 0, gen), (1, 0, other)], GREEDY, timeout_s=120)
+        prompts = [[5 + i, 6, 7, 8] for i in range(8)]
+        sessions = [f"spread-{i}" for i in range(8)]
+        first = policy.act(prompts, sessions)
+        seconds = [p + a for p, a in zip(prompts, first.actions, strict=True)]
+        policy.act(seconds[::-1], sessions[::-1])  # another order: rows move, sessions stay on their generator
+        reused = sum(stats["reused_tokens"] for stats in ray.get([g.stats.remote() for g in generators])) - before
+        assert reused == sum(len(p) + len(a) - 1 for p, a in zip(prompts, first.actions, strict=True))
+        assert all(stats["sessions"] > 0 for stats in ray.get([g.stats.remote() for g in generators]))  # both used
+    finally:
+        ray.kill(other, no_restart=True)

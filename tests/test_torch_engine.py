@@ -570,3 +570,134 @@ def test_cpu_fast_path_multiplies_by_onednn_packed_weights(models, matmul_dtype)
 def test_unknown_matmul_dtype_is_refused(models):
     with pytest.raises(ValueError, match=r"matmul_dtype = 'bf16'.*bfloat16"):
         TorchEngine(models["qwen2"], [], matmul_dtype="bf16")
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Session continuation and stop strings (multi-turn)
+# ------------------------------------------------------------------------------------------------------------------
+
+SESSION_KINDS = ["qwen2", "qwen2-gqa", "llama-mqa-rope-scaled"]
+# Each conversation's env replies, one per turn after the first: different lengths, so the continued prompts of one
+# call need different amounts of new prefill (padded rows in one forward).
+REPLIES = [["ok", "no, lower please"], ["higher", "x"], ["a much longer reply than the others", "fine"]]
+
+
+def play_conversations(engine: TorchEngine, tokenizer, prompts, sessions: bool, turns: int = 3, **params):
+    """Greedy multi-turn conversations, all in one call per turn: each next prompt is the previous prompt, the
+    sampled tokens and the reply's ids appended (token-in/token-out). Returns every turn's completions."""
+    keys = [f"conversation-{i}" for i in range(len(prompts))] if sessions else None
+    contexts, history = [list(p) for p in prompts], []
+    for turn in range(turns):
+        completions = asyncio.run(
+            engine.generate(contexts, SamplingParams(temperature=0, **params), sessions=keys)
+        )
+        history.append(completions)
+        if turn + 1 < turns:
+            contexts = [
+                c.prompt_ids + c.token_ids + tokenizer.encode(REPLIES[i % len(REPLIES)][turn % 2])
+                for i, c in enumerate(completions)
+            ]
+    return history
+
+
+@pytest.mark.parametrize("kind", SESSION_KINDS)
+@pytest.mark.parametrize("native_kernels", [True, False], ids=["native", "torch-attention"])
+def test_session_continuation_gives_the_tokens_of_a_full_prefill_and_prefills_only_new_tokens(
+    models, tokenizer, prompts, kind, native_kernels
+):
+    model = models[kind]
+    continued = TorchEngine(model, [], native_kernels=native_kernels)
+    whole = TorchEngine(model, [], native_kernels=native_kernels)
+    with_sessions = play_conversations(continued, tokenizer, prompts[:3], sessions=True, max_new_tokens=6)
+    without = play_conversations(whole, tokenizer, prompts[:3], sessions=False, max_new_tokens=6)
+
+    for turn_with, turn_without in zip(with_sessions, without, strict=True):
+        assert [c.prompt_ids for c in turn_with] == [c.prompt_ids for c in turn_without]
+        assert [c.token_ids for c in turn_with] == [c.token_ids for c in turn_without]
+        for c in turn_with:
+            assert c.token_ids == hf_greedy(model, c.prompt_ids, 6, ())
+            torch.testing.assert_close(
+                torch.tensor(c.logprobs), hf_logprobs(model, c.prompt_ids, c.token_ids), atol=1e-4, rtol=0
+            )
+    # A finished turn leaves prompt + sampled tokens but the last in its session; the next turn prefills the rest.
+    expected_new = sum(len(c.prompt_ids) for c in with_sessions[0])
+    for before, after in zip(with_sessions, with_sessions[1:]):
+        expected_new += sum(
+            len(a.prompt_ids) - (len(b.prompt_ids) + len(b.token_ids) - 1) for a, b in zip(after, before, strict=True)
+        )
+    stats, baseline = continued.stats(), whole.stats()
+    assert stats["prefill_tokens"] == expected_new
+    assert baseline["prefill_tokens"] == sum(len(c.prompt_ids) for turn in without for c in turn)
+    assert stats["reused_tokens"] == baseline["prefill_tokens"] - expected_new > 0
+    assert baseline["reused_tokens"] == 0
+
+
+def test_sessions_and_fresh_prompts_in_one_call_and_edited_history(models, tokenizer, prompts):
+    """A call mixing continued sessions with new prompts, and a session whose next prompt rewrites part of its
+    history: only the shared prefix is reused, and every completion is what a full prefill gives."""
+    model = models["qwen2-gqa"]
+    engine = TorchEngine(model, [])
+    greedy = SamplingParams(max_new_tokens=5, temperature=0)
+    first = asyncio.run(engine.generate(prompts[:2], greedy, sessions=["a", "b"]))
+    kept = first[0].prompt_ids + first[0].token_ids + tokenizer.encode("go on")
+    edited = first[1].prompt_ids[:2] + tokenizer.encode("EDITED") + first[1].token_ids  # shares 2 tokens
+    second = asyncio.run(engine.generate([kept, prompts[3], edited], greedy, sessions=["a", None, "b"]))
+    for c in second:
+        assert c.token_ids == hf_greedy(model, c.prompt_ids, 5, ())
+    assert engine.stats()["reused_tokens"] == len(first[0].prompt_ids) + len(first[0].token_ids) - 1 + 2
+
+
+def test_session_cache_evicts_the_oldest_sessions_past_its_budget(models, tokenizer, prompts):
+    model = models["qwen2"]
+    token_bytes = 2 * 2 * model.config.num_key_value_heads * (64 // model.config.num_attention_heads) * 4
+    engine = TorchEngine(model, [], session_cache_mb=40 * token_bytes / 2**20)  # room for 40 tokens
+    history = play_conversations(engine, tokenizer, prompts[:3], sessions=True, max_new_tokens=6)
+    for turn in history:
+        for c in turn:
+            assert c.token_ids == hf_greedy(model, c.prompt_ids, 6, ())
+    stats = engine.stats()
+    assert stats["session_evictions"] > 0
+    assert stats["sessions"] < 3 and stats["reused_tokens"] > 0  # not all three conversations fit in 40 tokens
+
+
+def test_weight_update_clears_the_sessions(tokenizer, prompts):
+    model = tiny_model("qwen2", tokenizer)
+    engine = TorchEngine(model, [])
+    greedy = SamplingParams(max_new_tokens=6, temperature=0)
+    first = asyncio.run(engine.generate(prompts[:2], greedy, sessions=["a", "b"]))
+    asyncio.run(engine.load_weights(perturbed(model, seed=3), version=1))
+    assert engine.stats()["sessions"] == 0
+    nexts = [c.prompt_ids + c.token_ids + tokenizer.encode("more") for c in first]
+    second = asyncio.run(engine.generate(nexts, greedy, sessions=["a", "b"]))
+    assert engine.stats()["reused_tokens"] == 0  # stale keys and values were not reused
+    assert [c.token_ids for c in second] == [hf_greedy(model, p, 6, ()) for p in nexts]
+    assert {c.version for c in second} == {1}
+
+
+@BOTH_PATHS
+def test_stop_strings_end_a_completion_at_their_first_occurrence(models, tokenizer, prompts, fast):
+    model = models["qwen2"]
+    engine = TorchEngine(model, tokenizer, use_fast_path=fast)
+    free = generate(engine, prompts, max_new_tokens=24, temperature=0)
+    checked = 0
+    for prompt, c in zip(prompts, free, strict=True):
+        text = tokenizer.decode(c.token_ids, skip_special_tokens=True)  # special tokens have no text
+        if len(text) < 8:
+            continue
+        stop = text[5:8]  # three characters the completion produces
+        end = next(k for k in range(len(c.token_ids) + 1) if stop in tokenizer.decode(c.token_ids[:k], True))
+        params = SamplingParams(max_new_tokens=24, temperature=0, stop=[stop, "never produced: 999"])
+        stopped = asyncio.run(engine.generate([prompt], params))
+        assert stopped[0].token_ids == c.token_ids[:end] and stopped[0].finish_reason == "stop"
+        checked += 1
+    assert checked >= 3
+
+
+def test_stop_strings_need_a_tokenizer_and_are_checked(models, prompts):
+    engine = TorchEngine(models["qwen2"], [])
+    with pytest.raises(ValueError, match="SamplingParams.stop needs the TorchEngine to have a tokenizer"):
+        generate(engine, prompts, stop=["</tool_call>"])
+    with pytest.raises(ValueError, match="SamplingParams.stop = "):
+        SamplingParams(stop="</tool_call>")
+    with pytest.raises(ValueError, match="generate: 1 sessions for 2 prompts"):
+        asyncio.run(engine.generate(prompts[:2], SamplingParams(), sessions=["a"]))

@@ -26,6 +26,9 @@ class SamplingParams:
     top_k: int = 0  # 0: no top-k truncation
     # Generation stops after any of these (the tokenizer's EOS is always one of them).
     stop_token_ids: tuple[int, ...] = ()
+    # ...or once the decoded completion contains one of these strings; the completion keeps the tokens that made
+    # it (a tool call stopped at "</tool_call>" still ends with it).
+    stop: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
@@ -36,6 +39,10 @@ class SamplingParams:
             raise ValueError(f"SamplingParams.top_p = {self.top_p}: must be in (0, 1]")
         if self.top_k < 0:
             raise ValueError(f"SamplingParams.top_k = {self.top_k}: must be >= 0 (0 is off)")
+        if isinstance(self.stop, str) or not all(isinstance(s, str) and s for s in self.stop):
+            raise ValueError(f"SamplingParams.stop = {self.stop!r}: must be a list of non-empty strings")
+        object.__setattr__(self, "stop", tuple(self.stop))  # lists arrive from configs and remote calls
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
 
 
 @dataclass
@@ -52,8 +59,16 @@ class Engine(Protocol):
 
     version: int
 
-    async def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
-        """One completion per prompt, in order. Safe to call from many coroutines at once."""
+    async def generate(
+        self, prompts: list[list[int]], params: SamplingParams, sessions: list[str | None] | None = None
+    ) -> list[Completion]:
+        """One completion per prompt, in order. Safe to call from many coroutines at once.
+
+        ``sessions`` (one key or None per prompt) marks prompts that continue a conversation: a backend may keep
+        each session's KV between its calls so the next prompt prefills only its new tokens (the torch engine's
+        ``rlfabric.engines.session_cache``; vLLM's prefix caching does it by content). The completions are the
+        same either way.
+        """
         ...
 
     async def load_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:

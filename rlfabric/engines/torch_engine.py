@@ -46,6 +46,7 @@ from torch import nn
 
 from rlfabric.engines import native
 from rlfabric.engines.base import Completion, FinishReason, SamplingParams
+from rlfabric.engines.session_cache import CachedPrefix, SessionCache
 from rlfabric.models.precision import resolve_matmul_dtype
 
 T = TypeVar("T")
@@ -76,6 +77,8 @@ class _Request:
     logprobs: list[float] = field(default_factory=list)
     version: int = -1  # stamped at admission
     finish_reason: FinishReason | None = None
+    session: str | None = None  # keep this conversation's KV for its next turn (rlfabric.engines.session_cache)
+    stop_text: Callable[[list[int]], bool] | None = None  # True once the tokens' text holds a stop string
 
     @property
     def abandoned(self) -> bool:
@@ -91,7 +94,7 @@ class _Request:
         """Record one generated token; True when the request is finished."""
         self.tokens.append(token)
         self.logprobs.append(logprob)
-        if token in self.stop_ids:
+        if token in self.stop_ids or (self.stop_text is not None and self.stop_text(self.tokens)):
             self.finish_reason = "stop"
         elif len(self.tokens) >= self.params.max_new_tokens:
             self.finish_reason = "length"
@@ -376,6 +379,8 @@ class _FastDecoder:
     Running sequences always occupy slots ``[0, n)``: a retired sequence's slot is filled by moving a later one
     into it, so every decode step works on plain slices of the cache instead of gathering scattered slots.
     The cache grows (slots and length, doubling) up to ``max_batch_size`` x ``max_seq_len`` as requests need it.
+    A finished request with a session key leaves its KV rows in ``sessions`` (at most ``session_cache_mb``), for
+    its session's next request to continue from (``_prefill_continued``).
     """
 
     def __init__(
@@ -385,6 +390,7 @@ class _FastDecoder:
         max_seq_len: int,
         matmul_dtype: torch.dtype | None = None,
         native_kernels: bool = True,
+        session_cache_mb: float = 1024.0,
     ) -> None:
         config, body = model.config, model.model
         attn = body.layers[0].self_attn
@@ -412,6 +418,10 @@ class _FastDecoder:
         self.slots: list[_Request] = []
         self.lengths: list[int] = []
         self.pending: list[int] = []
+        token_bytes = 2 * len(self.layers) * self.n_kv_heads * self.head_dim * self.dtype.itemsize  # keys + values
+        self.sessions = SessionCache(int(session_cache_mb * 2**20) // token_bytes)
+        self.prefill_tokens = 0  # prompt tokens run through the model
+        self.reused_tokens = 0  # prompt tokens whose KV came from a session instead
 
     def _native_kernels(self, wanted: bool) -> tuple[native.DecodeKernels | None, str]:
         """(the native decode kernels or None, a note on which attention decodes and why)."""
@@ -447,17 +457,26 @@ class _FastDecoder:
 
     def close(self) -> None:
         self.reset()
+        self.forget_sessions()
         self.k_cache = self.v_cache = self._new_cache(slots=0, length=0)  # frees the memory
+
+    def forget_sessions(self) -> None:
+        """Drop the stored sessions (after a weight update their keys and values are stale)."""
+        self.sessions.clear()
 
     def step(self, admitted: list[_Request], generator: torch.Generator) -> list[_Request]:
         """Decode the running sequences one token, prefill the admitted ones; return the requests that finished."""
         n_running = len(self.slots)
+        fresh, continued = self._take_sessions(admitted)
+        admitted = fresh + [request for request, _ in continued]
         self._reserve(n_running + len(admitted), max(r.final_length for r in self.slots + admitted))
         logits = []
         if n_running:
             logits.append(self._decode(n_running))
-        if admitted:
-            logits.append(self._prefill(admitted, first_slot=n_running))
+        if fresh:
+            logits.append(self._prefill(fresh, first_slot=n_running))
+        if continued:
+            logits.append(self._prefill_continued(continued, first_slot=n_running + len(fresh)))
         tokens, logprobs = sample_tokens(torch.cat(logits), [r.params for r in self.slots], generator)
 
         done_slots = []
@@ -466,8 +485,33 @@ class _FastDecoder:
             if request.append(token, logprob):
                 done_slots.append(slot)
         done = [self.slots[s] for s in done_slots]
+        self._keep_sessions(done_slots)
         self._retire(done_slots)
         return done
+
+    # -- sessions ------------------------------------------------------------------------------------------------
+
+    def _take_sessions(self, admitted: list[_Request]) -> tuple[list[_Request], list[tuple[_Request, CachedPrefix]]]:
+        """The admitted requests split into those prefilled from scratch and those continuing a stored session."""
+        fresh, continued = [], []
+        for request in admitted:
+            prefix = None if request.session is None else self.sessions.take(request.session, request.prompt)
+            if prefix is None:
+                fresh.append(request)
+            else:
+                continued.append((request, prefix))
+        return fresh, continued
+
+    def _keep_sessions(self, done_slots: list[int]) -> None:
+        """Store the KV rows of the finished requests that have a session key. A slot holds the prompt and every
+        sampled token but the last (sampled, never fed back)."""
+        for slot in done_slots:
+            request, length = self.slots[slot], self.lengths[slot]
+            if request.session is None or length > self.sessions.max_tokens:
+                continue
+            tokens = (request.prompt + request.tokens)[:length]
+            keys = self.k_cache[:, slot, :, :length].clone()
+            self.sessions.put(request.session, CachedPrefix(tokens, keys, self.v_cache[:, slot, :, :length].clone()))
 
     # -- cache management ----------------------------------------------------------------------------------------
 
@@ -568,9 +612,62 @@ class _FastDecoder:
         self.slots += admitted
         self.lengths += [len(r.prompt) for r in admitted]
         self.pending += [0] * len(admitted)  # set from the sampled tokens
+        self.prefill_tokens += sum(lengths)
         last = x[torch.arange(batch, device=self.device), torch.tensor(lengths, device=self.device) - 1]
         logits = self._logits(last)
         return logits if gather is None else logits.index_select(0, gather)
+
+    def _prefill_continued(self, continued: list[tuple[_Request, CachedPrefix]], first_slot: int) -> torch.Tensor:
+        """Prefill requests that continue a session: each one's stored KV goes back into its slot and only its
+        prompt's new tokens (past the stored ones) run, attending to it. Return the logits at each prompt's end.
+
+        Rows are right-padded to one width and query position ``p`` of a row sees that row's keys ``<= p``.
+        Padding positions write no keys (so no row writes past its prompt); their outputs are dropped.
+        """
+        device, heads, kv_heads, head_dim = self.device, self.n_heads, self.n_kv_heads, self.head_dim
+        batch = len(continued)
+        reused = [len(prefix.tokens) for _, prefix in continued]
+        suffixes = [request.prompt[start:] for (request, _), start in zip(continued, reused, strict=True)]
+        width, span = max(map(len, suffixes)), max(len(request.prompt) for request, _ in continued)
+        for slot, (_, prefix) in enumerate(continued, start=first_slot):
+            self.k_cache[:, slot, :, : len(prefix.tokens)] = prefix.keys
+            self.v_cache[:, slot, :, : len(prefix.tokens)] = prefix.values
+
+        ids = torch.tensor([[*suffix, *[0] * (width - len(suffix))] for suffix in suffixes], device=device)
+        offsets = torch.arange(width, device=device)[None, :]
+        positions = torch.tensor(reused, device=device)[:, None] + offsets  # [batch, width]
+        valid = offsets < torch.tensor([len(suffix) for suffix in suffixes], device=device)[:, None]
+        hidden = torch.arange(span, device=device)[None, None, :] > positions[:, :, None]  # [batch, width, span]
+        mask = torch.zeros(batch, 1, width, span, device=device, dtype=self.dtype)
+        mask.masked_fill_(hidden[:, None], float("-inf"))
+        table_rows = positions.clamp(max=self.cos.shape[0] - 1)  # padding may run past the table; it is dropped
+        cos, signed_sin = self.cos[table_rows][:, None], self.signed_sin[table_rows][:, None]
+        # Cache rows of the real positions, in a layer's cache seen as [slots * kv_heads * length, head_dim].
+        written = valid[:, None, :].expand(batch, kv_heads, width)
+        slot_heads = torch.arange(first_slot * kv_heads, (first_slot + batch) * kv_heads, device=device)
+        rows = (slot_heads.view(batch, kv_heads, 1) * self.k_cache.shape[3] + positions[:, None, :])[written]
+        slots = slice(first_slot, first_slot + batch)
+
+        x = F.embedding(ids, self.embed)
+        for i, p in enumerate(self.layers):
+            qk, v = _project_qkv(_rms_norm(x, p.attn_norm), p)
+            qk = _rope(qk.view(batch, width, heads + kv_heads, head_dim).transpose(1, 2), cos, signed_sin)
+            q, k = qk[:, :heads], qk[:, heads:]
+            v = v.view(batch, width, kv_heads, head_dim).transpose(1, 2)
+            k_cache, v_cache = self.k_cache[i], self.v_cache[i]
+            k_cache.view(-1, head_dim).index_copy_(0, rows, k[written])
+            v_cache.view(-1, head_dim).index_copy_(0, rows, v[written])
+            out = self._attend(q, k_cache[slots, :, :span], v_cache[slots, :, :span], attn_mask=mask)
+            x = x + _out_proj(out.transpose(1, 2).reshape(batch, width, -1), p)
+            x = x + _mlp(_rms_norm(x, p.mlp_norm), p)
+
+        self.slots += [request for request, _ in continued]
+        self.lengths += [len(request.prompt) for request, _ in continued]
+        self.pending += [0] * batch
+        self.prefill_tokens += sum(map(len, suffixes))
+        self.reused_tokens += sum(reused)
+        last = torch.tensor([len(suffix) - 1 for suffix in suffixes], device=device)
+        return self._logits(x[torch.arange(batch, device=device), last])
 
     def _decode(self, n: int) -> torch.Tensor:
         """Feed each running slot its pending token at position ``lengths[slot]``; logits for the next one."""
@@ -647,7 +744,8 @@ class _HFDecoder:
     """Any causal LM: left-padded static batches through ``model.forward`` with the model's own KV cache.
 
     A batch is admitted only when the previous one has finished; finished rows are dropped from the cache each
-    step (``batch_select_indices``) so the batch still shrinks.
+    step (``batch_select_indices``) so the batch still shrinks. Session keys are ignored: every prompt is
+    prefilled whole.
     """
 
     def __init__(self, model: nn.Module, max_batch_size: int, matmul_dtype: torch.dtype | None = None) -> None:
@@ -662,6 +760,8 @@ class _HFDecoder:
         # transformers 5 renamed past_key_values to cache; logits_to_keep spares the lm_head on prompt positions.
         self.cache_arg = "cache" if "cache" in accepted else "past_key_values"
         self.extra_args = {"logits_to_keep": 1} if "logits_to_keep" in accepted else {}
+        self.prefill_tokens = 0
+        self.reused_tokens = 0  # always: this decoder keeps no sessions
         self.reset()
 
     @property
@@ -699,6 +799,9 @@ class _HFDecoder:
     def refresh_weights(self) -> None:
         """Nothing to do: the model's own forward reads its parameters."""
 
+    def forget_sessions(self) -> None:
+        """Nothing to do: no sessions are kept."""
+
     def _forward(self, ids: torch.Tensor) -> torch.Tensor:
         with torch.autocast(self.device.type, dtype=self.matmul_dtype, enabled=self.autocast):
             return self._model_forward(ids)
@@ -722,6 +825,7 @@ class _HFDecoder:
         self.mask = self.mask.to(self.device)
         self.positions = (self.mask.cumsum(-1) - 1).clamp(min=0)  # real tokens count from 0 despite the padding
         self.rows, self.cache = list(admitted), None
+        self.prefill_tokens += sum(len(r.prompt) for r in admitted)
         return self._forward(ids)
 
     def _decode(self) -> torch.Tensor:
@@ -810,6 +914,12 @@ class TorchEngine:
     (``rlfabric.engines.native``: RoPE, KV-cache write and attention in one pass, built on first use), else with
     torch ops; both give the same tokens and logprobs to float32 rounding. ``attention`` says which is in use (a
     layout the kernel refuses at run time switches the engine to torch ops, with a warning).
+
+    Multi-turn callers pass a session key per prompt (``generate(..., sessions=)``): on the fast path a finished
+    request's KV stays in a session cache of up to ``session_cache_mb`` (least recently stored evicted first;
+    cleared at every weight update), and the session's next prompt prefills only the tokens past what it shares
+    with the stored ones (``rlfabric.engines.session_cache``). ``stats()`` counts prefilled and reused tokens.
+    ``SamplingParams.stop`` strings need a tokenizer (``tokenizer_or_eos_ids``) to read the completions' text.
     """
 
     def __init__(
@@ -825,6 +935,7 @@ class TorchEngine:
         version: int = 0,
         matmul_dtype: torch.dtype | str | None = None,
         native_kernels: bool = True,
+        session_cache_mb: float = 1024.0,
     ) -> None:
         if max_batch_size < 1:
             raise ValueError(f"TorchEngine max_batch_size = {max_batch_size}: must be at least 1")
@@ -835,7 +946,10 @@ class TorchEngine:
         if not self.max_seq_len:
             raise ValueError("TorchEngine: the model config has no max_position_embeddings; pass max_seq_len")
         self.eos_ids = _stop_ids(tokenizer_or_eos_ids, self.model)
+        self.tokenizer = tokenizer_or_eos_ids if hasattr(tokenizer_or_eos_ids, "decode") else None
         self.version = version
+        if session_cache_mb < 0:
+            raise ValueError(f"TorchEngine session_cache_mb = {session_cache_mb}: must be >= 0 (0 keeps no sessions)")
 
         matmul_dtype = resolve_matmul_dtype(matmul_dtype, "TorchEngine matmul_dtype")
 
@@ -847,7 +961,7 @@ class TorchEngine:
             max_batch_size,
             *((self.max_seq_len,) if reason is None else ()),
             matmul_dtype=matmul_dtype,
-            **({"native_kernels": native_kernels} if reason is None else {}),
+            **({"native_kernels": native_kernels, "session_cache_mb": session_cache_mb} if reason is None else {}),
         )
         self._generator = torch.Generator(device=self.device)
         self._generator.manual_seed(seed)
@@ -902,16 +1016,37 @@ class TorchEngine:
     def num_waiting(self) -> int:
         return len(self._waiting)
 
+    def stats(self) -> dict[str, int]:
+        """Prompt tokens prefilled, prompt tokens continued from a stored session instead, sessions stored now and
+        sessions evicted for room, since the engine started."""
+        sessions = getattr(self._decoder, "sessions", None)
+        return {
+            "prefill_tokens": self._decoder.prefill_tokens,
+            "reused_tokens": self._decoder.reused_tokens,
+            "sessions": len(sessions) if sessions is not None else 0,
+            "session_evictions": sessions.evictions if sessions is not None else 0,
+        }
+
     # -- the Engine contract -------------------------------------------------------------------------------------
 
-    async def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
-        """One completion per prompt, in order. Safe to call from many coroutines at once."""
+    async def generate(
+        self, prompts: list[list[int]], params: SamplingParams, sessions: list[str | None] | None = None
+    ) -> list[Completion]:
+        """One completion per prompt, in order. Safe to call from many coroutines at once. ``sessions``: one key
+        (or None) per prompt, to continue that conversation's stored KV (see the class)."""
         self._check_open()
         for i, prompt in enumerate(prompts):
             self._check_prompt(i, prompt, params)
+        if sessions is not None and len(sessions) != len(prompts):
+            raise ValueError(f"generate: {len(sessions)} sessions for {len(prompts)} prompts (one key or None each)")
+        stop_text = self._stop_text(params.stop)
         loop = self._ensure_scheduler()
         stop_ids = self.eos_ids | frozenset(params.stop_token_ids)
-        requests = [_Request(list(prompt), params, stop_ids, loop.create_future()) for prompt in prompts]
+        keys = sessions if sessions is not None else [None] * len(prompts)
+        requests = [
+            _Request(list(prompt), params, stop_ids, loop.create_future(), session=key, stop_text=stop_text)
+            for prompt, key in zip(prompts, keys, strict=True)
+        ]
         self._waiting.extend(requests)
         self._wakeup.set()
         try:
@@ -950,6 +1085,23 @@ class TorchEngine:
                 pass
         await asyncio.wrap_future(self._executor.submit(lambda: None))  # a step still running finishes first
         self._decoder.close()
+
+    def _stop_text(self, stops: tuple[str, ...]) -> Callable[[list[int]], bool] | None:
+        """A check of generated tokens for the stop strings, or None when there are none. Text as vLLM matches
+        it: special tokens left out. It decodes only the last tokens that could hold a stop string completed by the
+        newest one (a text token is at least a character; the margin allows for special tokens between), since
+        any earlier match would have stopped the request then."""
+        if not stops:
+            return None
+        if self.tokenizer is None:
+            raise ValueError("SamplingParams.stop needs the TorchEngine to have a tokenizer (tokenizer_or_eos_ids)")
+        decode, window = self.tokenizer.decode, 2 * max(map(len, stops)) + 8
+
+        def holds_stop(tokens: list[int]) -> bool:
+            text = decode(tokens[-window:], skip_special_tokens=True)
+            return any(stop in text for stop in stops)
+
+        return holds_stop
 
     # -- checks --------------------------------------------------------------------------------------------------
 
@@ -1087,6 +1239,7 @@ class TorchEngine:
             for name, value in swap.state_dict.items():
                 self._params[name].data.copy_(torch.as_tensor(value), non_blocking=True)
             self._decoder.refresh_weights()
+            self._decoder.forget_sessions()  # their keys and values came from the old weights
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)  # the caller may reuse its tensors once we return
         except Exception as error:

@@ -119,8 +119,11 @@ class VLLMEngine:
         self._id_prefix = f"rlfabric-{id(self):x}"
         self._warned_truncation = False
 
-    async def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
-        """One completion per prompt, in order; every prompt goes to vLLM at once and vLLM batches them."""
+    async def generate(
+        self, prompts: list[list[int]], params: SamplingParams, sessions: list[str | None] | None = None
+    ) -> list[Completion]:
+        """One completion per prompt, in order; every prompt goes to vLLM at once and vLLM batches them.
+        ``sessions`` are not needed: vLLM's prefix caching finds a conversation's earlier turns by their tokens."""
         if not prompts:
             return []
         if self._engine is None:
@@ -183,8 +186,10 @@ class VLLMEngine:
             top_k=params.top_k,  # 0 is "off" in vLLM too
             max_tokens=params.max_new_tokens,
             stop_token_ids=list(params.stop_token_ids),  # the tokenizer's EOS always stops too (ignore_eos=False)
+            stop=list(params.stop),
+            include_stop_str_in_output=True,
             logprobs=0,  # the sampled token's logprob only
-            detokenize=False,
+            detokenize=bool(params.stop),  # stop strings are matched on the text
             output_kind=RequestOutputKind.FINAL_ONLY,
         )
 

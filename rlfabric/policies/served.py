@@ -5,12 +5,17 @@ The worker hands it token-id prompts; it splits them over the generators it was 
 one deadline over all the calls, and returns the completions in order as a ``PolicyOutput``: sampled token ids,
 their behaviour logprobs and the version of the weights that sampled them. A generator that raises or misses the
 deadline fails the call with ``GeneratorsFailed``, naming it by slot and generation, so the driver can replace it.
+
+Multi-turn callers pass a session key per prompt (``act(observations, sessions)``): every turn of a conversation
+then goes to the same generator (chosen by a hash of the key), whose engine continues the conversation's stored
+KV instead of prefilling it again (``rlfabric.engines.session_cache``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+import zlib
 from collections.abc import Sequence
 from typing import Any
 
@@ -34,6 +39,8 @@ class GeneratorsFailed(RuntimeError):
 class ServedLLMPolicy:
     """See the module docstring. ``params`` are SamplingParams fields; ``timeout_s`` the deadline of one call."""
 
+    uses_sessions = True  # act takes a session key per prompt (rlfabric.policies.batching.ActBatcher)
+
     def __init__(
         self, generators: Sequence[GeneratorRef], params: dict[str, Any], timeout_s: float, keep_together: int = 1
     ) -> None:
@@ -45,17 +52,26 @@ class ServedLLMPolicy:
         self.keep_together = keep_together
         self.version = -1  # newest version seen in a completion
 
-    def _send(self, prompts: Sequence[list[int]]) -> list[tuple[int, int, slice, ray.ObjectRef]]:
-        """One ``generate`` call per generator, on consecutive shares of whole units."""
+    def _send(
+        self, prompts: Sequence[list[int]], sessions: Sequence[str | None] | None
+    ) -> list[tuple[int, int, list[int], ray.ObjectRef]]:
+        """One ``generate`` call per generator that gets prompts: consecutive shares of whole units, or, with
+        sessions, each prompt on its session's generator."""
+        shares = _session_shares(sessions, len(self.generators)) if sessions is not None else self._unit_shares(prompts)
+        calls = []
+        for (slot, generation, handle), rows in zip(self.generators, shares, strict=True):
+            if rows:
+                keys = None if sessions is None else [sessions[i] for i in rows]
+                ref = handle.generate.remote([prompts[i] for i in rows], self.params, keys)
+                calls.append((slot, generation, rows, ref))
+        return calls
+
+    def _unit_shares(self, prompts: Sequence[list[int]]) -> list[list[int]]:
+        """Consecutive rows per generator, in whole units of ``keep_together``."""
         unit = self.keep_together
         n_units = -(-len(prompts) // unit)
         per = -(-n_units // len(self.generators)) * unit
-        calls = []
-        for k, (slot, generation, handle) in enumerate(self.generators):
-            rows = slice(k * per, min((k + 1) * per, len(prompts)))
-            if rows.start < rows.stop:
-                calls.append((slot, generation, rows, handle.generate.remote(list(prompts[rows]), self.params)))
-        return calls
+        return [list(range(k * per, min((k + 1) * per, len(prompts)))) for k in range(len(self.generators))]
 
     def _output(self, completions: list[dict[str, Any]]) -> PolicyOutput:
         versions = [int(c["version"]) for c in completions]
@@ -83,14 +99,16 @@ class ServedLLMPolicy:
                     ray.cancel(ref, force=False)
                 failures.append((slot, generation, self._failure(result)))
             else:
-                out[rows] = result
+                for row, completion in zip(rows, result, strict=True):
+                    out[row] = completion
         if failures:
             raise GeneratorsFailed(failures)
         return self._output(out)
 
-    def act(self, observations: Sequence[list[int]]) -> PolicyOutput:
-        """Completions of the prompts ``observations`` (token ids), in order; blocks until all are back."""
-        calls = self._send(observations)
+    def act(self, observations: Sequence[list[int]], sessions: Sequence[str | None] | None = None) -> PolicyOutput:
+        """Completions of the prompts ``observations`` (token ids), in order; blocks until all are back.
+        ``sessions``: a conversation key (or None) per prompt (see the module docstring)."""
+        calls = self._send(observations, sessions)
         deadline = time.monotonic() + self.timeout_s
         results: list[Any] = []
         for *_, ref in calls:
@@ -100,11 +118,22 @@ class ServedLLMPolicy:
                 results.append(exc)
         return self._collect(calls, results, len(observations))
 
-    async def act_async(self, observations: Sequence[list[int]]) -> PolicyOutput:
+    async def act_async(
+        self, observations: Sequence[list[int]], sessions: Sequence[str | None] | None = None
+    ) -> PolicyOutput:
         """``act`` for a worker's event loop: the calls are awaited, so its other episodes go on meanwhile."""
-        calls = self._send(observations)
+        calls = self._send(observations, sessions)
         results = await asyncio.gather(
             *(asyncio.wait_for(asyncio.wrap_future(ref.future()), self.timeout_s) for *_, ref in calls),
             return_exceptions=True,
         )
         return self._collect(calls, list(results), len(observations))
+
+
+def _session_shares(sessions: Sequence[str | None], n_generators: int) -> list[list[int]]:
+    """Rows by generator: a keyed row on ``crc32(key) % n_generators`` (stable across processes, unlike
+    ``hash``), a row without a key on its index's turn."""
+    shares: list[list[int]] = [[] for _ in range(n_generators)]
+    for row, key in enumerate(sessions):
+        shares[(zlib.crc32(key.encode()) if key is not None else row) % n_generators].append(row)
+    return shares
