@@ -15,7 +15,9 @@ import pytest
 import torch
 
 from rlfabric.engines.base import SamplingParams
-from rlfabric.engines.torch_engine import TorchEngine, _runs, sample_from_probs
+from rlfabric.engines.fast_decoder import _runs
+from rlfabric.engines.sampling import sample_from_probs
+from rlfabric.engines.torch_engine import TorchEngine
 from rlfabric.models.hf import build_char_tokenizer, build_small_model_dir, build_small_qwen2
 
 PROMPTS = ["hello world", "1+2=", "the quick brown fox", "x", "(3*4)-5=?", "abc abc abc abc"]
@@ -588,9 +590,7 @@ def play_conversations(engine: TorchEngine, tokenizer, prompts, sessions: bool, 
     keys = [f"conversation-{i}" for i in range(len(prompts))] if sessions else None
     contexts, history = [list(p) for p in prompts], []
     for turn in range(turns):
-        completions = asyncio.run(
-            engine.generate(contexts, SamplingParams(temperature=0, **params), sessions=keys)
-        )
+        completions = asyncio.run(engine.generate(contexts, SamplingParams(temperature=0, **params), sessions=keys))
         history.append(completions)
         if turn + 1 < turns:
             contexts = [
@@ -621,7 +621,7 @@ def test_session_continuation_gives_the_tokens_of_a_full_prefill_and_prefills_on
             )
     # A finished turn leaves prompt + sampled tokens but the last in its session; the next turn prefills the rest.
     expected_new = sum(len(c.prompt_ids) for c in with_sessions[0])
-    for before, after in zip(with_sessions, with_sessions[1:]):
+    for before, after in zip(with_sessions, with_sessions[1:], strict=False):
         expected_new += sum(
             len(a.prompt_ids) - (len(b.prompt_ids) + len(b.token_ids) - 1) for a, b in zip(after, before, strict=True)
         )
