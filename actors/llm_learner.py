@@ -17,7 +17,7 @@ import numpy as np
 import ray
 import torch
 
-from rlfabric.algorithms.grpo import aggregate_denominator, policy_objective
+from rlfabric.algorithms.grpo import aggregate_denominator, logprob_drifted, policy_objective, row_logprob_gaps
 from rlfabric.compact import FloatFields
 from rlfabric.models.hf import load_causal_lm, load_tokenizer, save_pretrained
 from rlfabric.models.llm_batch import grpo_batch
@@ -55,7 +55,7 @@ LEARNER_METRICS = FloatFields(
     "trained_sequences",
     "trained_positions",
     "trained_head_positions",
-    "drifted_trajectories",  # rows whose tokens were not what the generator sampled: never trained on
+    "drifted_trajectories",  # rows whose tokens (or logprobs) were not what the generator sampled: never trained
     "batch_time_s",  # inside the learner: the records read and turned into the batch
     "compute_time_s",  # inside the learner: forward, backward and optimizer step
 )
@@ -259,7 +259,7 @@ class LLMLearnerCore:
         metrics = self.train_step(batch, lr)
         return {
             **metrics,
-            "drifted_trajectories": drifted,
+            "drifted_trajectories": drifted + metrics.pop("logprob_drifted_rows", 0.0),
             "batch_time_s": built - started,
             "compute_time_s": time.perf_counter() - built,
         }
@@ -269,6 +269,9 @@ class LLMLearnerCore:
 
         batch columns: input_ids, attention_mask, response_mask (loss mask), prompt_len, advantages [N],
         behaviour_logprobs [N, R] (from the generators), and ref_logprobs [N, R] when a reference actor made them.
+        With ``sampled_version`` [N] (and ``episode_id``), rows the current weights sampled are held to their
+        behaviour logprobs (``grpo.max_logprob_gap``): one that drifted further gets no loss and is counted in
+        ``logprob_drifted_rows``, the first one described.
         """
         g = self.g
         b = self._shard(batch)
@@ -300,12 +303,14 @@ class LLMLearnerCore:
         gap_sum = 0.0  # sum over loss tokens of |learner logprob - behaviour logprob|, at the batch's weights
         prompt_len = int(b["prompt_len"])
         slices = micro_slices(len(mask), g["micro_batch_size"])
+        loss_masks = [mask[rows] for rows in slices]  # the logprob check may take rows out at the first pass
+        logprob_drifted_rows = 0
         ids, attention = b["input_ids"].cpu().numpy(), b["attention_mask"].cpu().numpy()
         # Each micro-batch's layout, chosen (and packed) once for every epoch.
         layouts = [packed_layout(self.model, ids[rows], attention[rows], prompt_len, self.packing) for rows in slices]
         for epoch in range(g["epochs"]):
             sums: dict[str, float] = {}
-            for rows, layout in zip(slices, layouts, strict=True):
+            for k, (rows, layout) in enumerate(zip(slices, layouts, strict=True)):
                 new_logp, entropy = response_logprobs_in(
                     self.model,
                     b["input_ids"][rows],
@@ -321,11 +326,13 @@ class LLMLearnerCore:
                 old = new_logp.detach() if single_pass else old_logp[rows]
                 if epoch == 0:
                     gap_sum += float(((old - b["behaviour_logprobs"][rows]).abs() * mask[rows]).sum())
+                    loss_masks[k], rejected = self._check_logprobs(old, b, rows, loss_masks[k])
+                    logprob_drifted_rows += rejected
                 loss, m = policy_objective(
                     new_logp,
                     old,
                     b["advantages"][rows],
-                    mask[rows],
+                    loss_masks[k],
                     clip_low=g["clip_low"],
                     clip_high=g["clip_high"],
                     ratio_level=g["ratio_level"],
@@ -349,6 +356,8 @@ class LLMLearnerCore:
             if epoch == 0:
                 metrics.update(sums)
                 metrics["logprob_gap"] = gap_sum / max(float(mask.sum()), 1.0)
+                # every rank's count (all of them call this, once per step), so each reports the batch's total
+                metrics["logprob_drifted_rows"] = float(self._all_reduce_sum(torch.tensor(float(logprob_drifted_rows))))
                 metrics["trained_rows"] = float(len(mask))
                 metrics["skipped_rows"] = float(full_rows - len(mask))
                 # What the forward/backward ran over: real tokens, and the model's rows and positions as packed.
@@ -360,6 +369,33 @@ class LLMLearnerCore:
                 metrics.update({f"{k}_last_epoch": v for k, v in sums.items() if k == "clip_fraction"})
         self.version += 1  # one policy version per batch, however many epochs it took
         return metrics
+
+    def _check_logprobs(
+        self, learner_logp: torch.Tensor, b: dict[str, Any], rows: slice, loss_mask: torch.Tensor
+    ) -> tuple[torch.Tensor, int]:
+        """The trace check's logprob half on one micro-batch: ``loss_mask`` without the rows that drifted, and how
+        many did; the first one is printed with its gap and its first tokens' logprobs side by side."""
+        max_gap = self.g.get("max_logprob_gap")
+        if max_gap is None or "sampled_version" not in b:
+            return loss_mask, 0
+        behaviour = b["behaviour_logprobs"][rows]
+        gaps = row_logprob_gaps(learner_logp, behaviour, loss_mask)
+        drifted = logprob_drifted(gaps, b["sampled_version"][rows], self.version, max_gap)
+        if not bool(drifted.any()):
+            return loss_mask, 0
+        if not self.drift_reported and self.rank == 0:
+            self.drift_reported = True
+            row = int(drifted.nonzero()[0, 0])
+            sampled = loss_mask[row] > 0
+            ours = [round(v, 3) for v in learner_logp[row][sampled][:6].tolist()]
+            theirs = [round(v, 3) for v in behaviour[row][sampled][:6].tolist()]
+            print(
+                f"rlfabric learner: rejected a trajectory whose logprobs drifted from the sampled ones: episode "
+                f"{int(b['episode_id'][rows][row])}, version {self.version}: mean |gap| {float(gaps[row]):.3f} per "
+                f"token over {int(sampled.sum())} tokens (grpo.max_logprob_gap {max_gap:g}); first tokens, learner "
+                f"{ours} vs behaviour {theirs}"
+            )
+        return loss_mask * (~drifted)[:, None], int(drifted.sum())
 
     def reset_reference(self) -> None:
         """Make the KL reference the current weights (after the SFT warm-up: the policy GRPO starts from)."""

@@ -176,6 +176,10 @@ class GRPOConfig:
     skip_zero_advantage_rows: bool = True
     # Give no loss to completions cut off at max_new_tokens (DAPO's overlong filtering).
     overlong_filter: bool = False
+    # Trace check, logprob half: a row sampled by the learner's current weights whose recomputed logprobs differ
+    # from the behaviour ones by more than this (mean |gap| per sampled token, nats) is rejected and counted as
+    # drifted (null: no check). Float32 engines agree to ~1e-5; bfloat16 matmuls to a few hundredths.
+    max_logprob_gap: float | None = 0.5
     # Passes over each batch; > 1 makes the clip matter (the first pass is on-policy).
     epochs: int = 1
     # Sequences per forward/backward; gradients accumulate over the batch before one optimizer step.
@@ -305,6 +309,7 @@ def validate_llm(cfg: LLMConfig) -> LLMConfig:
         ("sft.steps", cfg.sft.steps),
         ("sampling.temperature", s.temperature),
         ("sampling.top_k", s.top_k),
+        ("grpo.max_logprob_gap", 0.0 if g.max_logprob_gap is None else g.max_logprob_gap),
         ("training.max_policy_lag", t.max_policy_lag),
         ("training.eval_every", t.eval_every),
         ("training.checkpoint_every", t.checkpoint_every),

@@ -425,6 +425,17 @@ def time_major(column: np.ndarray) -> np.ndarray:
     return np.swapaxes(column, 0, 1)
 
 
+def sampled_version(traj: Trajectories) -> np.ndarray:
+    """[N] int64: the one policy version that sampled every loss token of a row; ``NO_VERSION`` for a row with no
+    loss token or with tokens of several versions (a partial rollout), whose behaviour logprobs no single set of
+    weights reproduces."""
+    sampled = traj.loss_mask > 0
+    versions = np.where(sampled, traj.policy_version, np.iinfo(np.int32).max)
+    oldest = versions.min(axis=1, initial=np.iinfo(np.int32).max)
+    newest = np.where(sampled, traj.policy_version, np.iinfo(np.int32).min).max(axis=1, initial=np.iinfo(np.int32).min)
+    return np.where(sampled.any(axis=1) & (oldest == newest), oldest, NO_VERSION).astype(np.int64)
+
+
 def drifted_rows(traj: Trajectories) -> tuple[np.ndarray, str | None]:
     """The trace check on arrival: [N] bool, True for rows whose ``tokens`` are not exactly the sampled ids
     wherever the producer placed a turn, or whose loss mask covers a token no generator sampled (a producer may

@@ -5,6 +5,7 @@ the generator's on what was sampled."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 
 import numpy as np
@@ -237,7 +238,9 @@ def test_a_factory_that_is_not_a_text_env_is_named():
 # -- a real generator and the learner -----------------------------------------------------------------------------
 
 
-def test_the_learner_recomputes_the_generators_logprobs_on_a_multi_turn_record(local_ray, tmp_path):
+def sampled_episodes(tmp_path):
+    """Six GuessNumber episodes of up to 3 turns, sampled by a generator actor at version 0: (model dir, the
+    episodes, their record, a learner at version 0)."""
     model_dir = build_small_model_dir(tmp_path / "model", **{**TINY, "max_positions": 256})
     gen = Generator.options(num_cpus=0.5).remote("torch", str(model_dir), {"max_batch_size": 16}, num_threads=1)
     try:
@@ -253,6 +256,11 @@ def test_the_learner_recomputes_the_generators_logprobs_on_a_multi_turn_record(l
         traj = episodes_to_trajectories(episodes, list(range(6)), [0] * 6)
     finally:
         ray.kill(gen, no_restart=True)
+    return model_dir, episodes, traj, learner
+
+
+def test_the_learner_recomputes_the_generators_logprobs_on_a_multi_turn_record(local_ray, tmp_path):
+    _, episodes, traj, learner = sampled_episodes(tmp_path)
     assert traj.num_rows == 6 and sum(len(e.turns) for e in episodes) >= 7  # several episodes took several turns
     multi = [i for i, e in enumerate(episodes) if len(e.turns) > 1]
     for i in multi:  # an observation lies between turns, outside the loss mask and without a version
@@ -265,6 +273,28 @@ def test_the_learner_recomputes_the_generators_logprobs_on_a_multi_turn_record(l
     mask = batch["response_mask"] > 0
     np.testing.assert_allclose(recomputed[mask], batch["behaviour_logprobs"][mask], atol=2e-4)
     assert mask.sum() == sum(len(t.sampled) for e in episodes for t in e.turns)
+
+
+def test_the_learner_rejects_a_row_whose_logprobs_drifted_and_checks_only_rows_of_its_own_version(
+    local_ray, tmp_path, capsys
+):
+    model_dir, _, traj, _ = sampled_episodes(tmp_path)
+    traj.final_rewards["correct"] = np.array([1.0, 0.0] * 3, np.float32)  # every row has an advantage
+
+    def learner():
+        config = {**GRPOConfig().__dict__, "norm_length": 6}
+        return LLMLearnerCore(str(model_dir), config, {"lr": 1e-3}, temperature=1.0)
+
+    assert learner().train_on([traj], None, lr=1e-3)["drifted_trajectories"] == 0  # faithful rows all train
+    off = dataclasses.replace(traj, logprobs=traj.logprobs.copy())
+    off.logprobs[4] = np.where(off.loss_mask[4] > 0, off.logprobs[4] - 1.0, off.logprobs[4])  # as at another T
+    core = learner()
+    metrics = core.train_on([off], None, lr=1e-3)
+    assert metrics["drifted_trajectories"] == 1 and metrics["trained_rows"] == 6  # in the batch, without loss
+    printed = capsys.readouterr().out
+    assert "rejected a trajectory whose logprobs drifted from the sampled ones: episode 4, version 0" in printed
+    # the learner is at version 1 now: rows sampled by version 0 are no longer held to its logprobs
+    assert core.train_on([off], None, lr=1e-3)["drifted_trajectories"] == 0
 
 
 def test_the_careless_player_bisects_on_most_turns_and_guesses_in_range_on_the_others():

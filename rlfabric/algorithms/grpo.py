@@ -282,6 +282,21 @@ def _ratio_metrics(new_logp: Tensor, old_logp: Tensor, mask: Tensor, ratio_level
         }
 
 
+def row_logprob_gaps(learner_logp: Tensor, behaviour_logp: Tensor, mask: Tensor) -> Tensor:
+    """[N] each row's mean absolute logprob gap per loss token: gap_i = sum_t m_it |l_it - b_it| / max(sum_t m_it, 1)
+    (l: the learner's logprobs, b: the behaviour ones, m: the loss mask)."""
+    return masked_sum((learner_logp - behaviour_logp).abs(), mask, dim=-1) / mask.sum(-1).clamp(min=1)
+
+
+def logprob_drifted(gaps: Tensor, sampled_version: Tensor, version: int, max_gap: float) -> Tensor:
+    """[N] bool, the trace check's logprob half: drifted_i = (v_i == version) and (gap_i > max_gap).
+
+    Only rows sampled by the very weights that recomputed them (``v_i``, a row's one sampled version, equals the
+    learner's ``version``) can be held to their behaviour logprobs; older or mixed-version rows differ rightly.
+    """
+    return (sampled_version == version) & (gaps > max_gap)
+
+
 def policy_objective(
     new_logp: Tensor,
     old_logp: Tensor,

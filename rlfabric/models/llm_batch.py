@@ -13,7 +13,7 @@ import torch
 
 from rlfabric.algorithms.grpo import compute_advantages
 from rlfabric.models.sequences import is_row_column, pack_sequences
-from rlfabric.trajectory import Trajectories, concat, drifted_rows
+from rlfabric.trajectory import Trajectories, concat, drifted_rows, sampled_version
 
 
 def select_groups(trajectories: Sequence[Trajectories], groups: Sequence[int] | None) -> Trajectories:
@@ -61,7 +61,8 @@ def grpo_batch(
     ``world_size`` data-parallel learners.
 
     Rows that fail the trace check (``drifted_rows``: their tokens are not what the generator sampled) get no loss;
-    ``batch["drifted_rows"]`` counts them and ``batch["drift_report"]`` describes the first."""
+    ``batch["drifted_rows"]`` counts them and ``batch["drift_report"]`` describes the first. ``episode_id`` and
+    ``sampled_version`` (``rlfabric.trajectory.sampled_version``) go along for the learner's logprob check."""
     traj = select_groups(trajectories, groups)
     rewards = torch.from_numpy(traj.total_reward(reward_weights))
     advantages = compute_advantages(advantage, rewards, torch.from_numpy(traj.group_id), scale_by_std=scale_by_std)
@@ -69,6 +70,8 @@ def grpo_batch(
     if overlong_filter:
         batch["response_mask"][traj.truncated.any(axis=1)] = 0.0
     batch["advantages"] = advantages.numpy().astype(np.float32)
+    batch["episode_id"] = traj.episode_id.astype(np.int64)
+    batch["sampled_version"] = sampled_version(traj)
     drifted, report = drifted_rows(traj)
     batch["response_mask"][drifted] = 0.0
     batch["advantages"][drifted] = 0.0  # no loss, so the learner may skip them like any zero-advantage row
