@@ -257,9 +257,10 @@ class LLMLearnerCore:
         drifted = float(batch.pop("drifted_rows", 0))
         built = time.perf_counter()
         metrics = self.train_step(batch, lr)
+        drifted += metrics.pop("logprob_drifted_rows", 0.0)
         return {
             **metrics,
-            "drifted_trajectories": drifted + metrics.pop("logprob_drifted_rows", 0.0),
+            "drifted_trajectories": drifted,
             "batch_time_s": built - started,
             "compute_time_s": time.perf_counter() - built,
         }

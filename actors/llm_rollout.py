@@ -50,7 +50,15 @@ GROUP_ID, GROUP_REWARD_MEAN, GROUP_HAS_SIGNAL, GROUP_ROWS, GROUP_MIN_VERSION = r
 # The metadata's numbers, as they travel to the driver (see ``encode_meta``); the counts come back as ints.
 META_COUNTS = ("samples", "rows", "failed", "tokens", "reward_restarts", "record_bytes")
 # What text-env episodes add (sums over a rollout's episodes); the driver logs each step's totals.
-EPISODE_COUNTS = ("turns", "env_errors", "tool_calls", *(f"invalid_tool_calls_{k}" for k in ERROR_KINDS))
+# mixed_version_episodes: episodes whose turns were sampled by more than one policy version (a weight update
+# landed between their turns: a partial rollout, every token keeping its own version)
+EPISODE_COUNTS = (
+    "turns",
+    "env_errors",
+    "tool_calls",
+    "mixed_version_episodes",
+    *(f"invalid_tool_calls_{k}" for k in ERROR_KINDS),
+)
 META_NUMBERS = FloatFields(
     *META_COUNTS,
     *EPISODE_COUNTS,
@@ -280,6 +288,7 @@ class LLMRolloutCore:
                 "turns": sum(len(e.turns) for e in episodes),
                 "env_errors": sum(e.env_errors for e in episodes),
                 "tool_calls": sum(e.tool_calls for e in episodes),
+                "mixed_version_episodes": sum(len({t.version for t in e.turns}) > 1 for e in kept),
                 **{
                     f"invalid_tool_calls_{kind}": sum(e.invalid_tool_calls.get(kind, 0) for e in episodes)
                     for kind in ERROR_KINDS

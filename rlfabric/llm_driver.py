@@ -466,6 +466,7 @@ class GRPOTrainer:
             "samples_per_s": rows / elapsed,
             "tokens_generated": c.tokens_generated,
             "policy_lag_mean": sum(n * (self.version - 1 - v) for _, n, v in step.groups) / trained if trained else 0.0,
+            "policy_lag_max": max((self.version - 1 - v for _, n, v in step.groups if n), default=0),
             "failed_samples": c.failed_samples,
             "stale_samples": c.stale_samples,
             "filtered_groups": c.filtered_groups,

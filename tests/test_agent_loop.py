@@ -11,6 +11,7 @@ import time
 import numpy as np
 import pytest
 import ray
+import torch
 from grpo_runs import TINY
 
 from rlfabric.actors.generator import Generator
@@ -19,13 +20,13 @@ from rlfabric.agent_loop import EpisodeLimits, ScriptedTurns, episodes_to_trajec
 from rlfabric.envs.guess_number import GuessNumber, bisection_player
 from rlfabric.grpo_config import GRPOConfig
 from rlfabric.models.chat_tokens import ChatTokens
-from rlfabric.models.hf import build_char_tokenizer, build_small_model_dir
+from rlfabric.models.hf import build_char_tokenizer, build_small_model_dir, load_tokenizer
 from rlfabric.models.llm_batch import pack_trajectories
 from rlfabric.policies import ActBatcher, PolicyOutput
 from rlfabric.policies.served import ServedLLMPolicy
 from rlfabric.registry import register_env
 from rlfabric.text_env import TextStep, make_text_env
-from rlfabric.trajectory import NO_VERSION, TurnTokens, from_turns
+from rlfabric.trajectory import NO_VERSION, TurnTokens, from_turns, sampled_version
 
 CHATML = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -305,3 +306,70 @@ def test_the_careless_player_bisects_on_most_turns_and_guesses_in_range_on_the_o
     assert all(1 <= g <= 12 for g in guesses)
     slips = sum(g != 6 for g in guesses)  # bisection says 6; a random guess is 6 one time in 12
     assert 600 * (1 / 3) * (11 / 12) * 0.75 < slips < 600 * (1 / 3) * (11 / 12) * 1.25
+
+
+class GatedGuess(GuessNumber):
+    """GuessNumber whose first step waits at ``gate`` after saying it arrived: the test updates the generator's
+    weights while every episode is between its first and second turn."""
+
+    def __init__(self, arrived: list, gate: asyncio.Event) -> None:
+        super().__init__(16)
+        self.arrived, self.gate, self.waited = arrived, gate, False
+
+    async def step(self, action: str) -> TextStep:
+        if not self.waited:
+            self.waited = True
+            self.arrived.append(self)
+            await self.gate.wait()
+        return super().step(action)
+
+
+def test_an_episode_spanning_a_weight_update_keeps_each_tokens_version_and_is_one_row(local_ray, tmp_path):
+    """Partial rollouts at turn boundaries: episodes in flight when new weights arrive go on under them, and
+    every sampled token keeps the version (and the logprobs) of the weights that produced it."""
+    from transformers import AutoModelForCausalLM
+
+    model_dir = build_small_model_dir(tmp_path / "model", **{**TINY, "max_positions": 256})
+    old = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    new = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    with torch.no_grad():
+        for p in new.parameters():
+            p.add_(0.5 * p.std() * torch.randn_like(p))
+    gen = Generator.options(num_cpus=0.5).remote("torch", str(model_dir), {"max_batch_size": 16}, num_threads=1)
+    chat = ChatTokens(load_tokenizer(model_dir))
+    policy = ServedLLMPolicy([(0, 0, gen)], {"max_new_tokens": 6, "temperature": 1.0}, timeout_s=120)
+    tasks = [{"secret": s} for s in (3, 7, 11, 15)]
+    limits = EpisodeLimits(max_turns=3, turn_tokens=6, max_episode_tokens=256)
+
+    async def scenario():
+        arrived, gate = [], asyncio.Event()
+        playing = asyncio.ensure_future(
+            run_episodes(lambda: GatedGuess(arrived, gate), tasks, ActBatcher(policy), chat, limits)
+        )
+        while len(arrived) < len(tasks):
+            await asyncio.sleep(0.01)
+        await gen.update_weights.remote([ray.put(new.state_dict())], 1)
+        gate.set()
+        return await playing
+
+    try:
+        episodes = asyncio.run(scenario())
+    finally:
+        ray.kill(gen, no_restart=True)
+    spanning = [e for e in episodes if len(e.turns) > 1]
+    assert len(spanning) >= 2
+    for e in spanning:
+        assert [t.version for t in e.turns] == [0] + [1] * (len(e.turns) - 1)
+    traj = episodes_to_trajectories(episodes, list(range(4)), [0] * 4)
+    assert traj.num_rows == 4  # one row per episode, however many versions it spans
+    for row in range(traj.num_rows):
+        ids = torch.tensor(traj.tokens[row : row + 1, : traj.length[row]].astype(np.int64))
+        sampled = traj.loss_mask[row, : traj.length[row]] > 0
+        versions = traj.policy_version[row, : traj.length[row]]
+        for model, version in ((old, 0), (new, 1)):
+            with torch.no_grad():
+                logp = model(ids).logits[0, :-1].float().log_softmax(-1).gather(1, ids[0, 1:, None])[:, 0]
+            at = np.flatnonzero(sampled & (versions == version))
+            if len(at):  # each token's logprob is that of the weights that sampled it
+                np.testing.assert_allclose(logp[at - 1].numpy(), traj.logprobs[row, at], atol=2e-4)
+    assert sampled_version(traj).tolist() == [0 if len(e.turns) == 1 else NO_VERSION for e in episodes]
