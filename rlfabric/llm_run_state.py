@@ -42,7 +42,9 @@ class Counters:
     stale_samples: int = 0
     filtered_groups: int = 0
     generator_restarts: int = 0
+    rollout_worker_restarts: int = 0
     reward_worker_restarts: int = 0
+    resampled_samples: int = 0  # samples whose rollout a failed generator or rollout worker lost, asked again
     trained_samples: int = 0
 
 

@@ -21,9 +21,13 @@ import ray
 from rlfabric.actor_slots import ActorSlots, error_summary
 from rlfabric.actors.llm_rollout import RolloutRequest, decode_meta
 from rlfabric.grpo_config import LLMConfig
+from rlfabric.llm_resources import SETUP_TIMEOUT_S
 from rlfabric.llm_run_state import Counters
 
 REWARD_GRACE_S = 30.0  # the reward pool's slack per call, for starting a replacement service and transfers
+# Tries of one rollout before its samples count as failed: a replaced actor's retry may meet another fault,
+# while an actor slot that keeps failing stops the run (ActorSlots' limit) long before a rollout loops.
+ROLLOUT_ATTEMPTS = 3
 
 
 @dataclass
@@ -33,7 +37,7 @@ class Pending:
     request: RolloutRequest  # its indices are put back in the prompt order when a checkpoint is taken
     meta_ref: ray.ObjectRef
     data_ref: ray.ObjectRef
-    attempt: int  # 0, or 1 for the one retry after a generator or rollout worker failed
+    attempt: int  # 0, then 1, 2 for the retries after a generator or rollout worker failed
     worker_slot: int
     worker_generation: int
     deadline: float  # time.monotonic() by which the worker must have answered
@@ -84,8 +88,10 @@ class RolloutScheduler:
         self.generators, self.workers = generators, workers
 
     def load_prompts_into(self, worker: Any) -> None:
-        for name, ref in self.prompt_refs.items():
-            worker.set_prompts.remote(name, ref)  # queued before any rollout the worker is sent
+        """Give a (new) rollout worker the prompt sets, and wait until it holds them: the worker runs calls on
+        several threads, so a rollout sent right behind ``set_prompts`` could start before its prompts arrive."""
+        loaded = [worker.set_prompts.remote(name, ref) for name, ref in self.prompt_refs.items()]
+        ray.get(loaded, timeout=SETUP_TIMEOUT_S)
 
     # -- prompts and requests ---------------------------------------------------------------------------------
 
@@ -152,13 +158,14 @@ class RolloutScheduler:
 
     def _replace_worker(self, slot: int, generation: int, reason: str) -> None:
         assert self.workers is not None
-        if self.workers.replace(slot, generation, reason):
+        if self.workers.replace(slot, generation, reason):  # the new worker got the prompts as it started
+            self.counters.rollout_worker_restarts += 1
             self._note(f"rollout worker {slot} replaced ({reason})")
-            self.load_prompts_into(self.workers.handles[slot])
 
     def receive(self, pending: Pending) -> tuple[dict[str, Any], ray.ObjectRef | None]:
         """A rollout's metadata and record ref. A failed generator or rollout worker is replaced and the rollout
-        asked again, once; when that fails too, its samples are recorded as failed (empty metadata)."""
+        asked again, up to ``ROLLOUT_ATTEMPTS`` times in all (a second fault, of another actor, may hit the retry
+        of the first); when the last attempt fails too, its samples are recorded as failed (empty metadata)."""
         assert self.workers is not None and self.generators is not None
         request = pending.request
         try:
@@ -175,11 +182,13 @@ class RolloutScheduler:
             for slot, generation, _ in request.generators:
                 self.generators.succeeded(slot, generation)
             return meta, pending.data_ref
-        if pending.attempt == 0:  # requeued exactly once, with the same prompts and group ids
-            return self.receive(self.send(request, attempt=1))
+        if pending.attempt + 1 < ROLLOUT_ATTEMPTS:  # requeued with the same prompts and group ids
+            self.counters.resampled_samples += len(request.indices) * request.group_size
+            return self.receive(self.send(request, attempt=pending.attempt + 1))
         lost = len(request.indices) * request.group_size
         self.counters.failed_samples += lost
-        self._note(f"{lost} samples lost: their rollout failed twice")
+        why = meta.get("worker_failure") or "; ".join(reason for *_, reason in meta.get("generator_failures", []))
+        self._note(f"{lost} samples lost: their rollout failed {ROLLOUT_ATTEMPTS} times (last: {why})")
         return {"samples": lost, "rows": 0, "failed": lost, "tokens": 0}, None
 
     def note_reward_error(self, error: str) -> None:

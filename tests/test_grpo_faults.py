@@ -6,6 +6,7 @@ or raise. The reward functions live in this file and reach the reward services t
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import subprocess
@@ -16,10 +17,11 @@ from pathlib import Path
 
 import pytest
 import ray
-from grpo_runs import BASE, merged, write_prompts
+from grpo_runs import BASE, TINY, merged, write_prompts
 
 from rlfabric.config import ConfigError, config_from_dict
 from rlfabric.llm_driver import GRPOTrainer
+from rlfabric.registry import register_env
 from rlfabric.rewards import RewardInput, register_reward
 from rlfabric.run.log import read_metrics
 
@@ -109,6 +111,85 @@ def test_a_generator_killed_at_any_moment_costs_no_sample(local_ray, tmp_path, l
     assert [r["trained_samples"] for r in steps] == [batch] * STEPS
     assert summary["samples"] == STEPS * batch and summary["failed_samples"] == 0
     assert max(r["policy_lag_mean"] for r in steps) <= lag
+
+
+def live_pid(trainer: GRPOTrainer, which: str, not_one_of: list[int]) -> int:
+    """The pid of the live generator or rollout worker (the driver may still be replacing the one killed last)."""
+    if which == "generator":
+        return live_generator_pid(trainer, not_one_of)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        try:
+            pid = ray.get(trainer.rollout_workers.handles[0].pid.remote(), timeout=30)
+        except ray.exceptions.RayError:
+            pid = None
+        if pid is not None and pid not in not_one_of:
+            return pid
+        time.sleep(0.05)
+    raise TimeoutError("no live rollout worker to kill within 120 s")
+
+
+# After GRPO step k is logged, wait the delay and SIGKILL the live actor: generators and the rollout worker die
+# while episodes of several turns are in flight (the env's steps take 20 ms, so a step's episodes last a while).
+MID_EPISODE_KILLS = [(1, 0.1, "generator"), (3, 0.1, "rollout worker"), (5, 0.3, "generator")]
+EPISODE_STEPS = 10
+
+
+class SlowGuess:
+    """GuessNumber with 20 ms steps: the kills land while episodes wait on the env between turns."""
+
+    def __init__(self) -> None:
+        from rlfabric.envs.guess_number import GuessNumber
+
+        self.game = GuessNumber(10)
+
+    def reset(self, task):
+        return self.game.reset(task)
+
+    async def step(self, action):
+        await asyncio.sleep(0.02)
+        return self.game.step(action)
+
+
+register_env("test-faults/SlowGuess-v0", SlowGuess)
+
+
+@pytest.mark.parametrize("lag", [0, 1])
+def test_a_generator_and_a_rollout_worker_killed_mid_episode_cost_no_episode(local_ray, tmp_path, lag):
+    cfg = config_from_dict(
+        merged(
+            BASE,
+            {
+                "model": {"builtin": {**TINY, "max_positions": 256}},
+                "data": {"train": "task:guess_number?min_high=4&max_high=10", "num_train": 16, "num_eval": 4},
+                "env": {"id": "test-faults/SlowGuess-v0", "max_turns": 3, "step_timeout_s": 5.0},
+                "rewards": {"functions": [], "weights": {"invalid": -0.5}},
+                "training": {"total_steps": EPISODE_STEPS, "max_policy_lag": lag},
+                "generator": {"timeout_s": 60},
+            },
+        )
+    )
+    killed: list[int] = []
+
+    def kill(trainer: GRPOTrainer) -> None:
+        for after_step, delay, which in MID_EPISODE_KILLS:
+            while trainer.counters.step < after_step:
+                time.sleep(0.02)
+            time.sleep(delay)
+            pid = live_pid(trainer, which, killed)
+            os.kill(pid, signal.SIGKILL)
+            killed.append(pid)
+
+    summary, rows = train_in_process(cfg, tmp_path / "run", during=kill)
+    steps = [r for r in rows if r.get("phase") == "grpo"]
+    assert len(killed) == 3 and summary["generator_restarts"] == 2 and summary["rollout_worker_restarts"] == 1
+    batch = cfg.grpo.prompts_per_step * cfg.grpo.group_size
+    # every step trained one full batch of episodes: the lost ones were counted and played again, none twice
+    assert [r["trained_samples"] for r in steps] == [batch] * EPISODE_STEPS
+    assert summary["samples"] == EPISODE_STEPS * batch and summary["failed_samples"] == 0
+    assert summary["resampled_samples"] >= batch  # the rollout worker died mid-rollout: its episodes asked again
+    assert max(r["policy_lag_max"] for r in steps) <= lag
+    assert max(r["turns_mean"] for r in steps) > 1
 
 
 def test_a_reward_that_hangs_on_every_call_is_survived(local_ray, tmp_path):
