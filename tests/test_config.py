@@ -351,3 +351,17 @@ def test_resume_refuses_changes_the_checkpoint_depends_on(tmp_path):
     assert Trainer.from_run_dir(tmp_path, ["training.total_env_steps=500000"]).cfg.training.total_env_steps == 500000
     with pytest.raises(ConfigError, match="already holds a run"):
         Trainer(Config(), tmp_path)  # a fresh run must not mix with an old one's checkpoints
+
+
+@pytest.mark.parametrize(
+    "data, field",
+    [
+        ({"sampling": {"stop": [""]}}, "sampling.stop"),
+        ({"sampling": {"stop": ["</tool_call>", 3]}}, "sampling.stop[1]"),
+        ({"generator": {"session_cache_mb": -1}}, "generator.session_cache_mb"),
+        ({"grpo": {"max_logprob_gap": -0.1}}, "grpo.max_logprob_gap"),
+    ],
+)
+def test_multi_turn_settings_out_of_range_name_the_field(data, field):
+    message = _error({"algo": "grpo", **data})
+    assert message.startswith(f"{field} = ") and "is not valid" in message

@@ -53,18 +53,20 @@ def train_in_process(cfg, run_dir: Path, during=None) -> tuple[dict, list[dict]]
     return summary, read_metrics(run_dir)
 
 
-def live_generator_pid(trainer: GRPOTrainer, not_one_of: list[int]) -> int:
-    """The pid of the generator now in the slot (the driver may still be replacing the one killed last)."""
+def live_pid(trainer: GRPOTrainer, which: str, not_one_of: list[int]) -> int:
+    """The pid of the live generator or rollout worker now in its slot (the driver may still be replacing the one
+    killed last)."""
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
+        slots = trainer.generators if which == "generator" else trainer.rollout_workers
         try:
-            pid = ray.get(trainer.generators.handles[0].pid.remote(), timeout=30)
+            pid = ray.get(slots.handles[0].pid.remote(), timeout=30)
         except ray.exceptions.RayError:
             pid = None
         if pid is not None and pid not in not_one_of:
             return pid
         time.sleep(0.05)
-    raise TimeoutError("no live generator to kill within 120 s")
+    raise TimeoutError(f"no live {which} to kill within 120 s")
 
 
 def kill_generators(kills: list[tuple[int, float]], killed: list[int]):
@@ -75,7 +77,7 @@ def kill_generators(kills: list[tuple[int, float]], killed: list[int]):
             while trainer.counters.step < after_step:
                 time.sleep(0.02)
             time.sleep(delay)
-            pid = live_generator_pid(trainer, not_one_of=killed)
+            pid = live_pid(trainer, "generator", killed)
             os.kill(pid, signal.SIGKILL)
             killed.append(pid)
 
@@ -111,22 +113,6 @@ def test_a_generator_killed_at_any_moment_costs_no_sample(local_ray, tmp_path, l
     assert [r["trained_samples"] for r in steps] == [batch] * STEPS
     assert summary["samples"] == STEPS * batch and summary["failed_samples"] == 0
     assert max(r["policy_lag_mean"] for r in steps) <= lag
-
-
-def live_pid(trainer: GRPOTrainer, which: str, not_one_of: list[int]) -> int:
-    """The pid of the live generator or rollout worker (the driver may still be replacing the one killed last)."""
-    if which == "generator":
-        return live_generator_pid(trainer, not_one_of)
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        try:
-            pid = ray.get(trainer.rollout_workers.handles[0].pid.remote(), timeout=30)
-        except ray.exceptions.RayError:
-            pid = None
-        if pid is not None and pid not in not_one_of:
-            return pid
-        time.sleep(0.05)
-    raise TimeoutError("no live rollout worker to kill within 120 s")
 
 
 # After GRPO step k is logged, wait the delay and SIGKILL the live actor: generators and the rollout worker die
