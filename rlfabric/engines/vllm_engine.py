@@ -95,6 +95,8 @@ class VLLMEngine:
         if weight_bucket_bytes < 1:
             raise ValueError(f"VLLMEngine weight_bucket_bytes = {weight_bucket_bytes}: must be at least 1")
         engine_kwargs.setdefault("disable_log_stats", True)
+        # A multi-turn episode's next prompt extends its last one: the cached blocks spare re-prefilling it.
+        engine_kwargs.setdefault("enable_prefix_caching", True)
         args = vllm.AsyncEngineArgs(
             model=str(model_path),
             seed=seed,
