@@ -140,30 +140,30 @@ def guess_number_rows(n: int, seed: int, min_high: int = 8, max_high: int = 16) 
     return rows
 
 
-def key_lookup_rows(
-    n: int, seed: int, table_size: int = 4, key_length: int = 2, min_value: int = 10, max_value: int = 99
-) -> list[dict]:
-    """Tasks of the KeyLookup tool-use env (``rlfabric/KeyLookup-v0``): rows like ``{"prompt": "xy of ab=41
-    xy=73", "key": "xy", "table": {"ab": 41, "xy": 73}}``, ``table_size`` distinct keys of ``key_length``
-    lowercase letters with values uniform in ``[min_value, max_value]``, and the key asked for one of them.
+def key_lookup_rows(n: int, seed: int, table_size: int = 4, key_length: int = 2, value_length: int = 2) -> list[dict]:
+    """Tasks of the KeyLookup tool-use env (``rlfabric/KeyLookup-v0``): rows like ``{"prompt": "xy of ab=qd
+    xy=mt", "key": "xy", "table": {"ab": "qd", "xy": "mt"}}``: ``table_size`` distinct keys of ``key_length``
+    lowercase letters, each with a value of ``value_length`` lowercase letters, and the key asked for one of them.
     ``prompt`` names the task (held-out splits keep tasks apart by it); the agent sees only the question."""
     _check_count(n, seed)
-    for name, value in (("table_size", table_size), ("key_length", key_length), ("min_value", min_value)):
-        if not isinstance(value, int) or value < (0 if name == "min_value" else 1):
-            raise ValueError(f"{name} = {value!r}: must be an integer >= {0 if name == 'min_value' else 1}")
-    if not isinstance(max_value, int) or max_value < min_value:
-        raise ValueError(f"max_value = {max_value!r}: must be an integer >= min_value ({min_value})")
+    for name, value in (("table_size", table_size), ("key_length", key_length), ("value_length", value_length)):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} = {value!r}: must be an integer >= 1")
     if table_size > 26**key_length:
         raise ValueError(f"table_size = {table_size}: more than the {26**key_length} keys of {key_length} letters")
     rng = random.Random(seed)
+
+    def word(length: int) -> str:
+        return "".join(rng.choice(string.ascii_lowercase) for _ in range(length))
+
     rows = []
     for _ in range(n):
         keys: list[str] = []
         while len(keys) < table_size:
-            key = "".join(rng.choice(string.ascii_lowercase) for _ in range(key_length))
+            key = word(key_length)
             if key not in keys:
                 keys.append(key)
-        table = {k: rng.randint(min_value, max_value) for k in keys}
+        table = {k: word(value_length) for k in keys}
         key = rng.choice(keys)
         prompt = f"{key} of " + " ".join(f"{k}={v}" for k, v in table.items())
         rows.append({"prompt": prompt, "key": key, "table": table})

@@ -1,5 +1,5 @@
 """KeyLookup, the shipped tool-use env: the scripted player solves its tasks through the lookup tool; an answer
-without the tool's result fails; bad calls are counted and cost the `invalid` component; the tool alphabet lets the
+without the tool's result fails; bad calls are counted in the `invalid` component; the tool alphabet lets the
 builtin tokenizer spell the calls and a bad alphabet is one config error line."""
 
 from __future__ import annotations
@@ -32,9 +32,13 @@ def test_the_lookup_player_solves_held_out_tasks_through_the_tool():
         assert episode.error is None and episode.rewards == {"correct": 1.0}
         assert episode.tool_calls == 1 and episode.invalid_tool_calls == {} and len(episode.turns) == 2
         assert episode.texts == [tool_call(task["key"]), str(task["table"][task["key"]])]
-    first = chat.tokenizer.decode(episodes[0].prompt)
-    assert "lookup(key)" in first and f"Value of key {tasks[0]['key']}?" in first
-    assert str(tasks[0]["table"]) not in first and f"{tasks[0]['table'][tasks[0]['key']]}" not in first
+    # The agent is shown the tools and the question, nothing of the table.
+    env = KeyLookup()
+    question = f"Value of key {tasks[0]['key']}?"
+    opening = [{"role": "system", "content": env.system_prompt}, {"role": "user", "content": question}]
+    assert "lookup(key)" in env.system_prompt
+    shown = chat.tokenizer.decode(episodes[0].prompt)
+    assert shown == chat.tokenizer.apply_chat_template(opening, tokenize=False, add_generation_prompt=True)
     traj = episodes_to_trajectories(episodes, list(range(20)), list(range(20)))
     assert traj.num_rows == 20
 
@@ -42,12 +46,12 @@ def test_the_lookup_player_solves_held_out_tasks_through_the_tool():
 def test_without_the_tool_the_answer_is_a_guess_and_bad_calls_are_counted():
     tasks = key_lookup_rows(40, seed=4)
 
-    def guesser(task, messages):  # answers at once: a number it cannot know
-        return "50"
+    def guesser(task, messages):  # answers at once: a value it cannot know
+        return "mt"
 
     episodes, _ = play(guesser, tasks)
     assert all(e.tool_calls == 0 and len(e.turns) == 1 for e in episodes)
-    assert sum(e.rewards.get("correct", 0) for e in episodes) == sum(t["table"][t["key"]] == 50 for t in tasks) < 3
+    assert sum(e.rewards["correct"] for e in episodes) == sum(t["table"][t["key"]] == "mt" for t in tasks) < 3
 
     wrong = tasks[0]["key"][::-1] + "q"  # not a key of the table
 
@@ -66,11 +70,19 @@ def test_without_the_tool_the_answer_is_a_guess_and_bad_calls_are_counted():
     assert episode.rewards == {"invalid": 2.0, "correct": 1.0} and not episode.truncated  # it recovers
     assert "error: lookup raised KeyError" in chat.tokenizer.decode(episode.turns[1].observation)
 
-    def no_number(task, messages):
-        return "I do not know."
+    def silent(task, messages):
+        return " "
 
-    (episode,), _ = play(no_number, tasks[:1])
+    (episode,), _ = play(silent, tasks[:1])
     assert episode.rewards == {"invalid": 1.0} and not episode.truncated
+
+
+def test_an_answer_is_the_value_alone_or_after_its_key():
+    env = KeyLookup()
+    asyncio.run(env.reset({"key": "xy", "table": {"ab": "qd", "xy": "mt"}}))
+    for text, right in (("mt", True), (" xy=mt ", True), ("qd", False), ("mt please", False), ("xy=qd", False)):
+        step = asyncio.run(env.step(text))
+        assert step.terminated and step.rewards == {"correct": float(right)}, text
 
 
 def test_the_careless_player_sometimes_answers_without_looking():
@@ -79,7 +91,7 @@ def test_the_careless_player_sometimes_answers_without_looking():
     looked = [e for e in episodes if e.tool_calls == 1]
     assert all(e.rewards == {"correct": 1.0} for e in looked)
     assert 0.5 < len(looked) / len(tasks) < 0.85  # a third of its episodes are guesses
-    assert sum(e.rewards.get("correct", 0) for e in episodes) < len(looked) + 3
+    assert sum(e.rewards["correct"] for e in episodes) < len(looked) + 3
 
 
 def test_the_default_alphabet_cannot_spell_a_call_so_the_tool_alphabet_exists():
@@ -106,10 +118,10 @@ def test_a_bad_alphabet_is_one_config_error_line(alphabet):
 
 
 def test_tasks_are_reproducible_and_hide_the_answer_from_the_question():
-    rows = key_lookup_rows(50, seed=1, table_size=3, key_length=2, min_value=10, max_value=99)
-    assert rows == key_lookup_rows(50, seed=1, table_size=3, key_length=2, min_value=10, max_value=99)
+    rows = key_lookup_rows(50, seed=1, table_size=3, key_length=2, value_length=3)
+    assert rows == key_lookup_rows(50, seed=1, table_size=3, key_length=2, value_length=3)
     assert all(len(r["table"]) == 3 and r["key"] in r["table"] for r in rows)
-    assert all(10 <= v <= 99 for r in rows for v in r["table"].values())
+    assert all(len(k) == 2 and len(v) == 3 and (k + v).isalpha() for r in rows for k, v in r["table"].items())
     assert len({r["prompt"] for r in rows}) == 50
     with pytest.raises(ValueError, match="table_size = 700"):
         key_lookup_rows(1, seed=0, table_size=700, key_length=2)
@@ -118,8 +130,8 @@ def test_tasks_are_reproducible_and_hide_the_answer_from_the_question():
 def test_envs_check_plays_one_turn_of_key_lookup(capsys):
     from rlfabric.cli import main
 
-    assert main(["envs", "check", "rlfabric/KeyLookup-v0", "--task", '{"key": "ab", "table": {"ab": 41}}']) == 0
+    assert main(["envs", "check", "rlfabric/KeyLookup-v0", "--task", '{"key": "ab", "table": {"ab": "qd"}}']) == 0
     out = capsys.readouterr().out
-    assert out.startswith("OK rlfabric/KeyLookup-v0 (text env): reset -> 'Value of key ab?'; step('') -> 'No number.'")
-    assert main(["envs", "check", "rlfabric/KeyLookup-v0", "--task", '{"key": "zz", "table": {"ab": 41}}']) == 1
+    assert out.startswith("OK rlfabric/KeyLookup-v0 (text env): reset -> 'Value of key ab?'; step('') -> 'No answer.'")
+    assert main(["envs", "check", "rlfabric/KeyLookup-v0", "--task", '{"key": "zz", "table": {"ab": "qd"}}']) == 1
     assert "must be a key of the task's table" in capsys.readouterr().out
