@@ -486,10 +486,17 @@ def test_overlong_filter_takes_truncated_completions_out_of_the_loss(dp_setup, o
     by_hand = copy.deepcopy(record)
     by_hand.loss_mask[1] = 0.0
     spec = {"overlong_filter": overlong_filter, "advantage": "rloo"}
-    filtered = LLMLearnerCore(**learner_kwargs(model_dir, "token_mean", 8, batch_spec=spec))
-    masked = LLMLearnerCore(**learner_kwargs(model_dir, "token_mean", 8, batch_spec={**spec, "overlong_filter": False}))
+
+    def learner(batch_spec: dict) -> LLMLearnerCore:
+        kwargs = learner_kwargs(model_dir, "token_mean", 8, batch_spec=batch_spec)
+        kwargs["grpo"]["max_logprob_gap"] = None  # these behaviour logprobs are made up: no trace check
+        return LLMLearnerCore(**kwargs)
+
+    filtered, masked = learner(spec), learner({**spec, "overlong_filter": False})
+    before = filtered.state_dict_cpu()
     filtered.train_on([record], None, 1e-2)
     masked.train_on([by_hand], None, 1e-2)
+    assert max_abs_diff(before, masked.state_dict_cpu()) > 1e-6  # the two kept rows did train
     same = max_abs_diff(filtered.state_dict_cpu(), masked.state_dict_cpu()) < 1e-7
     assert same == overlong_filter
 
