@@ -20,7 +20,7 @@ from rlfabric.agent_loop import EpisodeLimits, ScriptedTurns, episodes_to_trajec
 from rlfabric.envs.guess_number import GuessNumber, bisection_player
 from rlfabric.grpo_config import GRPOConfig
 from rlfabric.models.chat_tokens import ChatTokens
-from rlfabric.models.hf import build_char_tokenizer, build_small_model_dir, load_tokenizer
+from rlfabric.models.hf import build_char_tokenizer, build_small_model_dir, builtin_alphabet, load_tokenizer
 from rlfabric.models.llm_batch import pack_trajectories
 from rlfabric.policies import ActBatcher, PolicyOutput
 from rlfabric.policies.served import ServedLLMPolicy
@@ -65,6 +65,21 @@ def test_appended_turns_equal_the_template_rendering_of_the_whole_chat(make):
         add_generation_prompt=True,
     )
     assert ids == tok(whole, add_special_tokens=False).input_ids
+
+
+@pytest.mark.parametrize("alphabet", ["default", "tool"])
+def test_a_saved_builtin_tokenizer_loads_back_with_every_character(tmp_path, alphabet):
+    """Spaces, newlines and the chat template survive save and load: one token per character, decoded back
+    exactly, the same ids as the tokenizer that was saved."""
+    text = "user: what is 12 + 3?<eos>\nassistant: 15, (a b)"
+    built = build_char_tokenizer(builtin_alphabet(alphabet))
+    loaded = load_tokenizer(build_small_model_dir(tmp_path / "model", alphabet=alphabet, **TINY))
+    ids = loaded(text, add_special_tokens=False).input_ids
+    assert len(ids) == len(text) - len("<eos>") + 1
+    assert ids == built(text, add_special_tokens=False).input_ids
+    assert loaded.decode(ids) == text
+    assert len(loaded) == len(built) and loaded.pad_token_id == built.pad_token_id
+    assert loaded.apply_chat_template([{"role": "user", "content": "a b"}], tokenize=False) == "user: a b<eos>\n"
 
 
 def test_a_turn_cut_before_its_end_token_gets_the_whole_closing_delimiter():

@@ -191,7 +191,9 @@ class VLLMEngine:
             stop=list(params.stop),
             include_stop_str_in_output=True,
             logprobs=0,  # the sampled token's logprob only
-            detokenize=bool(params.stop),  # stop strings are matched on the text
+            # Stop strings are matched on vLLM's own detokenized text; vLLM loads tokenizers with AutoTokenizer,
+            # which misreads the built-in character tokenizer (see rlfabric.models.hf.load_tokenizer).
+            detokenize=bool(params.stop),
             output_kind=RequestOutputKind.FINAL_ONLY,
         )
 

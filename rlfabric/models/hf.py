@@ -39,7 +39,7 @@ def build_char_tokenizer(alphabet: str = DEFAULT_ALPHABET) -> Any:
     """A character-level ``PreTrainedTokenizerFast``: one token per character, plus <pad>, <eos> and <bos>, with
     ``CHAR_CHAT_TEMPLATE`` as its chat template.
 
-    It saves with ``save_pretrained`` and loads with ``AutoTokenizer`` like any hub tokenizer.
+    It saves with ``save_pretrained`` and loads with ``load_tokenizer`` (or ``PreTrainedTokenizerFast``).
     """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
@@ -165,10 +165,27 @@ def load_causal_lm(path: str | Path, dtype: torch.dtype | str = torch.float32, d
     return model.to(device).eval()
 
 
-def load_tokenizer(path: str | Path) -> Any:
-    from transformers import AutoTokenizer
+# Classes a tokenizer saved from a plain ``tokenizers`` object records in its tokenizer_config.json.
+GENERIC_TOKENIZER_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
 
-    tokenizer = AutoTokenizer.from_pretrained(str(path))
+
+def load_tokenizer(path: str | Path) -> Any:
+    """Load the tokenizer of a model directory or hub id, with a pad token (the EOS token if it has none).
+
+    A tokenizer saved as a generic ``tokenizer.json`` (the built-in character tokenizer is one) loads as
+    ``PreTrainedTokenizerFast`` exactly as saved: ``AutoTokenizer`` in transformers 5 rebuilds it as the model
+    type's own class (Qwen2's byte-level BPE for the built-in model), which silently drops spaces and newlines.
+    """
+    import json
+
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    config_file = Path(path) / "tokenizer_config.json"
+    saved_class = json.loads(config_file.read_text()).get("tokenizer_class") if config_file.is_file() else None
+    if saved_class in GENERIC_TOKENIZER_CLASSES and (Path(path) / "tokenizer.json").is_file():
+        tokenizer = PreTrainedTokenizerFast.from_pretrained(str(path))
+    else:
+        tokenizer = AutoTokenizer.from_pretrained(str(path))
     if tokenizer.pad_token_id is None:  # many causal LMs ship without one; generation and batching need it
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
