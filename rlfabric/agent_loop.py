@@ -132,7 +132,27 @@ async def play(
     limits: EpisodeLimits,
 ) -> Episode:
     """One episode of ``env`` on ``task`` (see the module docstring). A failing policy call raises: the caller
-    decides what a lost generator means; a failing env ends the episode as failed or as an observation."""
+    decides what a lost generator means; a failing env ends the episode as failed or as an observation. An env
+    with a ``close`` method (one holding a tool server session, say) is closed when the episode ends."""
+    try:
+        return await _play(env, task, task_index, turns, chat, limits)
+    finally:
+        close = getattr(env, "close", None)
+        if close is not None:
+            try:
+                await asyncio.wait_for(call_env(close), limits.step_timeout_s)
+            except Exception:  # noqa: BLE001, S110 - the episode is over; a close that fails costs nothing of it
+                pass
+
+
+async def _play(
+    env: TextEnv,
+    task: dict[str, Any],
+    task_index: int,
+    turns: PolicyTurns | ScriptedTurns,
+    chat: ChatTokens,
+    limits: EpisodeLimits,
+) -> Episode:
     try:
         observation = await _env_call(env.reset, task, limits)
     except Exception as exc:  # noqa: BLE001 - any env failure is the episode's, recorded

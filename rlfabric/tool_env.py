@@ -6,12 +6,14 @@ by default): calls are checked against their schemas and run under ``tool_timeou
 errors) come back as the next observation, wrapped in ``<tool_response>`` tags the way Qwen's chat template
 renders tool messages; a turn without a call is the answer. Every bad call becomes an error observation and is
 counted in ``TextStep.info["invalid_tool_calls"]`` by kind (``rlfabric.tools.ERROR_KINDS``); none ends the episode.
+``McpToolEnv`` takes its tools from an MCP server instead, one session per episode.
 """
 
 from __future__ import annotations
 
 from typing import Any, Protocol
 
+from rlfabric.mcp_tools import McpSession, server_command
 from rlfabric.text_env import TextStep, call_env
 from rlfabric.tools import ToolSet, tool_call_parser
 
@@ -31,10 +33,7 @@ class ToolEnv:
         self.task_env, self.tools = task_env, tools
         self.parse = tool_call_parser(parser, "ToolEnv parser")
         self.tool_timeout_s = tool_timeout_s
-        names = ", ".join(f"{t.name}({', '.join(t.parameters.get('properties', {}))})" for t in tools.tools.values())
-        self.system_prompt = (
-            f'Tools: {names}. Call one as <tool_call>{{"name": ..., "arguments": {{...}}}}</tool_call>.'
-        )
+        self.system_prompt = tools_prompt(tools)
 
     async def reset(self, task: dict[str, Any]) -> str:
         return str(await call_env(self.task_env.reset, task))
@@ -56,6 +55,43 @@ class ToolEnv:
             if outcome.error:
                 invalid[outcome.error] = invalid.get(outcome.error, 0) + 1
         return TextStep(_responses(texts), info={"tool_calls": len(parsed.calls), "invalid_tool_calls": invalid})
+
+
+class McpToolEnv(ToolEnv):
+    """A ``ToolEnv`` whose tools an MCP server serves (``rlfabric.mcp_tools``): each episode opens its own session
+    to its own server process at ``reset`` (what one episode writes, no other sees) and closes it at ``close``.
+    ``server`` is the server's command line; ``start_timeout_s`` bounds its start and handshake."""
+
+    def __init__(
+        self,
+        task_env: AnswerTask,
+        server: str | list[str],
+        parser: str = "hermes",
+        tool_timeout_s: float = 10.0,
+        start_timeout_s: float = 30.0,
+    ):
+        super().__init__(task_env, ToolSet([]), parser, tool_timeout_s)
+        self.argv = server_command(server)
+        self.start_timeout_s = start_timeout_s
+        self.session: McpSession | None = None
+
+    async def reset(self, task: dict[str, Any]) -> str:
+        await self.close()
+        self.session = await McpSession.open(self.argv, self.start_timeout_s)
+        self.tools = ToolSet(self.session.tools())
+        self.system_prompt = tools_prompt(self.tools)
+        return await super().reset(task)
+
+    async def close(self) -> None:
+        if self.session is not None:
+            session, self.session = self.session, None
+            await session.close()
+
+
+def tools_prompt(tools: ToolSet) -> str:
+    """The system message that lists ``tools`` with their parameters and shows the Hermes call format."""
+    names = ", ".join(f"{t.name}({', '.join(t.parameters.get('properties', {}))})" for t in tools.tools.values())
+    return f'Tools: {names}. Call one as <tool_call>{{"name": ..., "arguments": {{...}}}}</tool_call>.'
 
 
 def _responses(texts: list[str]) -> str:

@@ -1,0 +1,145 @@
+"""Tools served by an MCP server, through the official ``mcp`` SDK (2.x): one client session per episode.
+
+``McpSession.open(server)`` starts the server given by its command line (stdio transport), initializes an MCP
+session, and lists the server's tools; ``session.tools()`` turns them into ``rlfabric.tools.Tool`` objects (their
+JSON schemas as the chat template's tool definitions), so a ``ToolSet`` checks every call against the schema
+before anything is sent and runs it under its deadline like any Python tool. A result flagged ``is_error`` raises
+``McpToolError`` (a ``tool_error`` observation for the agent); a call past its deadline is cancelled (the SDK
+tells the server). Calls from many coroutines on one session are concurrent.
+
+The SDK's transports open anyio task groups that must be entered and left by the same task, so each session is
+owned by one task that opens it, waits for ``close()``, and closes it; other tasks only send calls on it. A server
+that fails to start raises ``McpStartError`` naming the command and the tail of its stderr.
+
+Not built yet: streamable HTTP servers and servers supervised as Ray actors (health checks, restarts).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import shlex
+import sys
+import tempfile
+from collections.abc import Sequence
+from typing import Any
+
+from rlfabric.tools import Tool
+
+
+class McpStartError(RuntimeError):
+    """An MCP server that did not start or did not answer the handshake."""
+
+
+class McpToolError(RuntimeError):
+    """A tool result the server flagged as an error (``is_error``); its text is the message."""
+
+
+def server_command(server: str | Sequence[str]) -> list[str]:
+    """The argv of an MCP server: a list as given, or a command line split like a shell does. A leading
+    ``python`` means this interpreter, so a server of this environment runs under the same packages."""
+    argv = shlex.split(server) if isinstance(server, str) else [str(part) for part in server]
+    if not argv:
+        raise ValueError("MCP server command is empty: give a command line, e.g. 'python -m my_server'")
+    if argv[0] in ("python", "python3"):
+        argv[0] = sys.executable
+    return argv
+
+
+def _first_error(exc: BaseException) -> BaseException:
+    """The first leaf of an exception group (anyio task groups wrap what failed inside them)."""
+    while getattr(exc, "exceptions", None):  # BaseExceptionGroup (or its backport before Python 3.11)
+        exc = exc.exceptions[0]  # type: ignore[attr-defined]
+    return exc
+
+
+def result_text(result: Any) -> str:
+    """The text an agent reads from a ``CallToolResult``: its text blocks joined by newlines; other blocks (images,
+    audio, resources) as ``[<type> content]``."""
+    parts = [block.text if block.type == "text" else f"[{block.type} content]" for block in result.content]
+    return "\n".join(parts)
+
+
+class McpSession:
+    """One MCP client session over stdio to its own server process (see the module docstring)."""
+
+    def __init__(self, server: str | Sequence[str]) -> None:
+        self.argv = server_command(server)
+        self.listed: list[Any] = []  # the server's mcp.types.Tool list
+        self._session: Any = None
+        self._stderr = tempfile.TemporaryFile(mode="w+")  # the server's log: read back when it fails to start
+        self._stop = asyncio.Event()
+        self._ready: asyncio.Future[None] | None = None
+        self._owner: asyncio.Task[None] | None = None
+
+    @classmethod
+    async def open(cls, server: str | Sequence[str], timeout_s: float = 30.0) -> McpSession:
+        """Start the server, initialize the session and list its tools, within ``timeout_s``."""
+        session = cls(server)
+        session._ready = asyncio.get_running_loop().create_future()
+        session._owner = asyncio.create_task(session._own())
+        try:
+            await asyncio.wait_for(asyncio.shield(session._ready), timeout_s)
+        except (asyncio.TimeoutError, TimeoutError):
+            message = session._failure(f"did not finish the MCP handshake within {timeout_s:g}s")
+        except Exception as exc:  # noqa: BLE001 - any start failure is one McpStartError
+            reason = _first_error(exc)
+            message = session._failure(f"{type(reason).__name__}: {reason}")
+        else:
+            return session
+        await session.close()
+        raise McpStartError(message)
+
+    async def _own(self) -> None:
+        from mcp import ClientSession, StdioServerParameters, stdio_client
+
+        assert self._ready is not None
+        params = StdioServerParameters(command=self.argv[0], args=self.argv[1:])
+        try:
+            async with stdio_client(params, errlog=self._stderr) as (read, write):
+                async with ClientSession(read, write) as session:
+                    await session.initialize()
+                    self.listed = list((await session.list_tools()).tools)
+                    self._session = session
+                    self._ready.set_result(None)
+                    await self._stop.wait()
+        except BaseException as exc:  # noqa: BLE001 - handed to open(), or ends a session already closing
+            if not self._ready.done():
+                self._ready.set_exception(exc if isinstance(exc, Exception) else RuntimeError(repr(exc)))
+        finally:
+            self._session = None
+
+    def _failure(self, reason: str) -> str:
+        self._stderr.seek(0)
+        tail = " | ".join(self._stderr.read().strip().splitlines()[-5:])
+        return f"MCP server {shlex.join(self.argv)!r} failed to start: {reason}" + (f"; stderr: {tail}" if tail else "")
+
+    def tools(self) -> list[Tool]:
+        """The server's tools as ``Tool`` objects whose functions call them on this session."""
+        return [Tool(t.name, t.description or "", dict(t.input_schema), self._caller(t.name)) for t in self.listed]
+
+    def _caller(self, name: str) -> Any:
+        async def call(**arguments: Any) -> str:
+            if self._session is None:
+                raise McpToolError(f"the MCP session to {self.argv[0]} is closed")
+            result = await self._session.call_tool(name, arguments)
+            if result.is_error:
+                raise McpToolError(result_text(result))
+            return result_text(result)
+
+        call.__name__ = name
+        return call
+
+    async def close(self, timeout_s: float = 10.0) -> None:
+        """End the session and stop the server (the SDK closes its stdin, then terminates, then kills it)."""
+        self._stop.set()
+        if self._owner is not None and not self._owner.done():
+            if self._ready is not None and not self._ready.done():
+                self._owner.cancel()  # still in the handshake: nothing to wait for
+            try:
+                await asyncio.wait_for(asyncio.shield(self._owner), timeout_s)
+            except (asyncio.TimeoutError, TimeoutError):
+                self._owner.cancel()
+            except asyncio.CancelledError:
+                if not self._owner.cancelled():
+                    raise  # the caller was cancelled, not the owner
+        self._stderr.close()

@@ -1,0 +1,128 @@
+"""Tools from MCP servers through the official SDK over stdio: one session (and server process) per episode,
+state isolated between concurrent episodes, every bad or failing call an error observation, a server that does
+not start one error naming its command and its stderr."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from rlfabric.agent_loop import EpisodeLimits, ScriptedTurns, run_episodes
+from rlfabric.mcp_tools import McpSession, McpStartError
+from rlfabric.models.chat_tokens import ChatTokens
+from rlfabric.models.hf import TOOL_ALPHABET, build_char_tokenizer
+from rlfabric.text_env import TextStep
+from rlfabric.tool_env import McpToolEnv
+from rlfabric.tools import ToolCall, ToolSet
+
+NOTES_SERVER = "python -m rlfabric.envs.notes_server"
+TEST_SERVER = [sys.executable, str(Path(__file__).parent / "mcp_test_server.py")]
+
+
+class RecallTask:
+    """Store the task's value under its key through the server, read it back, answer it."""
+
+    def reset(self, task: dict) -> str:
+        self.value = task["value"]
+        return f"put {task['value']} under {task['key']}, get it, answer it"
+
+    def answer(self, text: str) -> TextStep:
+        return TextStep("", {"correct": float(text == self.value)}, terminated=True)
+
+
+def call(name: str, **arguments: str) -> str:
+    return f"<tool_call>{json.dumps({'name': name, 'arguments': arguments})}</tool_call>"
+
+
+def recall_player(task: dict, messages: list[dict]) -> str:
+    turn = len(messages) // 2 - 1  # system + question, then assistant/user pairs
+    if turn == 0:
+        return call("put", key=task["key"], value=task["value"])
+    if turn == 1:
+        return call("get", key=task["key"])
+    return re.search(r"<tool_response>\n(.*)\n</tool_response>", messages[-1]["content"]).group(1)
+
+
+def notes_servers_running() -> int:
+    found = subprocess.run(["pgrep", "-f", "rlfabric.envs.notes_server"], capture_output=True, text=True)
+    return len(found.stdout.split())
+
+
+def test_concurrent_episodes_each_own_a_server_session_and_close_it():
+    """Six episodes write different values under the same key at once: each reads back its own."""
+    tasks = [{"key": "k", "value": f"v{i}"} for i in range(6)]
+    chat = ChatTokens(build_char_tokenizer(TOOL_ALPHABET))
+    limits = EpisodeLimits(max_turns=3, turn_tokens=96, max_episode_tokens=2048, step_timeout_s=60.0)
+    episodes = asyncio.run(
+        run_episodes(
+            lambda: McpToolEnv(RecallTask(), NOTES_SERVER), tasks, ScriptedTurns(recall_player, chat), chat, limits
+        )
+    )
+    for task, episode in zip(tasks, episodes, strict=True):
+        assert episode.error is None and episode.rewards == {"correct": 1.0}, episode.error
+        assert episode.texts[-1] == task["value"] and episode.tool_calls == 2 and episode.invalid_tool_calls == {}
+    system = chat.tokenizer.decode(episodes[0].prompt)
+    assert "put(key, value)" in system and "keys()" in system  # the server's listed tools, shown to the agent
+    assert notes_servers_running() == 0
+
+
+def test_bad_and_failing_calls_become_error_observations_and_a_hang_meets_its_deadline():
+    async def scenario() -> list:
+        session = await McpSession.open(TEST_SERVER)
+        tools = ToolSet(session.tools())
+        try:
+            outcomes = [
+                await tools.call(ToolCall("echo", {"text": "hi"}), 5.0),
+                await tools.call(ToolCall("nope", {}), 5.0),
+                await tools.call(ToolCall("wait", {"seconds": "long"}), 5.0),
+                await tools.call(ToolCall("crash", {}), 5.0),
+            ]
+            start = time.monotonic()
+            outcomes.append(await tools.call(ToolCall("wait", {"seconds": 60}), 0.5))
+            outcomes.append(time.monotonic() - start)
+            outcomes.append(await tools.call(ToolCall("echo", {"text": "still here"}), 5.0))
+            outcomes.append(await tools.call(ToolCall("die", {}), 5.0))
+            outcomes.append(await tools.call(ToolCall("echo", {"text": "gone"}), 5.0))
+        finally:
+            await session.close()
+        return outcomes
+
+    ok, unknown, invalid, crashed, hung, hung_s, after, died, gone = asyncio.run(scenario())
+    assert (ok.text, ok.error) == ("hi", None)
+    assert unknown.error == "unknown_tool" and "crash, die, echo, wait" in unknown.text
+    assert invalid.error == "invalid_arguments" and "seconds" in invalid.text
+    assert crashed.error == "tool_error" and "Error executing tool crash" in crashed.text  # the server's own words
+    assert hung.error == "tool_timeout" and hung_s < 5.0
+    assert (after.text, after.error) == ("still here", None)  # the cancelled call left the session usable
+    assert died.error == "tool_error" and gone.error == "tool_error"  # a dead server: errors, never a hang
+
+
+@pytest.mark.parametrize(
+    ("command", "says"),
+    [
+        ("no-such-mcp-server --flag", "FileNotFoundError"),
+        ([sys.executable, "-c", "import sys; print('bad config line 3', file=sys.stderr); sys.exit(2)"], "line 3"),
+    ],
+    ids=["missing", "exits"],
+)
+def test_a_server_that_does_not_start_is_one_error_naming_its_command_and_stderr(command, says):
+    with pytest.raises(McpStartError) as info:
+        asyncio.run(McpSession.open(command, timeout_s=30.0))
+    message = str(info.value)
+    assert message.startswith("MCP server ") and says in message and "\n" not in message
+    assert (command if isinstance(command, str) else "-c").split()[0] in message
+
+
+def test_a_server_that_never_answers_the_handshake_misses_its_start_deadline():
+    silent = [sys.executable, "-c", "import time; time.sleep(60)"]
+    start = time.monotonic()
+    with pytest.raises(McpStartError, match="within 1s"):
+        asyncio.run(McpSession.open(silent, timeout_s=1.0))
+    assert time.monotonic() - start < 8.0  # the handshake is abandoned, the process stopped
