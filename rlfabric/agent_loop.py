@@ -132,27 +132,7 @@ async def play(
     limits: EpisodeLimits,
 ) -> Episode:
     """One episode of ``env`` on ``task`` (see the module docstring). A failing policy call raises: the caller
-    decides what a lost generator means; a failing env ends the episode as failed or as an observation. An env
-    with a ``close`` method (one holding a tool server session, say) is closed when the episode ends."""
-    try:
-        return await _play(env, task, task_index, turns, chat, limits)
-    finally:
-        close = getattr(env, "close", None)
-        if close is not None:
-            try:
-                await asyncio.wait_for(call_env(close), limits.step_timeout_s)
-            except Exception:  # noqa: BLE001, S110 - the episode is over; a close that fails costs nothing of it
-                pass
-
-
-async def _play(
-    env: TextEnv,
-    task: dict[str, Any],
-    task_index: int,
-    turns: PolicyTurns | ScriptedTurns,
-    chat: ChatTokens,
-    limits: EpisodeLimits,
-) -> Episode:
+    decides what a lost generator means; a failing env ends the episode as failed or as an observation."""
     try:
         observation = await _env_call(env.reset, task, limits)
     except Exception as exc:  # noqa: BLE001 - any env failure is the episode's, recorded
@@ -206,15 +186,32 @@ async def run_episodes(
 ) -> list[Episode]:
     """One episode per task, all in flight at once, each on its own env from ``make_env``; in task order. The
     turns come from a policy (an ``ActBatcher`` over it; each episode's requests under a session key of its own)
-    or a scripted player (``ScriptedTurns``)."""
+    or a scripted player (``ScriptedTurns``). Each env is closed when its episode ends (``close_env``)."""
     run = uuid.uuid4().hex[:12]  # session keys unique across calls and workers sharing a generator
 
     def source(i: int) -> PolicyTurns | ScriptedTurns:
         return PolicyTurns(turns, f"{run}/{i}") if isinstance(turns, ActBatcher) else turns
 
-    return list(
-        await asyncio.gather(*(play(make_env(), task, i, source(i), chat, limits) for i, task in enumerate(tasks)))
-    )
+    async def one(i: int, task: dict[str, Any]) -> Episode:
+        env = make_env()
+        try:
+            return await play(env, task, i, source(i), chat, limits)
+        finally:
+            await close_env(env, limits.step_timeout_s)
+
+    return list(await asyncio.gather(*(one(i, task) for i, task in enumerate(tasks))))
+
+
+async def close_env(env: TextEnv, timeout_s: float) -> None:
+    """Call ``env.close()`` if it has one (an env holding a tool server session, say), within ``timeout_s``; the
+    episode is over, so a close that fails or hangs costs nothing of it."""
+    close = getattr(env, "close", None)
+    if close is None:
+        return
+    try:
+        await asyncio.wait_for(call_env(close), timeout_s)
+    except Exception:  # noqa: BLE001, S110 - see the docstring
+        pass
 
 
 def episodes_to_trajectories(
