@@ -212,6 +212,35 @@ def cmd_envs_check(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_tools_list(args: argparse.Namespace) -> int:
+    """Start an MCP server from its command line, list its tools with their arguments, stop it."""
+    import asyncio
+
+    from rlfabric.mcp_tools import McpSession, McpStartError
+
+    async def listed() -> list:
+        session = await McpSession.open(args.server, args.timeout)
+        try:
+            return session.tools()
+        finally:
+            await session.close()
+
+    try:
+        tools = asyncio.run(listed())
+    except (McpStartError, ValueError) as exc:
+        print(f"rlfabric: tools list: {exc}", file=sys.stderr)
+        return 1
+    print(f"{len(tools)} tools from MCP server {args.server!r} (? marks an optional argument):")
+    for tool in tools:
+        required = set(tool.parameters.get("required", []))
+        arguments = ", ".join(
+            f"{name}{'' if name in required else '?'}: {schema.get('type', 'any')}"
+            for name, schema in tool.parameters.get("properties", {}).items()
+        )
+        print(f"  {tool.name}({arguments})  {tool.description}")
+    return 0
+
+
 def _json_object(option: str, text: str | None, example: str) -> dict[str, Any]:
     """An option's JSON object ({} when not given), or one ConfigError naming the option."""
     try:
@@ -312,6 +341,12 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--task", help="text envs: the JSON task row to reset on (default {})")
     check.add_argument("--import", dest="import_modules", action="append", help="module to import first")
     check.set_defaults(func=cmd_envs_check)
+
+    tools = sub.add_parser("tools", help="MCP tool servers").add_subparsers(dest="tools_command", required=True)
+    tool_list = tools.add_parser("list", help="start an MCP server (stdio) and show its tools and their arguments")
+    tool_list.add_argument("server", help="the server's command line, e.g. 'python -m rlfabric.envs.notes_server'")
+    tool_list.add_argument("--timeout", type=float, default=30.0, help="seconds to start and answer (default 30)")
+    tool_list.set_defaults(func=cmd_tools_list)
     return parser
 
 

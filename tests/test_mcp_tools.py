@@ -126,3 +126,15 @@ def test_a_server_that_never_answers_the_handshake_misses_its_start_deadline():
     with pytest.raises(McpStartError, match="within 1s"):
         asyncio.run(McpSession.open(silent, timeout_s=1.0))
     assert time.monotonic() - start < 8.0  # the handshake is abandoned, the process stopped
+
+
+def test_tools_list_shows_a_servers_tools_and_a_bad_command_is_one_line(capsys):
+    from rlfabric.cli import main
+
+    assert main(["tools", "list", NOTES_SERVER]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("4 tools from MCP server")
+    assert "put(key: string, value: string)  Store value under key" in out and "keys()" in out
+    assert main(["tools", "list", "no-such-mcp-server"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("rlfabric: tools list: MCP server 'no-such-mcp-server'") and "\n" not in err
