@@ -213,7 +213,8 @@ def cmd_envs_check(args: argparse.Namespace) -> int:
 
 
 def cmd_tools_list(args: argparse.Namespace) -> int:
-    """Start an MCP server from its command line, list its tools with their arguments, stop it."""
+    """List an MCP server's tools with their arguments: one started from its command line (then stopped), or
+    one running at a URL."""
     import asyncio
 
     from rlfabric.mcp_tools import McpSession, McpStartError
@@ -343,8 +344,10 @@ def build_parser() -> argparse.ArgumentParser:
     check.set_defaults(func=cmd_envs_check)
 
     tools = sub.add_parser("tools", help="MCP tool servers").add_subparsers(dest="tools_command", required=True)
-    tool_list = tools.add_parser("list", help="start an MCP server (stdio) and show its tools and their arguments")
-    tool_list.add_argument("server", help="the server's command line, e.g. 'python -m rlfabric.envs.notes_server'")
+    tool_list = tools.add_parser("list", help="show an MCP server's tools and their arguments")
+    tool_list.add_argument(
+        "server", help="a command line (stdio), e.g. 'python -m rlfabric.envs.notes_server', or an HTTP URL"
+    )
     tool_list.add_argument("--timeout", type=float, default=30.0, help="seconds to start and answer (default 30)")
     tool_list.set_defaults(func=cmd_tools_list)
     return parser

@@ -1,17 +1,19 @@
 """Tools served by an MCP server, through the official ``mcp`` SDK (2.x): one client session per episode.
 
-``McpSession.open(server)`` starts the server given by its command line (stdio transport), initializes an MCP
-session, and lists the server's tools; ``session.tools()`` turns them into ``rlfabric.tools.Tool`` objects (their
-JSON schemas as the chat template's tool definitions), so a ``ToolSet`` checks every call against the schema
-before anything is sent and runs it under its deadline like any Python tool. A result flagged ``is_error`` raises
-``McpToolError`` (a ``tool_error`` observation for the agent); a call past its deadline is cancelled (the SDK
-tells the server). Calls from many coroutines on one session are concurrent.
+``McpSession.open(server)`` starts the server given by its command line (stdio transport: a process per session)
+or connects to the URL of a running one (streamable HTTP: many sessions per process, each under its own
+``mcp-session-id``), initializes an MCP session, and lists the server's tools; ``session.tools()`` turns them
+into ``rlfabric.tools.Tool`` objects (their JSON schemas as the chat template's tool definitions), so a
+``ToolSet`` checks every call against the schema before anything is sent and runs it under its deadline like any
+Python tool. A result flagged ``is_error`` raises ``McpToolError`` (a ``tool_error`` observation for the agent);
+a call past its deadline is cancelled (the SDK tells the server). Calls from many coroutines on one session are
+concurrent.
 
 The SDK's transports open anyio task groups that must be entered and left by the same task, so each session is
 owned by one task that opens it, waits for ``close()``, and closes it; other tasks only send calls on it. A server
-that fails to start raises ``McpStartError`` naming the command and the tail of its stderr.
+that fails to start raises ``McpStartError`` naming the command and the tail of its stderr (or the URL).
 
-Not built yet: streamable HTTP servers and servers supervised as Ray actors (health checks, restarts).
+Not built yet: servers supervised as Ray actors (health checks, restarts).
 """
 
 from __future__ import annotations
@@ -32,6 +34,11 @@ class McpStartError(RuntimeError):
 
 class McpToolError(RuntimeError):
     """A tool result the server flagged as an error (``is_error``); its text is the message."""
+
+
+def is_url(server: str | Sequence[str]) -> bool:
+    """Whether ``server`` names a running server by its streamable HTTP URL rather than a command line."""
+    return isinstance(server, str) and server.startswith(("http://", "https://"))
 
 
 def server_command(server: str | Sequence[str]) -> list[str]:
@@ -60,10 +67,11 @@ def result_text(result: Any) -> str:
 
 
 class McpSession:
-    """One MCP client session over stdio to its own server process (see the module docstring)."""
+    """One MCP client session: over stdio to its own server process, or over streamable HTTP to a URL."""
 
     def __init__(self, server: str | Sequence[str]) -> None:
-        self.argv = server_command(server)
+        self.url = str(server) if is_url(server) else None
+        self.argv = [self.url] if self.url else server_command(server)
         self.listed: list[Any] = []  # the server's mcp.types.Tool list
         self._session: Any = None
         self._stderr = tempfile.TemporaryFile(mode="w+")  # the server's log: read back when it fails to start
@@ -91,11 +99,16 @@ class McpSession:
 
     async def _own(self) -> None:
         from mcp import ClientSession, StdioServerParameters, stdio_client
+        from mcp.client.streamable_http import streamable_http_client
 
         assert self._ready is not None
-        params = StdioServerParameters(command=self.argv[0], args=self.argv[1:])
+        if self.url:
+            transport = streamable_http_client(self.url)
+        else:
+            params = StdioServerParameters(command=self.argv[0], args=self.argv[1:])
+            transport = stdio_client(params, errlog=self._stderr)
         try:
-            async with stdio_client(params, errlog=self._stderr) as (read, write):
+            async with transport as (read, write):
                 async with ClientSession(read, write) as session:
                     await session.initialize()
                     self.listed = list((await session.list_tools()).tools)
@@ -111,6 +124,8 @@ class McpSession:
     def _failure(self, reason: str) -> str:
         self._stderr.seek(0)
         tail = " | ".join(self._stderr.read().strip().splitlines()[-5:])
+        if self.url:
+            return f"MCP server {self.url!r} could not be reached: {reason}"
         return f"MCP server {shlex.join(self.argv)!r} failed to start: {reason}" + (f"; stderr: {tail}" if tail else "")
 
     def tools(self) -> list[Tool]:

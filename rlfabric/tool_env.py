@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
-from rlfabric.mcp_tools import McpSession, server_command
+from rlfabric.mcp_tools import McpSession, is_url, server_command
 from rlfabric.text_env import TextStep, call_env
 from rlfabric.tools import ToolSet, tool_call_parser
 
@@ -59,8 +59,9 @@ class ToolEnv:
 
 class McpToolEnv(ToolEnv):
     """A ``ToolEnv`` whose tools an MCP server serves (``rlfabric.mcp_tools``): each episode opens its own session
-    to its own server process at ``reset`` (what one episode writes, no other sees) and closes it at ``close``.
-    ``server`` is the server's command line; ``start_timeout_s`` bounds its start and handshake."""
+    at ``reset`` (what one episode writes, no other sees) and closes it at ``close``. ``server`` is the server's
+    command line (a process per episode) or the URL of a running streamable HTTP server (a session per episode);
+    ``start_timeout_s`` bounds the start and handshake."""
 
     def __init__(
         self,
@@ -71,13 +72,13 @@ class McpToolEnv(ToolEnv):
         start_timeout_s: float = 30.0,
     ):
         super().__init__(task_env, ToolSet([]), parser, tool_timeout_s)
-        self.argv = server_command(server)
+        self.server = server if is_url(server) else server_command(server)  # a bad command fails here, not later
         self.start_timeout_s = start_timeout_s
         self.session: McpSession | None = None
 
     async def reset(self, task: dict[str, Any]) -> str:
         await self.close()
-        self.session = await McpSession.open(self.argv, self.start_timeout_s)
+        self.session = await McpSession.open(self.server, self.start_timeout_s)
         self.tools = ToolSet(self.session.tools())
         self.system_prompt = tools_prompt(self.tools)
         return await super().reset(task)

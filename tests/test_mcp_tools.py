@@ -1,12 +1,14 @@
-"""Tools from MCP servers through the official SDK over stdio: one session (and server process) per episode,
-state isolated between concurrent episodes, every bad or failing call an error observation, a server that does
-not start one error naming its command and its stderr."""
+"""Tools from MCP servers through the official SDK, over stdio (a server process per episode) and streamable HTTP
+(many sessions on one process): one session per episode, state isolated between concurrent episodes, every bad
+or failing call an error observation, a server that does not start one error naming its command and its
+stderr."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import re
+import socket
 import subprocess
 import sys
 import time
@@ -71,6 +73,54 @@ def test_concurrent_episodes_each_own_a_server_session_and_close_it():
     system = chat.tokenizer.decode(episodes[0].prompt)
     assert "put(key, value)" in system and "keys()" in system  # the server's listed tools, shown to the agent
     assert notes_servers_running() == 0
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture
+def notes_over_http():
+    """The notes server serving streamable HTTP in its own process; its URL."""
+    port = free_port()
+    process = subprocess.Popen(
+        [sys.executable, "-m", "rlfabric.envs.notes_server", "--http", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    deadline = time.monotonic() + 30.0
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1.0).close()
+            break
+        except OSError:
+            time.sleep(0.2)
+    yield f"http://127.0.0.1:{port}/mcp"
+    process.kill()
+    process.wait()
+
+
+def test_sixteen_episodes_share_one_http_server_process_each_in_its_own_session(notes_over_http):
+    tasks = [{"key": "k", "value": f"v{i}"} for i in range(16)]
+    chat = ChatTokens(build_char_tokenizer(TOOL_ALPHABET))
+    limits = EpisodeLimits(max_turns=3, turn_tokens=96, max_episode_tokens=2048, step_timeout_s=60.0)
+    episodes = asyncio.run(
+        run_episodes(
+            lambda: McpToolEnv(RecallTask(), notes_over_http), tasks, ScriptedTurns(recall_player, chat), chat, limits
+        )
+    )
+    for task, episode in zip(tasks, episodes, strict=True):
+        assert episode.error is None and episode.rewards == {"correct": 1.0}, episode.error
+        assert episode.texts[-1] == task["value"]
+
+
+def test_an_unreachable_url_is_one_error_naming_it():
+    url = f"http://127.0.0.1:{free_port()}/mcp"  # nothing listens there
+    with pytest.raises(McpStartError) as info:
+        asyncio.run(McpSession.open(url, timeout_s=20.0))
+    assert str(info.value).startswith(f"MCP server {url!r} could not be reached") and "\n" not in str(info.value)
 
 
 def test_bad_and_failing_calls_become_error_observations_and_a_hang_meets_its_deadline():
