@@ -57,19 +57,23 @@ def notes_servers_running() -> int:
     return len(found.stdout.split())
 
 
-def test_concurrent_episodes_each_own_a_server_session_and_close_it():
-    """Six episodes write different values under the same key at once: each reads back its own."""
-    tasks = [{"key": "k", "value": f"v{i}"} for i in range(6)]
+def play_recall(server: str, episodes: int) -> tuple[list, ChatTokens]:
+    """``episodes`` concurrent recall episodes on ``server``, all writing different values under one key; each
+    must read back its own."""
+    tasks = [{"key": "k", "value": f"v{i}"} for i in range(episodes)]
     chat = ChatTokens(build_char_tokenizer(TOOL_ALPHABET))
     limits = EpisodeLimits(max_turns=3, turn_tokens=96, max_episode_tokens=2048, step_timeout_s=60.0)
-    episodes = asyncio.run(
-        run_episodes(
-            lambda: McpToolEnv(RecallTask(), NOTES_SERVER), tasks, ScriptedTurns(recall_player, chat), chat, limits
-        )
+    played = asyncio.run(
+        run_episodes(lambda: McpToolEnv(RecallTask(), server), tasks, ScriptedTurns(recall_player, chat), chat, limits)
     )
-    for task, episode in zip(tasks, episodes, strict=True):
+    for task, episode in zip(tasks, played, strict=True):
         assert episode.error is None and episode.rewards == {"correct": 1.0}, episode.error
         assert episode.texts[-1] == task["value"] and episode.tool_calls == 2 and episode.invalid_tool_calls == {}
+    return played, chat
+
+
+def test_concurrent_episodes_each_own_a_server_session_and_close_it():
+    episodes, chat = play_recall(NOTES_SERVER, 6)
     system = chat.tokenizer.decode(episodes[0].prompt)
     assert "put(key, value)" in system and "keys()" in system  # the server's listed tools, shown to the agent
     assert notes_servers_running() == 0
@@ -103,17 +107,7 @@ def notes_over_http():
 
 
 def test_sixteen_episodes_share_one_http_server_process_each_in_its_own_session(notes_over_http):
-    tasks = [{"key": "k", "value": f"v{i}"} for i in range(16)]
-    chat = ChatTokens(build_char_tokenizer(TOOL_ALPHABET))
-    limits = EpisodeLimits(max_turns=3, turn_tokens=96, max_episode_tokens=2048, step_timeout_s=60.0)
-    episodes = asyncio.run(
-        run_episodes(
-            lambda: McpToolEnv(RecallTask(), notes_over_http), tasks, ScriptedTurns(recall_player, chat), chat, limits
-        )
-    )
-    for task, episode in zip(tasks, episodes, strict=True):
-        assert episode.error is None and episode.rewards == {"correct": 1.0}, episode.error
-        assert episode.texts[-1] == task["value"]
+    play_recall(notes_over_http, 16)
 
 
 def test_an_unreachable_url_is_one_error_naming_it():
