@@ -74,7 +74,8 @@ class McpSession:
         self.argv = [self.url] if self.url else server_command(server)
         self.listed: list[Any] = []  # the server's mcp.types.Tool list
         self._session: Any = None
-        self._stderr = tempfile.TemporaryFile(mode="w+")  # the server's log: read back when it fails to start
+        # A stdio server's log, read back when it fails to start (an HTTP server's log is its own process's).
+        self._stderr = None if self.url else tempfile.TemporaryFile(mode="w+")
         self._stop = asyncio.Event()
         self._ready: asyncio.Future[None] | None = None
         self._owner: asyncio.Task[None] | None = None
@@ -122,10 +123,10 @@ class McpSession:
             self._session = None
 
     def _failure(self, reason: str) -> str:
+        if self._stderr is None:
+            return f"MCP server {self.url!r} could not be reached: {reason}"
         self._stderr.seek(0)
         tail = " | ".join(self._stderr.read().strip().splitlines()[-5:])
-        if self.url:
-            return f"MCP server {self.url!r} could not be reached: {reason}"
         return f"MCP server {shlex.join(self.argv)!r} failed to start: {reason}" + (f"; stderr: {tail}" if tail else "")
 
     def tools(self) -> list[Tool]:
@@ -157,4 +158,5 @@ class McpSession:
             except asyncio.CancelledError:
                 if not self._owner.cancelled():
                     raise  # the caller was cancelled, not the owner
-        self._stderr.close()
+        if self._stderr is not None:
+            self._stderr.close()
