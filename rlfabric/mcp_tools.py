@@ -135,15 +135,20 @@ class McpSession:
 
     def _caller(self, name: str) -> Any:
         async def call(**arguments: Any) -> str:
-            if self._session is None:
-                raise McpToolError(f"the MCP session to {self.argv[0]} is closed")
-            result = await self._session.call_tool(name, arguments)
-            if result.is_error:
-                raise McpToolError(result_text(result))
-            return result_text(result)
+            return await self.call(name, arguments)
 
         call.__name__ = name
         return call
+
+    async def call(self, name: str, arguments: dict[str, Any] | None = None) -> str:
+        """Call tool ``name`` on this session (no schema check: ``tools()`` is the checked path) and return its
+        text; a result flagged ``is_error`` raises ``McpToolError``, as does a closed session."""
+        if self._session is None:
+            raise McpToolError(f"the MCP session to {self.argv[0]} is closed")
+        result = await self._session.call_tool(name, arguments or {})
+        if result.is_error:
+            raise McpToolError(result_text(result))
+        return result_text(result)
 
     async def close(self, timeout_s: float = 10.0) -> None:
         """End the session and stop the server (the SDK closes its stdin, then terminates, then kills it)."""
