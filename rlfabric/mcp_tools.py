@@ -13,7 +13,10 @@ The SDK's transports open anyio task groups that must be entered and left by the
 owned by one task that opens it, waits for ``close()``, and closes it; other tasks only send calls on it. A server
 that fails to start raises ``McpStartError`` naming the command and the tail of its stderr (or the URL).
 
-Not built yet: servers supervised as Ray actors (health checks, restarts).
+A session whose server is gone (it died, or was restarted under it) raises ``McpSessionLost`` on its next call: an
+``EnvFailure``, so the episode that held it ends as failed rather than reading a made-up error. Tools named with
+``CONTROL_PREFIX`` (``env_reset``, ``env_state``, ...) are the env's, called with ``call``, never listed for the
+agent. Servers supervised as Ray actors: ``rlfabric.actors.tool_server``.
 """
 
 from __future__ import annotations
@@ -25,7 +28,9 @@ import tempfile
 from collections.abc import Sequence
 from typing import Any
 
-from rlfabric.tools import Tool
+from rlfabric.tools import EnvFailure, Tool
+
+CONTROL_PREFIX = "env_"  # tools the env calls (reset to a seed, read the state), never shown to the agent
 
 
 class McpStartError(RuntimeError):
@@ -34,6 +39,10 @@ class McpStartError(RuntimeError):
 
 class McpToolError(RuntimeError):
     """A tool result the server flagged as an error (``is_error``); its text is the message."""
+
+
+class McpSessionLost(EnvFailure):
+    """The session's server went away (died, restarted, or closed the connection): the episode cannot go on."""
 
 
 def is_url(server: str | Sequence[str]) -> bool:
@@ -72,6 +81,7 @@ class McpSession:
     def __init__(self, server: str | Sequence[str]) -> None:
         self.url = str(server) if is_url(server) else None
         self.argv = [self.url] if self.url else server_command(server)
+        self.name = self.url or shlex.join(self.argv)  # how errors name the server
         self.listed: list[Any] = []  # the server's mcp.types.Tool list
         self._session: Any = None
         # A stdio server's log, read back when it fails to start (an HTTP server's log is its own process's).
@@ -130,8 +140,13 @@ class McpSession:
         return f"MCP server {shlex.join(self.argv)!r} failed to start: {reason}" + (f"; stderr: {tail}" if tail else "")
 
     def tools(self) -> list[Tool]:
-        """The server's tools as ``Tool`` objects whose functions call them on this session."""
-        return [Tool(t.name, t.description or "", dict(t.input_schema), self._caller(t.name)) for t in self.listed]
+        """The server's tools for the agent, as ``Tool`` objects whose functions call them on this session (the
+        env's control tools, named with ``CONTROL_PREFIX``, left out)."""
+        return [
+            Tool(t.name, t.description or "", dict(t.input_schema), self._caller(t.name))
+            for t in self.listed
+            if not t.name.startswith(CONTROL_PREFIX)
+        ]
 
     def _caller(self, name: str) -> Any:
         async def call(**arguments: Any) -> str:
@@ -143,12 +158,27 @@ class McpSession:
     async def call(self, name: str, arguments: dict[str, Any] | None = None) -> str:
         """Call tool ``name`` on this session (no schema check: ``tools()`` is the checked path) and return its
         text; a result flagged ``is_error`` raises ``McpToolError``, as does a closed session."""
-        if self._session is None:
-            raise McpToolError(f"the MCP session to {self.argv[0]} is closed")
-        result = await self._session.call_tool(name, arguments or {})
+        result = await self._request(lambda session: session.call_tool(name, arguments or {}))
         if result.is_error:
             raise McpToolError(result_text(result))
         return result_text(result)
+
+    async def ping(self) -> None:
+        """One MCP ping round trip (a health check); ``McpSessionLost`` when the server is gone."""
+        await self._request(lambda session: session.send_ping())
+
+    async def _request(self, send: Any) -> Any:
+        from mcp.shared.exceptions import MCPError
+        from mcp.types import CONNECTION_CLOSED
+
+        if self._session is None:
+            raise McpSessionLost(f"the MCP session to {self.name!r} is closed (its server stopped or restarted)")
+        try:
+            return await send(self._session)
+        except MCPError as exc:
+            if exc.code == CONNECTION_CLOSED:
+                raise McpSessionLost(f"the MCP server {self.name!r} closed the connection: {exc.message}") from exc
+            raise
 
     async def close(self, timeout_s: float = 10.0) -> None:
         """End the session and stop the server (the SDK closes its stdin, then terminates, then kills it)."""

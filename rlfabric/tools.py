@@ -6,7 +6,8 @@ A tool: ``Tool(name, description, parameters, function)``, ``parameters`` a JSON
 takes as ``tools=``. The default call format is Hermes/Qwen's ``<tool_call>{"name": ..., "arguments": {...}}
 </tool_call>``; ``TOOL_CALL_PARSERS`` maps parser names to functions ``text -> ParsedCalls``, and more register by
 name. Error kinds, counted as ``invalid_tool_calls`` by kind: ``malformed`` (unparseable call), ``unknown_tool``,
-``invalid_arguments`` (schema violated), ``tool_error`` (the function raised), ``tool_timeout``.
+``invalid_arguments`` (schema violated), ``tool_error`` (the function raised), ``tool_timeout``. The one exception
+a call lets through is ``EnvFailure``: the env itself broke (a tool server lost), which ends the episode as failed.
 """
 
 from __future__ import annotations
@@ -26,6 +27,12 @@ from rlfabric.text_env import call_env
 
 ERROR_KINDS = ("malformed", "unknown_tool", "invalid_arguments", "tool_error", "tool_timeout")
 _JSON_TYPES = {str: "string", int: "integer", float: "number", bool: "boolean", list: "array", dict: "object"}
+
+
+class EnvFailure(RuntimeError):
+    """A tool failed because the environment broke (its server died or was restarted), not because of the call:
+    ``ToolSet.call`` re-raises it, so the episode ends as failed (recorded, never trained on) instead of showing
+    the agent an error it did not cause."""
 
 
 @dataclass(frozen=True)
@@ -152,6 +159,8 @@ class ToolSet:
             result = await asyncio.wait_for(call_env(functools.partial(tool.function, **call.arguments)), timeout_s)
         except (asyncio.TimeoutError, TimeoutError):
             return ToolOutcome(f"error: {call.name} did not answer within {timeout_s:g}s", "tool_timeout")
+        except EnvFailure:
+            raise
         except Exception as exc:  # noqa: BLE001 - the tool's failure is the agent's observation
             return ToolOutcome(f"error: {call.name} raised {type(exc).__name__}: {exc}", "tool_error")
         return ToolOutcome(result if isinstance(result, str) else json.dumps(result))
