@@ -60,25 +60,26 @@ class ToolEnv:
 class McpToolEnv(ToolEnv):
     """A ``ToolEnv`` whose tools an MCP server serves (``rlfabric.mcp_tools``): each episode opens its own session
     at ``reset`` (what one episode writes, no other sees) and closes it at ``close``. ``server`` is the server's
-    command line (a process per episode) or the URL of a running streamable HTTP server (a session per episode);
-    ``start_timeout_s`` bounds the start and handshake."""
+    command line (a process per episode), the URL of a running streamable HTTP server (a session per episode), or
+    a ``ToolServer`` actor (``rlfabric.actors.tool_server``) that supervises one and gives its URL; ``start_timeout_s``
+    bounds the start and handshake. A server lost mid-episode fails the episode (``McpSessionLost``)."""
 
     def __init__(
         self,
         task_env: AnswerTask,
-        server: str | list[str],
+        server: str | list[str] | Any,
         parser: str = "hermes",
         tool_timeout_s: float = 10.0,
         start_timeout_s: float = 30.0,
     ):
         super().__init__(task_env, ToolSet([]), parser, tool_timeout_s)
-        self.server = server if is_url(server) else server_command(server)  # a bad command fails here, not later
+        self.server = server_address(server)
         self.start_timeout_s = start_timeout_s
         self.session: McpSession | None = None
 
     async def reset(self, task: dict[str, Any]) -> str:
         await self.close()
-        self.session = await McpSession.open(self.server, self.start_timeout_s)
+        self.session = await McpSession.open(await resolve_server(self.server), self.start_timeout_s)
         self.tools = ToolSet(self.session.tools())
         self.system_prompt = tools_prompt(self.tools)
         return await super().reset(task)
@@ -87,6 +88,26 @@ class McpToolEnv(ToolEnv):
         if self.session is not None:
             session, self.session = self.session, None
             await session.close()
+
+
+def is_supervised(server: Any) -> bool:
+    """Whether ``server`` is a ``ToolServer`` actor handle (it answers ``address``) rather than a command or URL."""
+    return callable(getattr(getattr(server, "address", None), "remote", None))
+
+
+def server_address(server: Any) -> Any:
+    """``server`` as a session opens it: a URL or actor handle as given, a command line as its argv (a bad command
+    fails here, when the env is built, not at its first episode)."""
+    return server if is_url(server) or is_supervised(server) else server_command(server)
+
+
+async def resolve_server(server: Any) -> str | list[str]:
+    """The URL or argv a session opens now: a ``ToolServer`` actor is asked for its running server's URL (it waits
+    for one that is restarting)."""
+    if is_supervised(server):
+        url, _generation = await server.address.remote()
+        return str(url)
+    return server
 
 
 def tools_prompt(tools: ToolSet) -> str:
