@@ -4,62 +4,119 @@ Over stdio (``python -m rlfabric.envs.notes_server``) a process serves one sessi
 (``--http PORT``) one process serves many, each with its own store under its ``mcp-session-id``, so what one
 episode writes no other sees either way. Tools: ``put(key, value)``, ``get(key)``, ``delete(key)``, ``keys()``; a
 missing key is a tool error (``is_error``) whose message names it. ``McpToolEnv`` opens a session per episode.
+
+As a task server (``rlfabric.envs.task_server``): a session starts with a few notes (``initial_state(seed)``:
+3-5 short words under short keys); tasks are "Note cat?" (get: one lookup), "Copy note cat to owl" (get, put)
+and "Rename note cat to owl" (get, put, delete).
 """
 
 from __future__ import annotations
 
-import argparse
+import random
 
-from mcp.server.mcpserver import Context, MCPServer
+from mcp.server.mcpserver import MCPServer
 from mcp.server.mcpserver.exceptions import ToolError
 
-server = MCPServer("notes")
-STORES: dict[str | None, dict[str, str]] = {}  # by HTTP session id; None for the one stdio session
+from rlfabric.envs.task_server import (
+    SessionStates,
+    TaskServer,
+    add_control_tools,
+    add_state_tools,
+    call,
+    check_calls,
+    pick_task,
+    serve,
+    solved_task,
+    verify_task,
+)
+
+KEYS = ["cat", "dog", "sun", "sky", "tea", "map", "key", "box", "pen", "hat", "ink", "fox", "owl", "bee"]
+VALUES = ["red", "blue", "gold", "mint", "rose", "gray", "pink", "lime", "navy", "sand"]
 
 
-def notes(ctx: Context) -> dict[str, str]:
-    """This session's store."""
-    return STORES.setdefault((ctx.headers or {}).get("mcp-session-id"), {})
+def initial_state(seed: int) -> dict:
+    """3-5 notes, keys drawn from ``KEYS`` and values from ``VALUES`` by ``random.Random(seed)``."""
+    rng = random.Random(seed)
+    keys = rng.sample(KEYS, rng.randint(3, 5))
+    return {"notes": {key: rng.choice(VALUES) for key in keys}}
 
 
-@server.tool()
-def put(key: str, value: str, ctx: Context) -> str:
+def put(state: dict, key: str, value: str) -> str:
     """Store value under key, replacing what was there."""
-    notes(ctx)[key] = value
+    state["notes"][key] = value
     return "ok"
 
 
-@server.tool()
-def get(key: str, ctx: Context) -> str:
+def get(state: dict, key: str) -> str:
     """The value stored under key."""
-    store = notes(ctx)
-    if key not in store:
+    if key not in state["notes"]:
         raise ToolError(f"no note {key!r}")
-    return store[key]
+    return state["notes"][key]
 
 
-@server.tool()
-def delete(key: str, ctx: Context) -> str:
+def delete(state: dict, key: str) -> str:
     """Remove the note under key."""
-    if notes(ctx).pop(key, None) is None:
+    if state["notes"].pop(key, None) is None:
         raise ToolError(f"no note {key!r}")
     return "ok"
 
 
-@server.tool()
-def keys(ctx: Context) -> str:
+def keys(state: dict) -> str:
     """The stored keys, comma-separated, in the order they were first stored."""
-    return ",".join(notes(ctx))
+    return ",".join(state["notes"])
+
+
+OPS = [put, get, delete, keys]
+
+
+def _lookup(state: dict, rng: random.Random) -> dict:
+    key = rng.choice(sorted(state["notes"]))
+    return solved_task(f"Note {key}?", state, [call("get", key=key)], OPS, answer=str)
+
+
+def _copy(state: dict, rng: random.Random, rename: bool = False) -> dict | None:
+    free = [key for key in KEYS if key not in state["notes"]]
+    if not state["notes"] or not free:
+        return None
+    src, dst = rng.choice(sorted(state["notes"])), rng.choice(free)
+    calls = [call("get", key=src), call("put", key=dst, value=state["notes"][src])]
+    if rename:
+        calls.append(call("delete", key=src))
+    return solved_task(f"{'Rename' if rename else 'Copy'} note {src} to {dst}", state, calls, OPS)
+
+
+def _rename(state: dict, rng: random.Random) -> dict | None:
+    return _copy(state, rng, rename=True)
+
+
+MAKERS = {1: [_lookup], 2: [_copy], 3: [_rename]}
+
+
+def make_task(state: dict, rng: random.Random, calls: int) -> dict:
+    """A task of ``calls`` tool calls on the live ``state``: 1 "Note cat?" (answer: its value), 2 "Copy note cat to
+    owl" (get, then put what it returned), 3 "Rename note cat to owl" (get, put, delete)."""
+    return pick_task(check_calls(calls, MAKERS, "notes"), state, rng, calls, "notes")
+
+
+STATES = SessionStates(initial_state)
+server = MCPServer("notes")
+add_state_tools(server, STATES, OPS)
+add_control_tools(server, STATES)
+
+TASK = TaskServer(
+    name="notes",
+    module="rlfabric.envs.notes_server",
+    description="a key-value notes store: look up, copy and rename notes",
+    initial_state=initial_state,
+    make_task=make_task,
+    verify=verify_task,
+    min_calls=1,
+    max_calls=3,
+)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description="A notes store as an MCP server (stdio, or streamable HTTP).")
-    parser.add_argument("--http", type=int, metavar="PORT", help="serve streamable HTTP on 127.0.0.1:PORT")
-    args = parser.parse_args()
-    if args.http is None:
-        server.run()
-    else:
-        server.run("streamable-http", host="127.0.0.1", port=args.http)
+    serve(server)
 
 
 if __name__ == "__main__":
