@@ -35,13 +35,13 @@ TASK_HOURS = range(8, 19)  # where generated events and tasks put things (tools 
 
 
 def initial_state(seed: int) -> dict:
-    """4-6 events with distinct titles from ``TITLES`` in distinct slots (day 1-7, hour 8-18), ids 1.., drawn by
-    ``random.Random(seed)``; events are keyed by their id as text (JSON keys are text)."""
+    """4-6 events with distinct titles from ``TITLES`` in distinct slots (day 1-7, hour 8-18), ids e1, e2, .., drawn
+    by ``random.Random(seed)``. Ids carry a letter so that no id reads like a day or an hour."""
     rng = random.Random(seed)
     titles = rng.sample(TITLES, rng.randint(4, 6))
     slots = rng.sample([(day, hour) for day in DAYS for hour in TASK_HOURS], len(titles))
     events = {
-        str(i): {"title": t, "day": d, "hour": h} for i, (t, (d, h)) in enumerate(zip(titles, slots, strict=True), 1)
+        f"e{i}": {"title": t, "day": d, "hour": h} for i, (t, (d, h)) in enumerate(zip(titles, slots, strict=True), 1)
     }
     return {"events": events, "next_event": len(events) + 1}
 
@@ -56,23 +56,23 @@ def _check_slot(state: dict, day: int, hour: int, moving: str | None = None) -> 
             raise ToolError(f"day {day} at {hour} already has {event['title']}")
 
 
-def _event(state: dict, event_id: int) -> dict:
-    if str(event_id) not in state["events"]:
-        raise ToolError(f"no event {event_id}")
-    return state["events"][str(event_id)]
+def _event(state: dict, event_id: str) -> dict:
+    if event_id not in state["events"]:
+        raise ToolError(f"no event {event_id!r}")
+    return state["events"][event_id]
 
 
 def list_day(state: dict, day: int) -> str:
     """The day's events as 'id title hour', by hour, separated by '; ' ('none' if none)."""
-    found = sorted((e["hour"], int(i), e["title"]) for i, e in state["events"].items() if e["day"] == day)
+    found = sorted((e["hour"], i, e["title"]) for i, e in state["events"].items() if e["day"] == day)
     return "; ".join(f"{i} {title} {hour}" for hour, i, title in found) or "none"
 
 
 def find_event(state: dict, title: str) -> str:
-    """The event with this title, as 'id N day D hour H'."""
+    """The event with this title, as 'ID day D hour H' (e.g. 'e3 day 2 hour 9')."""
     for event_id, event in state["events"].items():
         if event["title"] == title:
-            return f"id {event_id} day {event['day']} hour {event['hour']}"
+            return f"{event_id} day {event['day']} hour {event['hour']}"
     raise ToolError(f"no event {title!r}")
 
 
@@ -81,24 +81,24 @@ def create_event(state: dict, title: str, day: int, hour: int) -> str:
     if any(event["title"] == title for event in state["events"].values()):
         raise ToolError(f"an event {title!r} already exists")
     _check_slot(state, day, hour)
-    event_id = str(state["next_event"])
+    event_id = f"e{state['next_event']}"
     state["events"][event_id] = {"title": title, "day": day, "hour": hour}
     state["next_event"] += 1
     return event_id
 
 
-def move_event(state: dict, event_id: int, day: int, hour: int) -> str:
+def move_event(state: dict, event_id: str, day: int, hour: int) -> str:
     """Move the event to day (1-7) and hour (0-23); refuses a clash."""
     event = _event(state, event_id)
-    _check_slot(state, day, hour, moving=str(event_id))
+    _check_slot(state, day, hour, moving=event_id)
     event["day"], event["hour"] = day, hour
     return "ok"
 
 
-def delete_event(state: dict, event_id: int) -> str:
+def delete_event(state: dict, event_id: str) -> str:
     """Delete the event."""
     _event(state, event_id)
-    del state["events"][str(event_id)]
+    del state["events"][event_id]
     return "ok"
 
 
@@ -126,8 +126,8 @@ def _day_of(state: dict, rng: random.Random) -> dict | None:
 
 
 def _day_in(found: str) -> str:
-    """The day in find_event's result 'id N day D hour H'."""
-    return found.split()[3]
+    """The day in find_event's result 'ID day D hour H'."""
+    return found.split()[2]
 
 
 def _add(state: dict, rng: random.Random) -> dict | None:
@@ -144,7 +144,7 @@ def _move(state: dict, rng: random.Random) -> dict | None:
     if not titles or not (slots := _free_slots(state)):
         return None
     title, (day, hour) = rng.choice(sorted(titles)), rng.choice(slots)
-    calls = [call("find_event", title=title), call("move_event", event_id=int(titles[title]), day=day, hour=hour)]
+    calls = [call("find_event", title=title), call("move_event", event_id=titles[title], day=day, hour=hour)]
     return solved_task(f"Move {title} to day {day} at {hour}", state, calls, OPS)
 
 
@@ -152,7 +152,7 @@ def _delete(state: dict, rng: random.Random) -> dict | None:
     if not (titles := _by_title(state)):
         return None
     title = rng.choice(sorted(titles))
-    calls = [call("find_event", title=title), call("delete_event", event_id=int(titles[title]))]
+    calls = [call("find_event", title=title), call("delete_event", event_id=titles[title])]
     return solved_task(f"Delete {title}", state, calls, OPS)
 
 
@@ -167,7 +167,7 @@ def _move_to_day_of(state: dict, rng: random.Random) -> dict | None:
     calls = [
         call("find_event", title=mover),
         call("find_event", title=anchor),
-        call("move_event", event_id=int(titles[mover]), day=day, hour=hour),
+        call("move_event", event_id=titles[mover], day=day, hour=hour),
     ]
     return solved_task(f"Move {mover} to {anchor}'s day at {hour}", state, calls, OPS)
 

@@ -34,12 +34,12 @@ ITEMS = ["pen", "cup", "mug", "hat", "bag", "map", "box", "jar", "fan", "lamp", 
 
 def initial_state(seed: int) -> dict:
     """4-6 items from ``ITEMS`` (stock 1-9, price 1-20) and 2-3 open orders of distinct items (quantity 1-3,
-    ids 1..), drawn by ``random.Random(seed)``; orders are keyed by their id as text (JSON keys are text)."""
+    ids o1, o2, ..), drawn by ``random.Random(seed)``. Ids carry a letter so that no id reads like a quantity."""
     rng = random.Random(seed)
     names = rng.sample(ITEMS, rng.randint(4, 6))
     items = {name: {"stock": rng.randint(1, 9), "price": rng.randint(1, 20)} for name in names}
     ordered = rng.sample(names, rng.randint(2, 3))
-    orders = {str(i): {"item": name, "qty": rng.randint(1, 3)} for i, name in enumerate(ordered, 1)}
+    orders = {f"o{i}": {"item": name, "qty": rng.randint(1, 3)} for i, name in enumerate(ordered, 1)}
     return {"items": items, "orders": orders, "next_order": len(orders) + 1}
 
 
@@ -67,24 +67,24 @@ def place_order(state: dict, item: str, quantity: int) -> str:
     if quantity > record["stock"]:
         raise ToolError(f"only {record['stock']} {item} left, cannot order {quantity}")
     record["stock"] -= quantity
-    order_id = str(state["next_order"])
+    order_id = f"o{state['next_order']}"
     state["orders"][order_id] = {"item": item, "qty": quantity}
     state["next_order"] += 1
     return order_id
 
 
-def cancel_order(state: dict, order_id: int) -> str:
+def cancel_order(state: dict, order_id: str) -> str:
     """Cancel the order and put its items back in stock."""
-    order = state["orders"].pop(str(order_id), None)
+    order = state["orders"].pop(order_id, None)
     if order is None:
-        raise ToolError(f"no order {order_id}")
+        raise ToolError(f"no order {order_id!r}")
     state["items"][order["item"]]["stock"] += order["qty"]
     return "ok"
 
 
 def list_orders(state: dict) -> str:
     """The open orders as 'id item quantity', separated by '; ' ('none' if none)."""
-    ids = sorted(state["orders"], key=int)
+    ids = sorted(state["orders"], key=lambda order_id: int(order_id[1:]))
     return "; ".join(f"{i} {state['orders'][i]['item']} {state['orders'][i]['qty']}" for i in ids) or "none"
 
 
@@ -130,7 +130,7 @@ def _cancel(state: dict, rng: random.Random) -> dict | None:
     if not (single := _single_orders(state)):
         return None
     item = rng.choice(sorted(single))
-    calls = [call("list_orders"), call("cancel_order", order_id=int(single[item]))]
+    calls = [call("list_orders"), call("cancel_order", order_id=single[item])]
     return solved_task(f"Cancel the {item} order", state, calls, OPS)
 
 
@@ -146,7 +146,7 @@ def _change(state: dict, rng: random.Random) -> dict | None:
     quantity = rng.choice([q for q in range(1, min(5, room[item]) + 1) if q != old])
     calls = [
         call("list_orders"),
-        call("cancel_order", order_id=int(order_id)),
+        call("cancel_order", order_id=order_id),
         call("place_order", item=item, quantity=quantity),
     ]
     return solved_task(f"Change the {item} order to {quantity}", state, calls, OPS)
