@@ -1,0 +1,675 @@
+"""A sandboxed Python runner as an MCP server: the tool ``run_python(code)`` runs the code in a fresh process per
+call, under limits, with no network and no files but its session's scratch folder, and returns its exit status,
+stdout and stderr (each truncated to the output limit, saying so). A limit that was hit is named in the result
+("killed: wall-clock limit 5 s"); it is an ordinary result, not a tool error. A call that cannot be sandboxed is
+refused (a tool error saying why): code never runs with less isolation than described here.
+
+Serving
+-------
+``python -m rlfabric.envs.code_sandbox_server`` serves one session over stdio; ``--http PORT`` serves streamable
+HTTP on 127.0.0.1:PORT, one scratch folder per ``mcp-session-id``. Calls run as child processes awaited on the event
+loop, so one long call never holds up other sessions. Flags (defaults in brackets):
+
+    --cpu-s S            CPU seconds per process [2]
+    --memory-mib M       address space per process, MiB [256]
+    --wall-s S           wall-clock seconds per call [5]
+    --output-bytes N     bytes kept of stdout and of stderr each [8192]
+    --max-processes N    processes and threads at once per session [16]
+    --file-mib M         largest file a call may write, MiB [16]
+    --scratch-mib M      size of a session's scratch folder, MiB [64]
+    --expose PATH        also show PATH read-only (repeatable), e.g. a site-packages folder holding numpy
+    --workdir DIR        where the server keeps its scratch folders [the system temp folder]
+    --session-idle-s S   an HTTP session's scratch is dropped after S idle seconds [1800, the SDK's own timeout]
+
+What is enforced, and by what (Linux, run as root)
+--------------------------------------------------
+The server enters a private mount namespace at start; each session's scratch folder is a tmpfs of
+``--scratch-mib`` mounted there, owned by a uid drawn for that session from [2**30, 2**31) (no system account
+uses it). It is unmounted and removed when the HTTP session ends (the client closes it, or it sits idle past
+``--session-idle-s``) and when the server stops; if the server is killed, the kernel frees it with the namespace.
+
+Per call, a launcher process (this file, as root) unshares new mount, PID, network, IPC and UTS namespaces, builds
+a root on a fresh tmpfs, ``pivot_root``s into it and detaches the old root, then forks the PID namespace's init,
+which forks the user's Python process. All by the kernel:
+
+- network: a new, empty network namespace (loopback only, and down): no socket reaches any host, the server's
+  own loopback included; abstract Unix sockets are per namespace too;
+- files: the root holds only the Python interpreter's installation (its site-packages hidden behind an empty
+  tmpfs unless given to ``--expose``) and the system library folders (``/lib*``, ``/usr/lib*``), bind-mounted
+  read-only, nosuid, nodev; ``/dev/{null,zero,full,random,urandom}``; a small ``/dev/shm``; the scratch tmpfs at
+  ``/scratch`` (the working directory, ``HOME`` and ``TMPDIR``; ``/tmp`` links to it); and the code as
+  ``/main.py``. Nothing else of the host exists there: ``/etc``, ``/home``, ``/proc``, ``/sys`` and the rest are
+  absent, so reading ``/etc/passwd`` fails with ``FileNotFoundError``;
+- privileges: the code runs as the session's unprivileged uid and gid with no supplementary groups, hence no
+  capabilities (it cannot mount, chroot, mknod or signal the server), with ``no_new_privs`` set;
+- processes: ``RLIMIT_NPROC`` of ``--max-processes`` binds because the uid is not root (it counts threads too);
+  the PID namespace hides every other process. When the main process exits, or at the wall-clock limit, the
+  namespace's init kills every process left in it (daemons included: none can leave the namespace) and counts
+  them; the result reports that count. If the launcher dies, its init dies with it (``PR_SET_PDEATHSIG``), and
+  the kernel kills the whole namespace;
+- limits: ``RLIMIT_CPU`` (SIGXCPU at the limit, SIGKILL a second later), ``RLIMIT_AS``, ``RLIMIT_FSIZE`` and
+  ``RLIMIT_CORE`` = 0 per process; the wall clock is kept by the namespace's init (SIGKILL to all) and, as a
+  backstop, by the server (SIGKILL to the launcher's process group).
+
+What is not enforced: memory and CPU are limited per process, not per call (a call may hold up to
+``--max-processes`` times ``--memory-mib``); concurrent calls of one session share its process limit and scratch;
+user namespaces are not blocked (they grant nothing outside the sandbox's own empty view). Which limit stopped a
+program is read from how it ended: the wall clock and the process count are the kernel's facts; "memory limit"
+and "process limit" are also named when the program's stderr ends in ``MemoryError`` or shows a fork failing
+with EAGAIN. Where any step above fails (not Linux, not root, namespaces or mounts refused, an architecture
+without a known ``pivot_root`` number) every call is refused and the code is not run.
+"""
+
+import argparse
+import asyncio
+import contextlib
+import ctypes
+import json
+import math
+import os
+import platform
+import resource
+import secrets
+import signal
+import site
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from typing import Any
+
+# linux/sched.h, linux/mount.h, linux/prctl.h
+CLONE_NEWNS, CLONE_NEWUTS, CLONE_NEWIPC = 0x20000, 0x4000000, 0x8000000
+CLONE_NEWPID, CLONE_NEWNET = 0x20000000, 0x40000000
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 1, 2, 4, 32, 4096, 16384, 1 << 18
+MNT_DETACH = 2
+PR_SET_PDEATHSIG, PR_SET_NO_NEW_PRIVS = 1, 38
+SYS_PIVOT_ROOT = {"x86_64": 155, "aarch64": 41}
+SANDBOX_UIDS = (1 << 30, 1 << 31)
+DEVICES = ("null", "zero", "full", "random", "urandom")
+LIBRARY_DIRS = ("/lib", "/lib32", "/lib64", "/usr/lib", "/usr/lib32", "/usr/lib64")
+SETUP_GRACE_S = 10.0  # the server's backstop: wall-clock limit plus the launcher's start-up
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Per-call limits (see the module docstring for what enforces each)."""
+
+    cpu_s: float = 2.0
+    memory_mib: int = 256
+    wall_s: float = 5.0
+    output_bytes: int = 8192
+    processes: int = 16
+    file_mib: int = 16
+    scratch_mib: int = 64
+
+
+@dataclass
+class RunResult:
+    """How one call ended. ``exit_code`` is None when the main process died of ``signal``; ``leftover`` counts
+    processes still running when it ended (all killed); ``*_total`` are the bytes written, of which the first
+    ``output_bytes`` are kept."""
+
+    exit_code: int | None
+    signal: int | None
+    stdout: bytes
+    stdout_total: int
+    stderr: bytes
+    stderr_total: int
+    cpu_s: float
+    leftover: int
+    wall_hit: bool
+
+
+class SandboxUnavailable(RuntimeError):
+    """The sandbox cannot be built here or for this call; the code was not run."""
+
+
+# ---- result text (pure) ----
+
+
+def limits_hit(result: RunResult, limits: Limits) -> list[str]:
+    """The limits that stopped the program, each as the agent reads it, e.g. ``killed: wall-clock limit 5 s``.
+
+    Wall clock: the init's timer fired. CPU: SIGXCPU, or a SIGKILL we did not send after ``cpu_s`` of CPU. Memory:
+    stderr's last line is a ``MemoryError``. Processes: every process slot was in use when the call ended, or a
+    fork failed with EAGAIN. File size: SIGXFSZ."""
+    hit = []
+    tail = result.stderr.rstrip().rsplit(b"\n", 1)[-1]
+    if result.wall_hit:
+        hit.append(f"killed: wall-clock limit {limits.wall_s:g} s")
+    elif result.signal == signal.SIGXCPU or (result.signal == signal.SIGKILL and result.cpu_s >= limits.cpu_s * 0.95):
+        hit.append(f"killed: CPU-time limit {limits.cpu_s:g} s")
+    if result.signal == signal.SIGXFSZ:
+        hit.append(f"killed: file-size limit {limits.file_mib} MiB")
+    if tail.startswith(b"MemoryError"):
+        hit.append(f"stopped: memory limit {limits.memory_mib} MiB (MemoryError)")
+    fork_failed = b"BlockingIOError: [Errno 11]" in result.stderr or b"fork: Resource temporarily" in result.stderr
+    if result.leftover + 1 >= limits.processes or fork_failed:
+        hit.append(f"stopped: process limit {limits.processes}")
+    return hit
+
+
+def shown(data: bytes, total: int, name: str) -> str:
+    """``name``'s text block: the kept bytes decoded (bad UTF-8 replaced), and a note when ``total`` bytes were
+    written but fewer kept."""
+    if total == 0:
+        return f"{name}: (empty)"
+    text = data.decode("utf-8", errors="replace")
+    note = f"\n[{name} truncated: first {len(data)} of {total} bytes shown]" if total > len(data) else ""
+    return f"{name}:\n{text}{note}"
+
+
+def format_result(result: RunResult, limits: Limits) -> str:
+    """The tool's reply: limits hit, exit status, processes killed at the end, then stdout and stderr."""
+    if result.exit_code is not None:
+        status = f"exit status: {result.exit_code}"
+    elif result.signal is not None:
+        status = f"exit status: killed by {signal.Signals(result.signal).name}"
+    else:
+        status = "exit status: unknown (the sandbox did not report)"
+    lines = [*limits_hit(result, limits), status]
+    if result.leftover:
+        lines.append(f"processes left running, killed: {result.leftover}")
+    lines += [shown(result.stdout, result.stdout_total, "stdout"), shown(result.stderr, result.stderr_total, "stderr")]
+    return "\n".join(lines)
+
+
+# ---- kernel calls ----
+
+_LIBC: Any = None
+
+
+def _sys(name: str, *args: Any) -> int:
+    """libc's ``name(*args)`` (str arguments passed as bytes); an ``OSError`` naming the call when it fails."""
+    global _LIBC
+    if _LIBC is None:
+        _LIBC = ctypes.CDLL(None, use_errno=True)
+    raw = [os.fsencode(arg) if isinstance(arg, str) else arg for arg in args]
+    result = getattr(_LIBC, name)(*raw)
+    if result == -1:
+        errno = ctypes.get_errno()
+        shown_args = ", ".join(repr(arg) for arg in args)
+        raise OSError(errno, f"{name}({shown_args}) failed: {os.strerror(errno)}")
+    return result
+
+
+def _mount(source: str | None, target: str, fstype: str | None, flags: int, data: str | None = None) -> None:
+    _sys("mount", source, target, fstype, flags, data)
+
+
+def _bind(source: str, target: str, *, writable: bool = False, devices: bool = False) -> None:
+    """Bind ``source`` (a folder or a file) at ``target``: read-only unless ``writable``, nosuid, nodev unless
+    ``devices``. Not recursive: mounts below ``source`` stay hidden."""
+    if os.path.isdir(source):
+        os.makedirs(target, exist_ok=True)
+    elif not os.path.exists(target):  # a file's mount point (an exposed file may already show through a bind)
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        open(target, "w").close()
+    _mount(source, target, None, MS_BIND)
+    flags = MS_BIND | MS_REMOUNT | MS_NOSUID | (0 if writable else MS_RDONLY) | (0 if devices else MS_NODEV)
+    _mount(None, target, None, flags)
+
+
+def _tmpfs(target: str, options: str, flags: int = MS_NOSUID | MS_NODEV) -> None:
+    os.makedirs(target, exist_ok=True)
+    _mount("tmpfs", target, "tmpfs", flags, options)
+
+
+# ---- host side: the server ----
+
+
+def _under(path: str, parents: list[str]) -> bool:
+    return any(path == parent or path.startswith(parent.rstrip("/") + "/") for parent in parents)
+
+
+def runtime_view(expose: list[str]) -> dict[str, Any]:
+    """What the sandbox's root shows of the host: ``binds`` (read-only folders: the interpreter's installation and
+    the library folders, none inside another), ``links`` (library folders that are symlinks, recreated as such),
+    ``hide`` (site-packages folders inside the binds, covered by an empty tmpfs) and ``expose`` (shown read-only
+    on top); ``python``, the interpreter to run."""
+    python = os.path.realpath(sys.executable)
+    candidates = [os.path.realpath(sys.base_prefix), os.path.dirname(python)]
+    links = {}
+    for lib in LIBRARY_DIRS:
+        if os.path.islink(lib):
+            links[lib] = os.readlink(lib)
+        elif os.path.isdir(lib):
+            candidates.append(lib)
+    binds: list[str] = []
+    for path in sorted(set(candidates), key=len):
+        if not _under(path, binds):
+            binds.append(path)
+    shown_paths = [os.path.realpath(path) for path in expose]
+    site_dirs = {os.path.realpath(p) for p in site.getsitepackages([sys.base_prefix]) + site.getsitepackages()}
+    hide = sorted(p for p in site_dirs if os.path.isdir(p) and _under(p, binds) and p not in shown_paths)
+    return {"python": python, "binds": binds, "links": links, "hide": hide, "expose": shown_paths}
+
+
+@dataclass
+class Scratch:
+    """A session's scratch folder (a tmpfs) and the uid its code runs as."""
+
+    path: str
+    uid: int
+    last_used: float
+    running: int = 0
+
+
+async def _drain(stream: asyncio.StreamReader, limit: int) -> tuple[bytes, int]:
+    """Read ``stream`` to its end: its first ``limit`` bytes and its total length (the rest is read and dropped, so
+    a chatty program never blocks on a full pipe)."""
+    kept, total = bytearray(), 0
+    while chunk := await stream.read(1 << 16):
+        total += len(chunk)
+        if len(kept) < limit:
+            kept += chunk[: limit - len(kept)]
+    return bytes(kept), total
+
+
+class Sandbox:
+    """Runs code in sandboxed child processes (see the module docstring), one scratch folder per session key.
+
+    ``open()`` must run while the process is single-threaded (it enters a private mount namespace); when the sandbox
+    cannot be had, ``unavailable`` says why and ``run`` raises ``SandboxUnavailable``."""
+
+    def __init__(
+        self,
+        limits: Limits,
+        workdir: str | None = None,
+        expose: list[str] | None = None,
+        session_idle_s: float = 1800.0,
+    ) -> None:
+        self.limits = limits
+        self.workdir = workdir
+        self.expose = list(expose or [])
+        self.session_idle_s = session_idle_s
+        self.unavailable: str | None = "not opened"
+        self.base: str | None = None
+        self.view: dict[str, Any] = {}
+        self.sessions: dict[str | None, Scratch] = {}
+        self._count = 0
+
+    def open(self) -> None:
+        """Check the host, enter a private mount namespace, create the server's folder."""
+        machine = platform.machine()
+        if sys.platform != "linux":
+            self.unavailable = f"needs Linux namespaces; this is {sys.platform}"
+        elif os.geteuid() != 0:
+            self.unavailable = "needs root (namespaces, mounts and a dedicated uid per session)"
+        elif machine not in SYS_PIVOT_ROOT:
+            self.unavailable = f"no known pivot_root system call number for {machine}"
+        elif missing := [path for path in self.expose if not os.path.exists(path)]:
+            self.unavailable = f"--expose paths do not exist: {', '.join(missing)}"
+        else:
+            try:
+                _sys("unshare", CLONE_NEWNS)
+                _mount(None, "/", None, MS_REC | MS_PRIVATE)  # our scratch mounts never reach the host
+                if self.workdir is not None:
+                    os.makedirs(self.workdir, exist_ok=True)
+                self.base = tempfile.mkdtemp(prefix="rlfabric-sandbox-", dir=self.workdir)
+                os.mkdir(os.path.join(self.base, "root"))
+                self.view = runtime_view(self.expose)
+                self.unavailable = None
+            except OSError as exc:
+                self.unavailable = str(exc)
+
+    def scratch(self, key: str | None) -> Scratch:
+        """Session ``key``'s scratch folder, made on first use; sessions idle past ``session_idle_s`` go first."""
+        now = time.monotonic()
+        for other, scratch in list(self.sessions.items()):
+            if other is not None and scratch.running == 0 and now - scratch.last_used > self.session_idle_s:
+                self.end_session(other)
+        if key not in self.sessions:
+            assert self.base is not None
+            self._count += 1
+            path = os.path.join(self.base, f"session-{self._count}")
+            uid = SANDBOX_UIDS[0] + secrets.randbelow(SANDBOX_UIDS[1] - SANDBOX_UIDS[0])
+            options = f"size={self.limits.scratch_mib}m,nr_inodes=16384,mode=0700,uid={uid},gid={uid}"
+            _tmpfs(path, options)
+            self.sessions[key] = Scratch(path, uid, now)
+        return self.sessions[key]
+
+    def end_session(self, key: str | None) -> None:
+        """Unmount and remove session ``key``'s scratch folder (a call still running there keeps its own view)."""
+        scratch = self.sessions.pop(key, None)
+        if scratch is not None:
+            try:
+                _sys("umount2", scratch.path, MNT_DETACH)
+                os.rmdir(scratch.path)
+            except OSError as exc:
+                print(f"code sandbox: could not remove {scratch.path}: {exc}", file=sys.stderr)
+
+    def close(self) -> None:
+        """End every session and remove the server's folder."""
+        for key in list(self.sessions):
+            self.end_session(key)
+        if self.base is not None:
+            os.rmdir(os.path.join(self.base, "root"))
+            os.rmdir(self.base)
+            self.base = None
+        self.unavailable = "closed"
+
+    async def run(self, code: str, key: str | None = None) -> RunResult:
+        """Run ``code`` in a fresh sandbox on session ``key``'s scratch folder; how it ended."""
+        if self.unavailable is not None:
+            raise SandboxUnavailable(f"code sandbox unavailable: {self.unavailable}; the code was not run")
+        scratch = self.scratch(key)
+        scratch.running += 1
+        try:
+            return await self._launch(code, scratch)
+        finally:
+            scratch.running -= 1
+            scratch.last_used = time.monotonic()
+
+    async def _launch(self, code: str, scratch: Scratch) -> RunResult:
+        assert self.base is not None
+        status_read, status_write = os.pipe()
+        config = {
+            **self.view,
+            "code": code,
+            "root": os.path.join(self.base, "root"),
+            "scratch": scratch.path,
+            "uid": scratch.uid,
+            "limits": vars(self.limits),
+            "parent": os.getpid(),
+            "status_fd": status_write,
+        }
+        try:
+            process = await asyncio.create_subprocess_exec(
+                *[sys.executable, "-I", "-S", os.path.abspath(__file__), "--sandbox-launcher"],
+                stdin=asyncio.subprocess.PIPE,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.PIPE,
+                pass_fds=(status_write,),
+                start_new_session=True,  # its process group is the backstop's target
+            )
+        except BaseException:
+            os.close(status_read)
+            raise
+        finally:
+            os.close(status_write)
+        assert process.stdin is not None and process.stdout is not None and process.stderr is not None
+        out = asyncio.ensure_future(_drain(process.stdout, self.limits.output_bytes))
+        err = asyncio.ensure_future(_drain(process.stderr, self.limits.output_bytes))
+        backstop = False
+        try:
+            try:
+                process.stdin.write(json.dumps(config).encode())
+                await process.stdin.drain()
+                process.stdin.close()
+            except ConnectionError:
+                pass  # the launcher died early: its report (none) says so below
+            try:
+                await asyncio.wait_for(process.wait(), self.limits.wall_s + SETUP_GRACE_S)
+            except (asyncio.TimeoutError, TimeoutError):
+                backstop = True  # the sandbox's init did not stop it in time
+                _kill_group(process.pid)
+                await process.wait()
+            (stdout, stdout_total), (stderr, stderr_total) = await asyncio.gather(out, err)
+        except BaseException:  # this call was cancelled (or failed): nothing of it may keep running
+            if process.returncode is None:
+                _kill_group(process.pid)  # the launcher's exit takes its namespace down; the loop reaps it
+            out.cancel()
+            err.cancel()
+            os.close(status_read)
+            raise
+        report = _read_status(status_read)
+        if "setup_error" in report:
+            raise SandboxUnavailable(f"sandbox setup failed: {report['setup_error']}; the code was not run")
+        if not report and not backstop:
+            tail = " | ".join(stderr.decode(errors="replace").strip().splitlines()[-3:])
+            raise SandboxUnavailable(f"the sandbox launcher failed (exit {process.returncode}): {tail}")
+        status = report.get("status")
+        return RunResult(
+            exit_code=os.waitstatus_to_exitcode(status) if status is not None and os.WIFEXITED(status) else None,
+            signal=os.WTERMSIG(status) if status is not None and os.WIFSIGNALED(status) else None,
+            stdout=stdout,
+            stdout_total=stdout_total,
+            stderr=stderr,
+            stderr_total=stderr_total,
+            cpu_s=report.get("cpu_s", 0.0),
+            leftover=report.get("leftover", 0),
+            wall_hit=backstop or report.get("wall_hit", False),
+        )
+
+
+def _kill_group(pgid: int) -> None:
+    """SIGKILL process group ``pgid`` (the launcher's), if any of it is left."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pgid, signal.SIGKILL)
+
+
+def _read_status(fd: int) -> dict[str, Any]:
+    """The launcher's report (written before it exited), or {} when it wrote none."""
+    os.set_blocking(fd, False)
+    try:
+        data = os.read(fd, 1 << 16)
+    except BlockingIOError:
+        data = b""
+    finally:
+        os.close(fd)
+    return json.loads(data) if data else {}
+
+
+# ---- the launcher: this file run as root in a fresh interpreter, stdlib only ----
+
+
+def _launcher() -> None:
+    """Read the call's config from stdin, build the sandbox (any failure is reported as ``setup_error`` before any
+    code runs), fork the PID namespace's init and wait for it."""
+    config = json.loads(sys.stdin.buffer.read())
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(devnull, 0)
+    os.close(devnull)
+    status = os.fdopen(config["status_fd"], "w")
+    try:
+        _sys("prctl", PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        if os.getppid() != config["parent"]:
+            raise OSError("the server exited before the sandbox started")
+        _sys("unshare", CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWNET | CLONE_NEWIPC | CLONE_NEWUTS)
+        _build_root(config)
+    except OSError as exc:
+        status.write(json.dumps({"setup_error": str(exc)}))
+        status.close()
+        os._exit(1)
+    init = os.fork()  # pid 1 of the new PID namespace
+    if init == 0:
+        try:
+            _init(config, status)
+        except BaseException as exc:  # noqa: BLE001 - said on stderr; no report makes the call fail
+            os.write(2, f"code sandbox: the sandbox's init failed: {exc!r}\n".encode())
+        os._exit(1)
+    os.waitpid(init, 0)
+    os._exit(0)
+
+
+def _build_root(config: dict[str, Any]) -> None:
+    """Mount the sandbox's root on a tmpfs (see the module docstring for what it holds) and pivot into it."""
+    os.umask(0o022)
+    root = config["root"]
+    _mount(None, "/", None, MS_REC | MS_PRIVATE)
+    _tmpfs(root, "size=16m,mode=0755")
+    for path in config["binds"]:
+        _bind(path, root + path)
+    for path in config["hide"]:
+        _tmpfs(root + path, "size=4k,mode=0755", MS_RDONLY | MS_NOSUID | MS_NODEV)
+    for path in config["expose"]:
+        _bind(path, root + path)
+    for link, target in config["links"].items():
+        os.symlink(target, root + link)
+    for device in DEVICES:
+        _bind(f"/dev/{device}", f"{root}/dev/{device}", writable=True, devices=True)
+    _tmpfs(f"{root}/dev/shm", f"size={config['limits']['file_mib']}m,mode=1777")
+    _bind(config["scratch"], f"{root}/scratch", writable=True)
+    os.symlink("/scratch", f"{root}/tmp")
+    with open(f"{root}/main.py", "w", encoding="utf-8") as main:
+        main.write(config["code"])
+    os.chmod(f"{root}/main.py", 0o444)
+    # pivot_root(".", "."): the old root ends up on top of the new one, and is then detached from this namespace
+    os.chdir(root)
+    _sys("syscall", ctypes.c_long(SYS_PIVOT_ROOT[platform.machine()]), ".", ".")
+    _sys("umount2", ".", MNT_DETACH)
+    os.chdir("/")
+    _mount(None, "/", None, MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV)
+    _sys("sethostname", "sandbox", 7)
+
+
+def _init(config: dict[str, Any], status: Any) -> None:
+    """PID 1 of the sandbox: run the code, reap, stop everything at the wall clock or when the main process ends,
+    and report how it ended (wait status, CPU seconds, processes killed, wall clock hit)."""
+    _sys("prctl", PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGCHLD})  # waited for with sigtimedwait, no handler races
+    main = os.fork()
+    if main == 0:
+        _exec_code(config)
+    deadline = time.monotonic() + config["limits"]["wall_s"]
+    report: dict[str, Any] = {"status": None, "cpu_s": 0.0, "leftover": 0, "wall_hit": False}
+
+    def reap(block: bool, ending: bool) -> None:
+        """Reap every child that has exited (all of them when ``block``); when ``ending``, count the others."""
+        while True:
+            try:
+                pid, wait_status, usage = os.wait4(-1, 0 if block else os.WNOHANG)
+            except ChildProcessError:
+                return
+            if pid == 0:
+                return
+            if pid == main:
+                report["status"], report["cpu_s"] = wait_status, usage.ru_utime + usage.ru_stime
+            elif ending:
+                report["leftover"] += 1
+
+    while report["status"] is None:
+        reap(block=False, ending=False)
+        remaining = deadline - time.monotonic()
+        if report["status"] is None and remaining <= 0:
+            report["wall_hit"] = True
+        elif report["status"] is None:
+            signal.sigtimedwait({signal.SIGCHLD}, remaining)
+            continue
+        break
+    with contextlib.suppress(ProcessLookupError):  # none left
+        os.kill(-1, signal.SIGKILL)  # every other process in this namespace: still running when the call ended
+    reap(block=True, ending=True)
+    status.write(json.dumps(report))
+    status.close()
+    os._exit(0)
+
+
+def _exec_code(config: dict[str, Any]) -> None:
+    """The user's process: limits, then the session's uid with no capabilities and no_new_privs, then Python."""
+    try:
+        limits = config["limits"]
+        cpu = math.ceil(limits["cpu_s"])
+        resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))
+        resource.setrlimit(resource.RLIMIT_AS, (limits["memory_mib"] << 20,) * 2)
+        resource.setrlimit(resource.RLIMIT_NPROC, (limits["processes"],) * 2)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limits["file_mib"] << 20,) * 2)
+        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+        uid = config["uid"]
+        os.setgroups([])
+        os.setresgid(uid, uid, uid)
+        os.setresuid(uid, uid, uid)  # drops every capability
+        _sys("prctl", PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)
+        os.chdir("/scratch")
+        signal.pthread_sigmask(signal.SIG_SETMASK, set())
+        os.closerange(3, 1 << 16)
+        python = config["python"]
+        env = {"PATH": os.path.dirname(python), "HOME": "/scratch", "TMPDIR": "/scratch", "LANG": "C.UTF-8"}
+        os.execve(python, [python, "-I", "-u", "/main.py"], env)
+    except BaseException as exc:  # noqa: BLE001 - reported on the code's stderr, then this process ends
+        os.write(2, f"code sandbox: could not start the code: {exc}\n".encode())
+    os._exit(127)
+
+
+# ---- the MCP server ----
+
+
+def build_server(sandbox: Sandbox) -> Any:
+    """An ``MCPServer`` with the one tool ``run_python``, running calls on ``sandbox``."""
+    from mcp.server.mcpserver import Context, MCPServer
+    from mcp.server.mcpserver.exceptions import ToolError
+
+    limits = sandbox.limits
+    server = MCPServer("code-sandbox")
+    description = (
+        "Run Python 3 code in a fresh sandboxed process and return its exit status, stdout and stderr. No network; "
+        "files only in the working directory, which is kept for this session. Limits per call: "
+        f"{limits.cpu_s:g} s CPU, {limits.memory_mib} MiB memory, {limits.wall_s:g} s wall clock, "
+        f"{limits.output_bytes} bytes of stdout and of stderr shown; a limit hit is named in the result."
+    )
+
+    @server.tool(description=description)
+    async def run_python(code: str, ctx: Context) -> str:
+        key = (ctx.headers or {}).get("mcp-session-id")
+        _end_with_connection(ctx, key, sandbox)
+        try:
+            result = await sandbox.run(code, key)
+        except SandboxUnavailable as exc:
+            raise ToolError(str(exc)) from None
+        return format_result(result, limits)
+
+    return server
+
+
+def _end_with_connection(ctx: Any, key: str | None, sandbox: Sandbox) -> None:
+    """Drop an HTTP session's scratch when its connection closes. The SDK offers per-connection teardown
+    (``Connection.exit_stack``) but no public way to it from a tool's context, hence the guarded private read;
+    without it, the idle timeout and the server's stop still remove the scratch."""
+    connection = getattr(getattr(ctx.request_context, "session", None), "_connection", None)
+    if key is None or connection is None or not hasattr(connection, "exit_stack"):
+        return
+    if not connection.state.get("code_sandbox_cleanup"):
+        connection.state["code_sandbox_cleanup"] = True
+        connection.exit_stack.callback(sandbox.end_session, key)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The server's command line (see the module docstring)."""
+    defaults = Limits()
+    parser = argparse.ArgumentParser(description="Sandboxed Python execution as an MCP server (stdio, or HTTP).")
+    parser.add_argument("--http", type=int, metavar="PORT", help="serve streamable HTTP on 127.0.0.1:PORT")
+    parser.add_argument("--cpu-s", type=float, default=defaults.cpu_s, help="CPU seconds per process")
+    parser.add_argument("--memory-mib", type=int, default=defaults.memory_mib, help="address space per process")
+    parser.add_argument("--wall-s", type=float, default=defaults.wall_s, help="wall-clock seconds per call")
+    parser.add_argument("--output-bytes", type=int, default=defaults.output_bytes, help="kept of stdout, stderr")
+    parser.add_argument("--max-processes", type=int, default=defaults.processes, help="per session, threads too")
+    parser.add_argument("--file-mib", type=int, default=defaults.file_mib, help="largest file written")
+    parser.add_argument("--scratch-mib", type=int, default=defaults.scratch_mib, help="scratch folder size")
+    parser.add_argument("--expose", action="append", default=[], metavar="PATH", help="show PATH read-only")
+    parser.add_argument("--workdir", help="where scratch folders live (default: the system temp folder)")
+    parser.add_argument("--session-idle-s", type=float, default=1800.0, help="drop idle HTTP sessions' scratch")
+    parser.add_argument("--sandbox-launcher", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    for name in ("cpu_s", "memory_mib", "wall_s", "output_bytes", "max_processes", "file_mib", "scratch_mib"):
+        if getattr(args, name) <= 0:
+            parser.error(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    if args.sandbox_launcher:
+        _launcher()
+        return
+    limits = Limits(
+        args.cpu_s, args.memory_mib, args.wall_s, args.output_bytes, args.max_processes, args.file_mib, args.scratch_mib
+    )
+    sandbox = Sandbox(limits, args.workdir, args.expose, args.session_idle_s)
+    sandbox.open()  # first: it needs this process single-threaded
+    if sandbox.unavailable:
+        print(f"code sandbox unavailable: {sandbox.unavailable}; run_python refuses every call", file=sys.stderr)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # a terminated server still removes its scratch
+    try:
+        server = build_server(sandbox)
+        if args.http is None:
+            server.run()
+        else:
+            server.run("streamable-http", host="127.0.0.1", port=args.http, session_idle_timeout=args.session_idle_s)
+    finally:
+        sandbox.close()
+
+
+if __name__ == "__main__":
+    main()
