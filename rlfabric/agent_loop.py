@@ -7,13 +7,21 @@ earlier turns again), steps the env with the sampled text under a deadline, and 
 env's reply tokens (``ChatTokens``) to its sequence, until the env ends the episode or a limit cuts it.
 ``episodes_to_trajectories`` turns the finished episodes into one trajectory record (loss mask 1 exactly on
 sampled tokens, one step span per turn, rewards by component per turn and per episode).
+
+**State keys** (for step-level credit, GiGPO): a text env MAY have a method ``state_key()`` (sync or async, called
+like its other methods, under the step deadline) that returns a hashable key of the env state the agent is about
+to act in, e.g. a str digest of the tool server's session state. ``play`` calls it before each policy turn; the
+key goes into the turn (``TurnTokens.state_key``) and from there into the record's ``state_keys``, where steps of
+one group with equal keys form a step group. A call that raises, misses its deadline or returns an unhashable
+value costs the episode nothing: that step gets a key of its own (``rlfabric.trajectory.UniqueStep``, never
+grouped with another) and counts in ``Episode.env_errors`` and ``Episode.state_key_errors``. None is no key.
 """
 
 from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -57,7 +65,10 @@ class Episode:
     texts: list[str] = field(default_factory=list)
     truncated: bool = False
     error: str | None = None  # why the episode failed (its env raised or hung); failed episodes are not trained
-    env_errors: int = 0  # steps that raised or hung and were shown to the agent (on_env_error = "observe")
+    # env calls that raised or hung and the episode went on: steps shown to the agent (on_env_error = "observe")
+    # and state_key calls
+    env_errors: int = 0
+    state_key_errors: int = 0  # state_key calls that raised, hung or returned an unhashable key (in env_errors too)
     tool_calls: int = 0  # tool calls the env ran or refused (TextStep.info["tool_calls"])
     invalid_tool_calls: dict[str, int] = field(default_factory=dict)  # by kind (TextStep.info, rlfabric.tools)
 
@@ -114,8 +125,24 @@ def _describe(exc: BaseException, timeout_s: float) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
-async def _env_call(method: Any, arg: Any, limits: EpisodeLimits) -> Any:
-    return await asyncio.wait_for(call_env(method, arg), limits.step_timeout_s)
+async def _env_call(limits: EpisodeLimits, method: Any, *args: Any) -> Any:
+    return await asyncio.wait_for(call_env(method, *args), limits.step_timeout_s)
+
+
+async def _state_key(env: TextEnv, episode: Episode, limits: EpisodeLimits) -> Hashable | None:
+    """The env's ``state_key()`` now (None when it has none); a failed call is counted and gives None, so the step
+    gets a key of its own (see the module docstring)."""
+    method = getattr(env, "state_key", None)
+    if method is None:
+        return None
+    try:
+        key = await _env_call(limits, method)
+        hash(key)  # an unhashable key could not group steps: refused here, not in the learner
+        return key
+    except Exception:  # noqa: BLE001 - a key is an optional extra: the episode goes on without it
+        episode.env_errors += 1
+        episode.state_key_errors += 1
+        return None
 
 
 def _opening(env: TextEnv, observation: str) -> list[dict[str, str]]:
@@ -134,7 +161,7 @@ async def play(
     """One episode of ``env`` on ``task`` (see the module docstring). A failing policy call raises: the caller
     decides what a lost generator means; a failing env ends the episode as failed or as an observation."""
     try:
-        observation = await _env_call(env.reset, task, limits)
+        observation = await _env_call(limits, env.reset, task)
     except Exception as exc:  # noqa: BLE001 - any env failure is the episode's, recorded
         return Episode(task_index, [], error=f"reset {_describe(exc, limits.step_timeout_s)}")
     messages = _opening(env, str(observation))
@@ -144,10 +171,11 @@ async def play(
         if len(context) + limits.turn_tokens > limits.max_episode_tokens:
             episode.truncated = True
             return episode
+        state_key = await _state_key(env, episode, limits)
         turn = await turns.next_turn(context, messages, task)
         sampled, text = turn.sampled, turn.text
         try:
-            step = await _env_call(env.step, text, limits)
+            step = await _env_call(limits, env.step, text)
             if not isinstance(step, TextStep):
                 raise TypeError(f"step returned {type(step).__name__}, expected TextStep")
         except Exception as exc:  # noqa: BLE001 - recorded as the episode's error or shown to the agent
@@ -166,7 +194,7 @@ async def play(
         except Exception as exc:  # noqa: BLE001 - e.g. a character the tokenizer has no token for
             episode.error = f"observation could not be tokenized: {type(exc).__name__}: {exc}"
             return episode
-        episode.turns.append(TurnTokens(sampled, turn.logprobs, turn.version, reply, dict(step.rewards)))
+        episode.turns.append(TurnTokens(sampled, turn.logprobs, turn.version, reply, dict(step.rewards), state_key))
         episode.texts.append(text)
         messages += [{"role": "assistant", "content": text}, {"role": chat.role, "content": str(step.observation)}]
         context += sampled + reply

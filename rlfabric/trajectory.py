@@ -13,7 +13,7 @@ The record lives in Ray's object store: producers return it as an ObjectRef next
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -109,6 +109,8 @@ class Trajectories:
         for name, value in self.step_rewards.items():
             if value.shape != (spans,):
                 raise ValueError(f"Trajectories.step_rewards[{name!r}]: shape {value.shape}, expected ({spans},)")
+        if self.state_keys is not None and self.state_keys.shape != (spans,):
+            raise ValueError(f"Trajectories.state_keys: shape {self.state_keys.shape}, expected ({spans},)")
         if self.length.size and (self.length.max() > width or self.length.min() < 0):
             raise ValueError(f"Trajectories.length: values must lie in [0, {width}]")
 
@@ -139,6 +141,13 @@ class Trajectories:
         """[N] scalar outcome reward: sum_c weights[c] * final_rewards[c] (weight 1 for unlisted components)."""
         total = np.zeros(self.num_rows, np.float32)
         for name, value in self.final_rewards.items():
+            total += np.float32(weights.get(name, 1.0)) * value
+        return total
+
+    def step_total_reward(self, weights: dict[str, float]) -> np.ndarray:
+        """[S] scalar reward of each step span: sum_c weights[c] * step_rewards[c] (weight 1 for unlisted ones)."""
+        total = np.zeros(0 if self.step_spans is None else len(self.step_spans), np.float32)
+        for name, value in self.step_rewards.items():
             total += np.float32(weights.get(name, 1.0)) * value
         return total
 
@@ -215,7 +224,11 @@ def concat(parts: Sequence[Trajectories]) -> Trajectories:
             out[f.name] = {k: np.concatenate([v[k] for v in filled]) for k in filled[0]}
         elif f.name in ("step_spans", "truncation_index"):
             out[f.name] = None if any(v is None for v in values) else _concat_row_index(values, offsets)
-        elif f.name in ("state_keys", "truncation_obs"):
+        elif f.name == "state_keys":
+            # a part without keys (its env has no state_key) gets a key unique to each of its steps
+            keyed = [p.state_keys if p.state_keys is not None else unique_state_keys(p) for p in parts]
+            out[f.name] = None if all(v is None for v in values) else np.concatenate(keyed)
+        elif f.name == "truncation_obs":
             out[f.name] = None if any(v is None for v in values) else np.concatenate(values)
         elif f.name == "extras":
             out[f.name] = {k: v for p in parts for k, v in p.extras.items()}
@@ -246,6 +259,37 @@ def _concat_row_index(values: Sequence[np.ndarray], offsets: np.ndarray) -> np.n
         s[:, 0] += offset
         shifted.append(s)
     return np.concatenate(shifted)
+
+
+# -- env-state keys of steps (step-level credit) -----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class UniqueStep:
+    """The state key of a step whose env gave none (or whose ``state_key`` call failed): equal only to itself
+    (the ``step``-th step of episode ``episode_id``; episode ids are unique within a run), and never to an env's
+    key, so the step never shares a step group with another."""
+
+    episode_id: int
+    step: int
+
+
+def unique_state_keys(traj: Trajectories) -> np.ndarray:
+    """object [S]: ``UniqueStep(episode_id[row], k)`` for the k-th step span of each row, in span order."""
+    spans = np.zeros((0, 3), np.int64) if traj.step_spans is None else traj.step_spans
+    out = np.empty(len(spans), dtype=object)
+    seen: dict[int, int] = {}
+    for s, row in enumerate(spans[:, 0].tolist()):
+        k = seen.get(row, 0)
+        seen[row] = k + 1
+        out[s] = UniqueStep(int(traj.episode_id[row]), k)
+    return out
+
+
+def _object_array(values: Sequence[Any]) -> np.ndarray:
+    out = np.empty(len(values), dtype=object)  # np.asarray would split tuple keys into columns
+    out[:] = list(values)
+    return out
 
 
 # -- constructors for the two producers of today ----------------------------------------------------------------
@@ -292,13 +336,15 @@ def from_token_sequences(
 class TurnTokens:
     """One agent turn as tokens: what the policy sampled (with behaviour logprobs and the version that sampled
     them), then the tokens appended after it (the env's observation inside the chat template's delimiters; empty
-    after the last turn), and the reward components the env gave for the turn."""
+    after the last turn), the reward components the env gave for the turn, and the env's state key before the
+    turn (``state_key()``, for step-level credit; None when the env gave none)."""
 
     sampled: Sequence[int]
     logprobs: Sequence[float]
     version: int | Sequence[int]  # one for the turn, or one per sampled token
     observation: Sequence[int] = ()
     rewards: dict[str, float] = field(default_factory=dict)
+    state_key: Hashable | None = None
 
 
 def from_turns(
@@ -316,7 +362,8 @@ def from_turns(
     The loss mask is 1 exactly on sampled tokens; their ``policy_version`` is the turn's version (a partial
     rollout's turns can differ), -1 on prompt and observation tokens. One step span per turn covers its sampled
     tokens; ``step_rewards[c]`` is the turn's component c (0 where the turn gave none) and ``final_rewards[c]``
-    its sum over the episode. ``truncated[i]``: the episode was cut (turn or token limit), else it ended.
+    its sum over the episode. ``state_keys`` holds each turn's ``state_key``, a ``UniqueStep`` for a turn without
+    one; None when no turn has one. ``truncated[i]``: the episode was cut (turn or token limit), else it ended.
     """
     n = len(prompts)
     lengths = np.array(
@@ -338,10 +385,12 @@ def from_turns(
     components = sorted({k for turns in episodes for t in turns for k in t.rewards})
     step_rewards: dict[str, list[float]] = {k: [] for k in components}
     final = {k: np.zeros(n, np.float32) for k in components}
+    keyed = any(t.state_key is not None for turns in episodes for t in turns)
+    state_keys: list[Hashable] = []
     for i, turns in enumerate(episodes):
         at = len(prompts[i])
         tokens[i, :at] = prompts[i]
-        for t in turns:
+        for step, t in enumerate(turns):
             end = at + len(t.sampled)
             tokens[i, at:end] = t.sampled
             sampled_tokens[i, at:end] = t.sampled
@@ -349,6 +398,8 @@ def from_turns(
             behaviour[i, at:end] = t.logprobs
             policy_version[i, at:end] = t.version
             spans.append((i, at, end))
+            if keyed:
+                state_keys.append(UniqueStep(int(episode_ids[i]), step) if t.state_key is None else t.state_key)
             for k in components:
                 step_rewards[k].append(t.rewards.get(k, 0.0))
                 final[k][i] += t.rewards.get(k, 0.0)
@@ -373,6 +424,7 @@ def from_turns(
         final_rewards=final,
         step_spans=np.asarray(spans, np.int32).reshape(-1, 3),
         step_rewards={k: np.asarray(v, np.float32) for k, v in step_rewards.items()},
+        state_keys=_object_array(state_keys) if keyed else None,
     )
 
 
