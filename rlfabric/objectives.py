@@ -111,3 +111,25 @@ KL_ESTIMATORS.add("k1", f"{_MATH}:kl_k1", "logp - ref_logp (unbiased, can be neg
 KL_ESTIMATORS.add("k3", f"{_MATH}:kl_k3", "exp(d) - d - 1 (unbiased, nonnegative)")
 
 TABLES = (ADVANTAGE_ESTIMATORS, POLICY_RATIOS, LOSS_AGGREGATIONS, KL_ESTIMATORS)
+
+# Step-level credit (grpo.step_credit): per-step advantages of multi-turn episodes. "none", the default, is not a
+# part: it is GRPO's one advantage per row, unchanged, so this table is checked by the config on its own.
+NO_STEP_CREDIT = "none"
+_STEPS = "rlfabric.algorithms.step_credit"
+STEP_CREDITS = PartTable(
+    "step credit",
+    "grpo.step_credit",
+    "fn(step_rows [S], group_ids [N], step_rewards [S], episode_rewards [N], state_keys [S], *, omega, gamma, "
+    "scale_by_std) -> advantages [S]",
+)
+STEP_CREDITS.add("gigpo", f"{_STEPS}:gigpo_advantages", "episode advantage + omega * step advantage within states")
+STEP_CREDITS.add("step_mix", f"{_STEPS}:step_mix_advantages", "episode advantage + omega * step return over the group")
+# Step credits that group steps by env state, so they need the record's state_keys.
+STATE_KEYED_STEP_CREDITS = frozenset({"gigpo"})
+
+
+def check_step_credit(name: str) -> None:
+    """Raise a one-line ConfigError naming ``grpo.step_credit`` and the valid names unless ``name`` is one."""
+    if name != NO_STEP_CREDIT and name not in STEP_CREDITS.names():
+        allowed = ", ".join((NO_STEP_CREDIT, *STEP_CREDITS.names()))
+        raise ConfigError(f"{STEP_CREDITS.field} = {name!r} is not valid: must be one of {allowed}")
