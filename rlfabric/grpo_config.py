@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from rlfabric.config_base import ConfigError, RayConfig, require
-from rlfabric.objectives import TABLES
+from rlfabric.objectives import STATE_KEYED_STEP_CREDITS, TABLES, check_step_credit
 
 # The builtin character tokenizer's alphabets by name (model.builtin.alphabet), kept here so that validating a
 # config never imports torch; rlfabric.models.hf builds the tokenizer from one.
@@ -137,6 +137,21 @@ class RewardFunctionConfig:
 
 
 @dataclass
+class EfficiencyConfig:
+    # Adaptive efficiency penalty (rlfabric.algorithms.step_credit.efficiency_penalty), added to the scalar reward:
+    # -weight * max(0, c - m) / max(m, 1), c a row's call count, m the median count of its group's successful rows
+    # (of all its rows when none succeeded). 0: off.
+    weight: float = 0.0
+    # Reward components that are counts (summed into c), e.g. [tool_calls]: weight 0 in the scalar reward unless
+    # rewards.weights names them.
+    counts: list[str] = field(default_factory=list)
+    # The component whose value > 0 marks a successful row.
+    success: str = "correct"
+    # "on_success": only successful rows are penalised; "always": every row.
+    apply: Literal["on_success", "always"] = "on_success"
+
+
+@dataclass
 class RewardsConfig:
     functions: list[RewardFunctionConfig] = field(default_factory=lambda: [RewardFunctionConfig()])
     # Weight of each named component in the scalar reward; components not listed count with weight 1.
@@ -145,6 +160,12 @@ class RewardsConfig:
     num_cpus: float = 0.5
     # Deadline for scoring one group; a function that hangs or raises costs only its group's samples.
     timeout_s: float = 30.0
+    efficiency: EfficiencyConfig = field(default_factory=EfficiencyConfig)
+
+    def scalar_weights(self) -> dict[str, float]:
+        """The weights of the scalar reward: ``weights``, and 0 for the count components of ``efficiency`` that
+        ``weights`` does not name (counts are not rewards)."""
+        return {**{name: 0.0 for name in self.efficiency.counts}, **self.weights}
 
 
 @dataclass
@@ -176,6 +197,14 @@ class GRPOConfig:
     skip_zero_advantage_rows: bool = True
     # Give no loss to completions cut off at max_new_tokens (DAPO's overlong filtering).
     overlong_filter: bool = False
+    # Step-level credit of multi-turn episodes (rlfabric.algorithms.step_credit): "none" (one advantage per row),
+    # "gigpo" (GiGPO: plus a step advantage among the group's steps from the same env state; needs an env with
+    # state_key()), "step_mix" (plus the step's discounted return normalised over all the group's steps).
+    step_credit: str = "none"
+    # omega: the weight of the step term.
+    step_credit_weight: float = 1.0
+    # gamma: the discount of the step returns.
+    step_gamma: float = 0.95
     # Trace check, logprob half: a row sampled by the learner's current weights whose recomputed logprobs differ
     # from the behaviour ones by more than this (mean |gap| per sampled token, nats) is rejected and counted as
     # drifted (null: no check). Float32 engines agree to ~1e-5; bfloat16 matmuls to a few hundredths.
@@ -351,6 +380,8 @@ def validate_llm(cfg: LLMConfig) -> LLMConfig:
         builtin_alphabet(cfg.model.builtin.alphabet)
     for i, fn in enumerate(cfg.rewards.functions):
         require(bool(fn.name), f"rewards.functions[{i}].name", fn.name, "must name a reward function")
+    _validate_step_credit(cfg)
+    _validate_efficiency(cfg.rewards.efficiency)
     if cfg.env.id:
         _validate_env(cfg)
     elif not cfg.rewards.functions:
@@ -381,4 +412,48 @@ def _validate_env(cfg: LLMConfig) -> None:
         "rewards.functions",
         [f.name for f in cfg.rewards.functions],
         "must be [] with env.id: the text env gives the rewards, by component, at each step",
+    )
+
+
+def _validate_step_credit(cfg: LLMConfig) -> None:
+    g = cfg.grpo
+    check_step_credit(g.step_credit)
+    _positive("grpo.step_credit_weight", g.step_credit_weight, allow_zero=True)
+    require(0 <= g.step_gamma <= 1, "grpo.step_gamma", g.step_gamma, "must be in [0, 1]")
+    if g.step_credit == "none":
+        return
+    require(
+        g.advantage == "grpo",
+        "grpo.step_credit",
+        g.step_credit,
+        f"needs grpo.advantage 'grpo' (its episode term is GRPO's group advantage), not {g.advantage!r}",
+    )
+    require(
+        g.step_credit not in STATE_KEYED_STEP_CREDITS or bool(cfg.env.id),
+        "grpo.step_credit",
+        g.step_credit,
+        "needs a multi-turn text env (env.id) whose state_key() keys the steps; single-turn completions have none",
+    )
+
+
+def _validate_efficiency(e: EfficiencyConfig) -> None:
+    _positive("rewards.efficiency.weight", e.weight, allow_zero=True)
+    require(
+        all(isinstance(c, str) and c for c in e.counts) and len(set(e.counts)) == len(e.counts),
+        "rewards.efficiency.counts",
+        e.counts,
+        "must be distinct non-empty component names",
+    )
+    require(
+        e.weight == 0 or bool(e.counts),
+        "rewards.efficiency.counts",
+        e.counts,
+        "must name at least one count component when rewards.efficiency.weight > 0",
+    )
+    require(bool(e.success), "rewards.efficiency.success", e.success, "must name the success component")
+    require(
+        e.success not in e.counts,
+        "rewards.efficiency.success",
+        e.success,
+        "must not be one of rewards.efficiency.counts",
     )

@@ -30,11 +30,15 @@ def batch_spec(cfg: LLMConfig) -> dict[str, Any]:
     """How learners and the reference actor turn records into the packed batch (``grpo_batch``'s options)."""
     g = cfg.grpo
     return {
-        "reward_weights": dict(cfg.rewards.weights),
+        "reward_weights": cfg.rewards.scalar_weights(),
         "advantage": g.advantage,
         "scale_by_std": g.scale_by_std,
         "overlong_filter": g.overlong_filter,
         "world_size": cfg.learner.num_learners,
+        "step_credit": g.step_credit,
+        "step_credit_weight": g.step_credit_weight,
+        "step_gamma": g.step_gamma,
+        "efficiency": dataclasses.asdict(cfg.rewards.efficiency),
     }
 
 
@@ -133,7 +137,7 @@ def start_rollout_worker(cfg: LLMConfig, text_env: Any = None) -> Any:
     r = cfg.rewards
     return LLMRolloutWorker.options(num_cpus=0).remote(
         reward_functions=[dataclasses.asdict(f) for f in r.functions],
-        reward_weights=dict(r.weights),
+        reward_weights=r.scalar_weights(),
         num_reward_workers=r.num_workers,
         reward_timeout_s=r.timeout_s,
         reward_cpus=r.num_cpus,
