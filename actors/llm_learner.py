@@ -56,6 +56,8 @@ LEARNER_METRICS = FloatFields(
     "trained_positions",
     "trained_head_positions",
     "drifted_trajectories",  # rows whose tokens (or logprobs) were not what the generator sampled: never trained
+    "efficiency_penalty",  # the batch rows' mean efficiency penalty (rewards.efficiency.weight > 0)
+    "step_group_share",  # grpo.step_credit gigpo: the share of steps in a step group of more than one
     "batch_time_s",  # inside the learner: the records read and turned into the batch
     "compute_time_s",  # inside the learner: forward, backward and optimizer step
 )
@@ -255,11 +257,14 @@ class LLMLearnerCore:
             self.drift_reported = True  # the first instance, readable; the count goes to the metrics every step
             print(f"rlfabric learner: rejected a trajectory whose tokens drifted from the sampled ones: {report}")
         drifted = float(batch.pop("drifted_rows", 0))
+        # the batch's own statistics, present when their setting is on (every rank builds the same batch)
+        built_metrics = {k: float(batch.pop(k)) for k in ("efficiency_penalty", "step_group_share") if k in batch}
         built = time.perf_counter()
         metrics = self.train_step(batch, lr)
         drifted += metrics.pop("logprob_drifted_rows", 0.0)
         return {
             **metrics,
+            **built_metrics,
             "drifted_trajectories": drifted,
             "batch_time_s": built - started,
             "compute_time_s": time.perf_counter() - built,
@@ -268,8 +273,9 @@ class LLMLearnerCore:
     def train_step(self, batch: dict[str, np.ndarray], lr: float) -> dict[str, float]:
         """One GRPO-family update on a batch: ``epochs`` passes, each one optimizer step over all micro-batches.
 
-        batch columns: input_ids, attention_mask, response_mask (loss mask), prompt_len, advantages [N],
-        behaviour_logprobs [N, R] (from the generators), and ref_logprobs [N, R] when a reference actor made them.
+        batch columns: input_ids, attention_mask, response_mask (loss mask), prompt_len, advantages [N] (or [N, R]
+        per token, with step-level credit), behaviour_logprobs [N, R] (from the generators), and ref_logprobs
+        [N, R] when a reference actor made them.
         With ``sampled_version`` [N] (and ``episode_id``), rows the current weights sampled are held to their
         behaviour logprobs (``grpo.max_logprob_gap``): one that drifted further gets no loss and is counted in
         ``logprob_drifted_rows``, the first one described.
@@ -284,8 +290,9 @@ class LLMLearnerCore:
         entropy_scale = 1.0
         if g["skip_zero_advantage_rows"] and g["kl_coef"] == 0 and g["entropy_coef"] == 0:
             # Every remaining loss term is scaled by the advantage, so zero-advantage rows (groups whose rewards
-            # are all equal) add exactly zero to the gradient: skip their forward and backward. The denominator
-            # above still counts them, so the update is the one the whole batch gives.
+            # are all equal; with per-token advantages, rows with 0 on every token) add exactly zero to the
+            # gradient: skip their forward and backward. The denominator above still counts them, so the update
+            # is the one the whole batch gives.
             b = select_rows(b, keep_rows_with_advantage(b["advantages"]))
             mask = b["response_mask"]
             # The entropy diagnostic is over the rows trained on: rescale it from the whole batch's denominator.

@@ -7,12 +7,15 @@ reference actor), so the driver never touches the rows. Layout of the packed bat
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import torch
 
 from rlfabric.algorithms.grpo import compute_advantages
+from rlfabric.algorithms.step_credit import efficiency_penalty, step_advantages_to_tokens, step_group_share
 from rlfabric.models.sequences import is_row_column, pack_sequences
+from rlfabric.objectives import NO_STEP_CREDIT, STATE_KEYED_STEP_CREDITS, STEP_CREDITS
 from rlfabric.trajectory import Trajectories, concat, drifted_rows, sampled_version
 
 
@@ -55,21 +58,51 @@ def grpo_batch(
     scale_by_std: bool,
     overlong_filter: bool,
     world_size: int = 1,
+    step_credit: str = NO_STEP_CREDIT,
+    step_credit_weight: float = 1.0,
+    step_gamma: float = 0.95,
+    efficiency: dict[str, Any] | None = None,
 ) -> dict[str, np.ndarray]:
-    """The packed GRPO batch of the chosen groups: scalar reward r = sum_c w_c * final_rewards[c], advantages by
-    ``advantage`` over the groups, no loss on truncated rows with ``overlong_filter``, padded for
-    ``world_size`` data-parallel learners.
+    """The packed GRPO batch of the chosen groups: scalar reward r = sum_c w_c * final_rewards[c] (plus the
+    efficiency penalty when ``efficiency["weight"]`` > 0, see ``efficiency_rewards``), advantages by ``advantage``
+    over the groups, no loss on truncated rows with ``overlong_filter``, padded for ``world_size`` data-parallel
+    learners.
+
+    ``advantages`` is [N] (one per row) with ``step_credit`` "none", else [N, R] per token: each step span's tokens
+    get its step's advantage (``rlfabric.objectives.STEP_CREDITS``, omega ``step_credit_weight``, gamma
+    ``step_gamma``; step rewards weighted like the scalar reward), every other token 0.
 
     Rows that fail the trace check (``drifted_rows``: their tokens are not what the generator sampled) get no loss;
     ``batch["drifted_rows"]`` counts them and ``batch["drift_report"]`` describes the first. ``episode_id`` and
-    ``sampled_version`` (``rlfabric.trajectory.sampled_version``) go along for the learner's logprob check."""
+    ``sampled_version`` (``rlfabric.trajectory.sampled_version``) go along for the learner's logprob check.
+    ``batch["efficiency_penalty"]`` (the rows' mean penalty) and ``batch["step_group_share"]`` (gigpo: the share
+    of steps in a step group of more than one) are scalars for the learner's metrics."""
     traj = select_groups(trajectories, groups)
-    rewards = torch.from_numpy(traj.total_reward(reward_weights))
-    advantages = compute_advantages(advantage, rewards, torch.from_numpy(traj.group_id), scale_by_std=scale_by_std)
     batch = pack_trajectories(traj, pad_id)
+    rewards = traj.total_reward(reward_weights)
+    if efficiency is not None and efficiency.get("weight", 0.0) > 0:
+        penalty = efficiency_rewards(traj, efficiency)
+        rewards = rewards + penalty
+        batch["efficiency_penalty"] = np.float32(penalty.mean() if len(penalty) else 0.0)
+    if step_credit == NO_STEP_CREDIT:
+        advantages = compute_advantages(
+            advantage, torch.from_numpy(rewards), torch.from_numpy(traj.group_id), scale_by_std=scale_by_std
+        )
+        batch["advantages"] = advantages.numpy().astype(np.float32)
+    else:
+        step_advantages = step_credit_advantages(
+            traj, rewards, reward_weights, step_credit, advantage, step_credit_weight, step_gamma, scale_by_std
+        )
+        assert traj.prompt_length is not None and traj.step_spans is not None
+        width = batch["response_mask"].shape[1]
+        batch["advantages"] = step_advantages_to_tokens(traj.step_spans, traj.prompt_length, step_advantages, width)
+        if step_credit in STATE_KEYED_STEP_CREDITS:
+            assert traj.state_keys is not None
+            batch["step_group_share"] = np.float32(
+                step_group_share(traj.step_spans[:, 0], traj.group_id, traj.state_keys)
+            )
     if overlong_filter:
         batch["response_mask"][traj.truncated.any(axis=1)] = 0.0
-    batch["advantages"] = advantages.numpy().astype(np.float32)
     batch["episode_id"] = traj.episode_id.astype(np.int64)
     batch["sampled_version"] = sampled_version(traj)
     drifted, report = drifted_rows(traj)
@@ -79,6 +112,57 @@ def grpo_batch(
     if report is not None:
         batch["drift_report"] = report
     return pad_rows_for_learners(batch, world_size)
+
+
+def efficiency_rewards(traj: Trajectories, efficiency: dict[str, Any]) -> np.ndarray:
+    """[N] the efficiency penalty of each row (``rlfabric.algorithms.step_credit.efficiency_penalty``): c_i is the
+    sum of the ``efficiency["counts"]`` components of ``final_rewards``, success the ``efficiency["success"]``
+    component (a component the record lacks is 0 for every row: none of them earned it)."""
+    zeros = np.zeros(traj.num_rows, np.float32)
+    counts = sum((traj.final_rewards.get(name, zeros) for name in efficiency["counts"]), zeros)
+    success = traj.final_rewards.get(efficiency.get("success", "correct"), zeros)
+    return efficiency_penalty(
+        counts, success, traj.group_id, weight=float(efficiency["weight"]), apply=efficiency.get("apply", "on_success")
+    )
+
+
+def step_credit_advantages(
+    traj: Trajectories,
+    rewards: np.ndarray,
+    reward_weights: dict[str, float],
+    step_credit: str,
+    advantage: str,
+    omega: float,
+    gamma: float,
+    scale_by_std: bool,
+) -> np.ndarray:
+    """[S] per-step advantages by the step credit's name (``rlfabric.objectives.STEP_CREDITS``): episode rewards
+    ``rewards`` [N], step rewards weighted by ``reward_weights``, the record's state keys. A ValueError in one line
+    naming ``grpo.step_credit`` when the record cannot give what the estimator needs."""
+    if advantage != "grpo":
+        raise ValueError(
+            f"grpo.step_credit = {step_credit!r} needs grpo.advantage 'grpo' (its episode term), not {advantage!r}"
+        )
+    if step_credit in STATE_KEYED_STEP_CREDITS and traj.state_keys is None:
+        raise ValueError(
+            f"grpo.step_credit = {step_credit!r} needs state keys in the trajectory record and it has none: the "
+            "text env has no state_key() method (see rlfabric.agent_loop); use 'step_mix' or 'none'"
+        )
+    if traj.step_spans is None:
+        raise ValueError(f"grpo.step_credit = {step_credit!r} needs step spans in the trajectory record")
+    state_keys = traj.state_keys
+    if state_keys is None:
+        state_keys = np.full(len(traj.step_spans), None, dtype=object)
+    return STEP_CREDITS.resolve(step_credit)(
+        traj.step_spans[:, 0],
+        traj.group_id,
+        traj.step_total_reward(reward_weights),
+        rewards,
+        state_keys,
+        omega=omega,
+        gamma=gamma,
+        scale_by_std=scale_by_std,
+    )
 
 
 def pad_rows_for_learners(batch: dict[str, np.ndarray], world_size: int) -> dict[str, np.ndarray]:

@@ -77,9 +77,12 @@ def select_rows(batch: dict[str, Any], keep: torch.Tensor) -> dict[str, Any]:
 
 
 def keep_rows_with_advantage(advantages: torch.Tensor) -> torch.Tensor:
-    """True for rows with a nonzero advantage; if there are none, for the first row alone, so an update still
-    runs one (zero-gradient) forward and reports its metrics."""
+    """[N] bool: True for rows with a nonzero advantage (``advantages`` [N], or [N, R] per token: any nonzero token);
+    if there are none, for the first row alone, so an update still runs one (zero-gradient) forward and reports its
+    metrics."""
     keep = advantages != 0
+    if keep.dim() > 1:
+        keep = keep.flatten(1).any(dim=1)
     if not bool(keep.any()) and len(keep):
         keep[0] = True
     return keep
