@@ -83,13 +83,28 @@ class SessionStates:
         """This session's state; initial_state(0) until env_reset."""
         key = session_key(ctx)
         if key not in self._live:
-            self._live[key] = self.load(self.initial_state(0))
+            self._hold(ctx, key, self.load(self.initial_state(0)))
         return self._live[key]
 
     def reset(self, ctx: Context, seed: int) -> dict:
         """Replace this session's state by a fresh copy of initial_state(seed); return it."""
-        self._live[session_key(ctx)] = self.load(self.initial_state(seed))
-        return self._live[session_key(ctx)]
+        key = session_key(ctx)
+        self._hold(ctx, key, self.load(self.initial_state(seed)))
+        return self._live[key]
+
+    def _hold(self, ctx: Context, key: str | None, live: dict) -> None:
+        """Hold ``live`` as session ``key``'s state, freed when the HTTP session ends even if its client never
+        calls env_close (it crashed, or timed out): the SDK unwinds a connection's ``exit_stack`` when the session
+        is deleted or idles out. The SDK offers no public way from a tool's context to the connection, hence the
+        guarded private read; without it, env_close still frees the state."""
+        self._live[key] = live
+        connection = getattr(getattr(ctx.request_context, "session", None), "_connection", None)
+        if key is None or connection is None or not hasattr(connection, "exit_stack"):
+            return
+        flag = f"rlfabric.session_states.{id(self)}"
+        if not connection.state.get(flag):
+            connection.state[flag] = True
+            connection.exit_stack.callback(self._live.pop, key, None)
 
     def drop(self, ctx: Context) -> None:
         """Forget this session's state (a later call starts again from initial_state(0))."""
@@ -107,7 +122,8 @@ class SessionStates:
 def add_control_tools(server: MCPServer, states: SessionStates) -> None:
     """Registers env_reset(seed: int) -> "ok" (state := initial_state(seed), a deep copy), env_state() -> the
     session's state as canonical JSON (sort_keys, compact separators), env_digest() -> state_digest(state),
-    env_close() -> "ok" (frees the session's state; an HTTP server must not keep state of ended sessions), and
+    env_close() -> "ok" (frees the session's state; an HTTP server must not keep state of ended sessions: an
+    HTTP session that ends without it is freed too), and
     env_sessions() -> how many sessions hold a state (so a test or a health check can see env_close free one)."""
 
     async def env_reset(seed: int, ctx: Context) -> str:

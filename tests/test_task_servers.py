@@ -337,6 +337,14 @@ def test_http_sessions_hold_their_own_state_and_env_close_frees_it(bank_over_htt
             assert await two.call("env_sessions") == "1"  # one's state is gone from the server
             assert json.loads(await one.call("env_state")) == spec.initial_state(0)  # a fresh one if used again
             await one.call("env_close")
+            three = await McpSession.open(bank_over_http)
+            await three.call("env_reset", {"seed": 3})
+            assert await two.call("env_sessions") == "2"
+            await three.close()  # ends its HTTP session without env_close: the server frees the state anyway
+            deadline = time.monotonic() + 10.0
+            while await two.call("env_sessions") != "1" and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            assert await two.call("env_sessions") == "1"
             with pytest.raises(McpToolError, match="no account 'zz'"):
                 await two.call("balance", {"account": "zz"})
             # sampling through the URL: deterministic, and it frees the state of its own session
