@@ -1,8 +1,9 @@
 """A sandboxed Python runner as an MCP server: the tool ``run_python(code)`` runs the code in a fresh process per
-call, under limits, with no network and no files but its session's scratch folder, and returns its exit status,
-stdout and stderr (each truncated to the output limit, saying so). A limit that was hit is named in the result
-("killed: wall-clock limit 5 s"); it is an ordinary result, not a tool error. A call that cannot be sandboxed is
-refused (a tool error saying why): code never runs with less isolation than described here.
+call, under limits, with no network and no host files but the Python runtime (read-only) and its session's
+scratch folder, and returns its exit status, stdout and stderr (each truncated to the output limit, saying so).
+A limit that was hit is named in the result ("killed: wall-clock limit 5 s"); it is an ordinary result, not a
+tool error. A call that cannot be sandboxed is refused (a tool error saying why): code never runs with less
+isolation than described here.
 
 Serving
 -------
@@ -25,8 +26,9 @@ What is enforced, and by what (Linux, run as root)
 --------------------------------------------------
 The server enters a private mount namespace at start; each session's scratch folder is a tmpfs of
 ``--scratch-mib`` mounted there, owned by a uid drawn for that session from [2**30, 2**31) (no system account
-uses it). It is unmounted and removed when the HTTP session ends (the client closes it, or it sits idle past
-``--session-idle-s``) and when the server stops; if the server is killed, the kernel frees it with the namespace.
+uses it). It is unmounted and removed when its HTTP session closes (seen through the SDK's per-connection
+teardown), when it sits idle past ``--session-idle-s``, and when the server stops; if the server is killed, the
+kernel frees it with the server's namespace.
 
 Per call, a launcher process (this file, as root) unshares new mount, PID, network, IPC and UTS namespaces, builds
 a root on a fresh tmpfs, ``pivot_root``s into it and detaches the old root, then forks the PID namespace's init,
@@ -45,19 +47,26 @@ which forks the user's Python process. All by the kernel:
 - processes: ``RLIMIT_NPROC`` of ``--max-processes`` binds because the uid is not root (it counts threads too);
   the PID namespace hides every other process. When the main process exits, or at the wall-clock limit, the
   namespace's init kills every process left in it (daemons included: none can leave the namespace) and counts
-  them; the result reports that count. If the launcher dies, its init dies with it (``PR_SET_PDEATHSIG``), and
-  the kernel kills the whole namespace;
+  them; the result reports that count. The launcher dies with the server and the init with the launcher
+  (``PR_SET_PDEATHSIG``), and when the init dies the kernel kills the whole namespace;
 - limits: ``RLIMIT_CPU`` (SIGXCPU at the limit, SIGKILL a second later), ``RLIMIT_AS``, ``RLIMIT_FSIZE`` and
   ``RLIMIT_CORE`` = 0 per process; the wall clock is kept by the namespace's init (SIGKILL to all) and, as a
   backstop, by the server (SIGKILL to the launcher's process group).
 
-What is not enforced: memory and CPU are limited per process, not per call (a call may hold up to
-``--max-processes`` times ``--memory-mib``); concurrent calls of one session share its process limit and scratch;
-user namespaces are not blocked (they grant nothing outside the sandbox's own empty view). Which limit stopped a
-program is read from how it ended: the wall clock and the process count are the kernel's facts; "memory limit"
-and "process limit" are also named when the program's stderr ends in ``MemoryError`` or shows a fork failing
-with EAGAIN. Where any step above fails (not Linux, not root, namespaces or mounts refused, an architecture
-without a known ``pivot_root`` number) every call is refused and the code is not run.
+Not enforced: memory and CPU are limited per process, not per call (a call may hold up to ``--max-processes``
+times ``--memory-mib``); concurrent calls of one session share its process limit and scratch; the number of
+concurrent calls is not limited; scratch folders are memory (tmpfs), up to ``--scratch-mib`` per session;
+user namespaces are not blocked (they grant nothing outside the sandbox's own
+view).
+
+How a limit is named: the init observes the wall clock, the main process's end (SIGXCPU or a SIGKILL after its
+CPU limit: CPU; SIGXFSZ: file size) and how many processes it had to kill (all slots in use: process limit).
+"memory limit" is named when stderr ends in ``MemoryError`` (what ``RLIMIT_AS`` makes Python raise), "process
+limit" also when stderr shows a fork failing with EAGAIN: read from the program's words, so a program can fake
+or hide them, which misleads only itself.
+
+Fail closed: where any step above fails (not Linux, not root, namespaces or mounts refused, an architecture
+without a known ``pivot_root`` number, a missing ``--expose`` path), the call is refused and the code not run.
 """
 
 import argparse
@@ -65,7 +74,6 @@ import asyncio
 import contextlib
 import ctypes
 import json
-import math
 import os
 import platform
 import resource
@@ -95,7 +103,7 @@ SETUP_GRACE_S = 10.0  # the server's backstop: wall-clock limit plus the launche
 class Limits:
     """Per-call limits (see the module docstring for what enforces each)."""
 
-    cpu_s: float = 2.0
+    cpu_s: int = 2  # RLIMIT_CPU counts whole seconds
     memory_mib: int = 256
     wall_s: float = 5.0
     output_bytes: int = 8192
@@ -138,8 +146,8 @@ def limits_hit(result: RunResult, limits: Limits) -> list[str]:
     tail = result.stderr.rstrip().rsplit(b"\n", 1)[-1]
     if result.wall_hit:
         hit.append(f"killed: wall-clock limit {limits.wall_s:g} s")
-    elif result.signal == signal.SIGXCPU or (result.signal == signal.SIGKILL and result.cpu_s >= limits.cpu_s * 0.95):
-        hit.append(f"killed: CPU-time limit {limits.cpu_s:g} s")
+    elif result.signal == signal.SIGXCPU or (result.signal == signal.SIGKILL and result.cpu_s >= limits.cpu_s):
+        hit.append(f"killed: CPU-time limit {limits.cpu_s} s")
     if result.signal == signal.SIGXFSZ:
         hit.append(f"killed: file-size limit {limits.file_mib} MiB")
     if tail.startswith(b"MemoryError"):
@@ -160,12 +168,20 @@ def shown(data: bytes, total: int, name: str) -> str:
     return f"{name}:\n{text}{note}"
 
 
+def signal_name(number: int) -> str:
+    """``SIGKILL`` for 9; ``signal 40`` for a number without a name."""
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
+
+
 def format_result(result: RunResult, limits: Limits) -> str:
     """The tool's reply: limits hit, exit status, processes killed at the end, then stdout and stderr."""
     if result.exit_code is not None:
         status = f"exit status: {result.exit_code}"
     elif result.signal is not None:
-        status = f"exit status: killed by {signal.Signals(result.signal).name}"
+        status = f"exit status: killed by {signal_name(result.signal)}"
     else:
         status = "exit status: unknown (the sandbox did not report)"
     lines = [*limits_hit(result, limits), status]
@@ -185,7 +201,11 @@ def _sys(name: str, *args: Any) -> int:
     global _LIBC
     if _LIBC is None:
         _LIBC = ctypes.CDLL(None, use_errno=True)
-    raw = [os.fsencode(arg) if isinstance(arg, str) else arg for arg in args]
+    # strings as bytes; ints as C longs, wide enough for every flags argument (ctypes would pass a C int)
+    raw = [
+        os.fsencode(arg) if isinstance(arg, str) else ctypes.c_long(arg) if isinstance(arg, int) else arg
+        for arg in args
+    ]
     result = getattr(_LIBC, name)(*raw)
     if result == -1:
         errno = ctypes.get_errno()
@@ -354,7 +374,10 @@ class Sandbox:
         """Run ``code`` in a fresh sandbox on session ``key``'s scratch folder; how it ended."""
         if self.unavailable is not None:
             raise SandboxUnavailable(f"code sandbox unavailable: {self.unavailable}; the code was not run")
-        scratch = self.scratch(key)
+        try:
+            scratch = self.scratch(key)
+        except OSError as exc:
+            raise SandboxUnavailable(f"no scratch folder for this session: {exc}; the code was not run") from exc
         scratch.running += 1
         try:
             return await self._launch(code, scratch)
@@ -503,12 +526,12 @@ def _build_root(config: dict[str, Any]) -> None:
     _tmpfs(f"{root}/dev/shm", f"size={config['limits']['file_mib']}m,mode=1777")
     _bind(config["scratch"], f"{root}/scratch", writable=True)
     os.symlink("/scratch", f"{root}/tmp")
-    with open(f"{root}/main.py", "w", encoding="utf-8") as main:
+    with open(f"{root}/main.py", "w", encoding="utf-8", errors="replace") as main:  # lone surrogates: '?'
         main.write(config["code"])
     os.chmod(f"{root}/main.py", 0o444)
     # pivot_root(".", "."): the old root ends up on top of the new one, and is then detached from this namespace
     os.chdir(root)
-    _sys("syscall", ctypes.c_long(SYS_PIVOT_ROOT[platform.machine()]), ".", ".")
+    _sys("syscall", SYS_PIVOT_ROOT[platform.machine()], ".", ".")
     _sys("umount2", ".", MNT_DETACH)
     os.chdir("/")
     _mount(None, "/", None, MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV)
@@ -561,7 +584,7 @@ def _exec_code(config: dict[str, Any]) -> None:
     """The user's process: limits, then the session's uid with no capabilities and no_new_privs, then Python."""
     try:
         limits = config["limits"]
-        cpu = math.ceil(limits["cpu_s"])
+        cpu = limits["cpu_s"]
         resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))
         resource.setrlimit(resource.RLIMIT_AS, (limits["memory_mib"] << 20,) * 2)
         resource.setrlimit(resource.RLIMIT_NPROC, (limits["processes"],) * 2)
@@ -596,7 +619,7 @@ def build_server(sandbox: Sandbox) -> Any:
     description = (
         "Run Python 3 code in a fresh sandboxed process and return its exit status, stdout and stderr. No network; "
         "files only in the working directory, which is kept for this session. Limits per call: "
-        f"{limits.cpu_s:g} s CPU, {limits.memory_mib} MiB memory, {limits.wall_s:g} s wall clock, "
+        f"{limits.cpu_s} s CPU, {limits.memory_mib} MiB memory, {limits.wall_s:g} s wall clock, "
         f"{limits.output_bytes} bytes of stdout and of stderr shown; a limit hit is named in the result."
     )
 
@@ -630,7 +653,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     defaults = Limits()
     parser = argparse.ArgumentParser(description="Sandboxed Python execution as an MCP server (stdio, or HTTP).")
     parser.add_argument("--http", type=int, metavar="PORT", help="serve streamable HTTP on 127.0.0.1:PORT")
-    parser.add_argument("--cpu-s", type=float, default=defaults.cpu_s, help="CPU seconds per process")
+    parser.add_argument("--cpu-s", type=int, default=defaults.cpu_s, help="CPU seconds per process")
     parser.add_argument("--memory-mib", type=int, default=defaults.memory_mib, help="address space per process")
     parser.add_argument("--wall-s", type=float, default=defaults.wall_s, help="wall-clock seconds per call")
     parser.add_argument("--output-bytes", type=int, default=defaults.output_bytes, help="kept of stdout, stderr")

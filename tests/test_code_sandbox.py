@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from rlfabric.envs.code_sandbox_server import Limits, RunResult, format_result
 from rlfabric.mcp_tools import McpSession, McpToolError
 
 SERVER = [sys.executable, "-m", "rlfabric.envs.code_sandbox_server"]
@@ -241,3 +242,25 @@ def test_a_sandbox_that_cannot_be_built_refuses_to_run_code(tmp_path):
         asyncio.run(calls(sandbox(tmp_path, "--expose", str(missing)), [f"open({str(marker)!r}, 'w')"]))
     assert "code sandbox unavailable: --expose paths do not exist" in str(info.value)
     assert str(info.value).endswith("the code was not run") and not marker.exists()
+
+
+def test_result_text_names_limits_from_how_the_program_ended():
+    limits = Limits(cpu_s=2, wall_s=5, processes=4)
+
+    def ended(**fields) -> str:
+        base = dict(exit_code=None, signal=None, stdout=b"", stdout_total=0, stderr=b"", stderr_total=0)
+        return format_result(RunResult(**{**base, "cpu_s": 0.0, "leftover": 0, "wall_hit": False, **fields}), limits)
+
+    assert ended(signal=9, wall_hit=True, leftover=3, stdout=b"abc", stdout_total=10) == (
+        "killed: wall-clock limit 5 s\nstopped: process limit 4\nexit status: killed by SIGKILL\n"
+        "processes left running, killed: 3\nstdout:\nabc\n[stdout truncated: first 3 of 10 bytes shown]\n"
+        "stderr: (empty)"
+    )
+    assert ended(signal=9, cpu_s=2.2).startswith("killed: CPU-time limit 2 s\nexit status: killed by SIGKILL\n")
+    assert ended(signal=9, cpu_s=0.3).startswith("exit status: killed by SIGKILL\n")  # a kill, but not the CPU's
+    assert ended(signal=40).startswith("exit status: killed by signal 40\n")
+    assert ended(exit_code=1, stderr=b"Traceback ...\nMemoryError\n", stderr_total=24).startswith(
+        "stopped: memory limit 256 MiB (MemoryError)\nexit status: 1\n"
+    )
+    assert ended(exit_code=0, leftover=2).startswith("exit status: 0\nprocesses left running, killed: 2\n")
+    assert ended(exit_code=0, stdout=b"\xff ok", stdout_total=4).endswith("stdout:\n\ufffd ok\nstderr: (empty)")
