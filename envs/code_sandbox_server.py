@@ -39,9 +39,10 @@ which forks the user's Python process. All by the kernel:
 - files: the root holds only the Python interpreter's installation (its site-packages hidden behind an empty
   tmpfs unless given to ``--expose``) and the system library folders (``/lib*``, ``/usr/lib*``), bind-mounted
   read-only, nosuid, nodev; ``/dev/{null,zero,full,random,urandom}``; a small ``/dev/shm``; the scratch tmpfs at
-  ``/scratch`` (the working directory, ``HOME`` and ``TMPDIR``; ``/tmp`` links to it); and the code as
-  ``/main.py``. Nothing else of the host exists there: ``/etc``, ``/home``, ``/proc``, ``/sys`` and the rest are
-  absent, so reading ``/etc/passwd`` fails with ``FileNotFoundError``;
+  ``/scratch`` (the working directory, ``HOME`` and ``TMPDIR``; ``/tmp`` links to it unless a path under ``/tmp``
+  is exposed); the code as ``/main.py``; and the ``--expose`` paths, read-only. Nothing else of the host exists
+  there: ``/etc``, ``/home``, ``/proc``, ``/sys`` and the rest are absent, so reading ``/etc/passwd`` fails with
+  ``FileNotFoundError``;
 - privileges: the code runs as the session's unprivileged uid and gid with no supplementary groups, hence no
   capabilities (it cannot mount, chroot, mknod or signal the server), with ``no_new_privs`` set;
 - processes: ``RLIMIT_NPROC`` of ``--max-processes`` binds because the uid is not root (it counts threads too);
@@ -66,7 +67,8 @@ limit" also when stderr shows a fork failing with EAGAIN: read from the program'
 or hide them, which misleads only itself.
 
 Fail closed: where any step above fails (not Linux, not root, namespaces or mounts refused, an architecture
-without a known ``pivot_root`` number, a missing ``--expose`` path), the call is refused and the code not run.
+without a known ``pivot_root`` number, an ``--expose`` path missing or covering ``/``, ``/dev``, ``/scratch`` or
+``/main.py``), the call is refused and the code not run.
 """
 
 import argparse
@@ -243,6 +245,11 @@ def _under(path: str, parents: list[str]) -> bool:
     return any(path == parent or path.startswith(parent.rstrip("/") + "/") for parent in parents)
 
 
+def _clashes(path: str) -> bool:
+    """Whether an exposed ``path`` would cover the sandbox's own root, devices, scratch or code."""
+    return path == "/" or _under(path, ["/dev", "/scratch", "/main.py"])
+
+
 def runtime_view(expose: list[str]) -> dict[str, Any]:
     """What the sandbox's root shows of the host: ``binds`` (read-only folders: the interpreter's installation and
     the library folders, none inside another), ``links`` (library folders that are symlinks, recreated as such),
@@ -321,6 +328,8 @@ class Sandbox:
             self.unavailable = f"no known pivot_root system call number for {machine}"
         elif missing := [path for path in self.expose if not os.path.exists(path)]:
             self.unavailable = f"--expose paths do not exist: {', '.join(missing)}"
+        elif clashing := [path for path in self.expose if _clashes(os.path.realpath(path))]:
+            self.unavailable = f"--expose paths clash with the sandbox's own /, /dev, /scratch or /main.py: {clashing}"
         else:
             try:
                 _sys("unshare", CLONE_NEWNS)
@@ -516,7 +525,7 @@ def _build_root(config: dict[str, Any]) -> None:
     for path in config["binds"]:
         _bind(path, root + path)
     for path in config["hide"]:
-        _tmpfs(root + path, "size=4k,mode=0755", MS_RDONLY | MS_NOSUID | MS_NODEV)
+        _tmpfs(root + path, "size=4k,mode=0755")  # root's, so the code cannot write there either
     for path in config["expose"]:
         _bind(path, root + path)
     for link, target in config["links"].items():
@@ -525,7 +534,8 @@ def _build_root(config: dict[str, Any]) -> None:
         _bind(f"/dev/{device}", f"{root}/dev/{device}", writable=True, devices=True)
     _tmpfs(f"{root}/dev/shm", f"size={config['limits']['file_mib']}m,mode=1777")
     _bind(config["scratch"], f"{root}/scratch", writable=True)
-    os.symlink("/scratch", f"{root}/tmp")
+    if not os.path.lexists(f"{root}/tmp"):  # an exposed path under /tmp keeps /tmp a folder
+        os.symlink("/scratch", f"{root}/tmp")
     with open(f"{root}/main.py", "w", encoding="utf-8", errors="replace") as main:  # lone surrogates: '?'
         main.write(config["code"])
     os.chmod(f"{root}/main.py", 0o444)

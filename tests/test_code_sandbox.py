@@ -82,13 +82,18 @@ def test_no_network_even_to_a_server_the_test_reaches(tmp_path):
     listener.close()
 
 
-def test_no_host_files_and_no_privileges(tmp_path):
+def test_no_host_files_but_exposed_ones_read_only_and_no_privileges(tmp_path):
     secret = tmp_path / "secret.txt"
     secret.write_text("host secret")
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    (shared / "data.txt").write_text("shared data")
     probes = {
         "secret": f"open({str(secret)!r}).read()",
         "passwd": "open('/etc/passwd').read()",
         "proc": "open('/proc/self/status').read()",
+        "shared": f"open({str(shared / 'data.txt')!r}).read()",
+        "write_shared": f"open({str(shared / 'planted')!r}, 'w')",
         "write_usr": "open('/usr/lib/planted', 'w')",
         "write_root": "open('/planted', 'w')",
         "chroot": "os.chroot('/scratch')",
@@ -99,18 +104,20 @@ def test_no_host_files_and_no_privileges(tmp_path):
         for name, probe in probes.items()
     )
     code += "print('mount errno', ctypes.get_errno())\n"
-    (result,) = asyncio.run(calls(sandbox(tmp_path / "work"), [code]))
-    lines = stdout_of(result).splitlines()
-    assert lines[:6] == [
+    (result,) = asyncio.run(calls(sandbox(tmp_path / "work", "--expose", str(shared)), [code]))
+    assert stdout_of(result).splitlines() == [
         "secret FileNotFoundError",
         "passwd FileNotFoundError",
         "proc FileNotFoundError",
-        "write_usr OSError",  # read-only mount (EROFS)
+        "shared ok shared data",
+        "write_shared OSError",  # read-only mount (EROFS)
+        "write_usr OSError",
         "write_root OSError",
         "chroot PermissionError",
+        "mount ok -1",
+        "mount errno 1",  # EPERM: no capabilities left
     ]
-    assert lines[6:] == ["mount ok -1", "mount errno 1"]  # EPERM: no capabilities left
-    assert "host secret" not in result
+    assert "host secret" not in result and not (shared / "planted").exists()
 
 
 def test_fork_bomb_memory_hog_endless_loop_and_flood_are_stopped_and_named(tmp_path):
