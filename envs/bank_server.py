@@ -80,10 +80,10 @@ def transfer(state: dict, from_account: str, to_account: str, amount: int) -> st
 
 
 def history(state: dict, account: str) -> str:
-    """The account's transfers, oldest first, as 'from>to amount' separated by '; ' ('none' if none)."""
+    """The account's transfers, oldest first, as 'from>to amount' separated by ', ' ('none' if none)."""
     _account(state, account)
     moves = [f"{t['from']}>{t['to']} {t['amount']}" for t in state["log"] if account in (t["from"], t["to"])]
-    return "; ".join(moves) or "none"
+    return ", ".join(moves) or "none"
 
 
 OPS = [find_account, balance, transfer, history]

@@ -63,9 +63,9 @@ def _event(state: dict, event_id: str) -> dict:
 
 
 def list_day(state: dict, day: int) -> str:
-    """The day's events as 'id title hour', by hour, separated by '; ' ('none' if none)."""
+    """The day's events as 'id title hour', by hour, separated by ', ' ('none' if none)."""
     found = sorted((e["hour"], i, e["title"]) for i, e in state["events"].items() if e["day"] == day)
-    return "; ".join(f"{i} {title} {hour}" for hour, i, title in found) or "none"
+    return ", ".join(f"{i} {title} {hour}" for hour, i, title in found) or "none"
 
 
 def find_event(state: dict, title: str) -> str:

@@ -6,8 +6,11 @@ Tables ``people(name, team, age)`` and ``teams(name, room)``. Tools: ``query(sql
 rlfabric.envs.records_server`` (stdio) or ``--http PORT``.
 
 Tasks, by number of calls: 1 "Team of ana?" or "Room of red?" (one query) or "Move ana to blue" (update_team);
-2 "Move ana to bo's team" (query, update_team) or "Room of ana's team?" (two queries); 3 "Move ana to bo's team;
+2 "Move ana to bo's team" (query, update_team) or "Room of ana's team?" (two queries); 3 "Move ana to bo's team,
 how many in it?" (query, update_team, a count).
+
+Everything the agent reads and writes keeps to the built-in character tokenizer's tool alphabet (rows as lines,
+columns separated by ', '; no '|' or ';').
 """
 
 from __future__ import annotations
@@ -78,14 +81,14 @@ def dump(live: dict) -> dict:
 
 def query(state: dict, sql: str) -> str:
     """Run one read-only SELECT on people(name, team, age) and teams(name, room); rows as lines, columns joined
-    by '|' ('none' if no rows)."""
+    by ', ' ('none' if no rows)."""
     if not SELECT.match(sql):
         raise ToolError(f"only SELECT queries are allowed, got {sql.strip()[:40]!r}")
     try:
         rows = state["db"].execute(sql).fetchall()
     except sqlite3.Error as exc:  # also a second statement after the SELECT: sqlite3 runs one at a time
         raise ToolError(f"bad query: {exc}") from exc
-    return "\n".join("|".join("null" if v is None else str(v) for v in row) for row in rows) or "none"
+    return "\n".join(", ".join("null" if v is None else str(v) for v in row) for row in rows) or "none"
 
 
 def update_team(state: dict, person: str, team: str) -> str:
@@ -154,7 +157,7 @@ def _join(state: dict, rng: random.Random, then_count: bool = False) -> dict | N
     if not then_count:
         return _solved(f"Move {person} to {other}'s team", state, calls)
     calls.append(call("query", sql=f"SELECT count(*) FROM people WHERE team = '{team}'"))
-    return _solved(f"Move {person} to {other}'s team; how many in it?", state, calls, answer=True)
+    return _solved(f"Move {person} to {other}'s team, how many in it?", state, calls, answer=True)
 
 
 def _join_then_count(state: dict, rng: random.Random) -> dict | None:

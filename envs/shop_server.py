@@ -83,9 +83,9 @@ def cancel_order(state: dict, order_id: str) -> str:
 
 
 def list_orders(state: dict) -> str:
-    """The open orders as 'id item quantity', separated by '; ' ('none' if none)."""
+    """The open orders as 'id item quantity', separated by ', ' ('none' if none)."""
     ids = sorted(state["orders"], key=lambda order_id: int(order_id[1:]))
-    return "; ".join(f"{i} {state['orders'][i]['item']} {state['orders'][i]['qty']}" for i in ids) or "none"
+    return ", ".join(f"{i} {state['orders'][i]['item']} {state['orders'][i]['qty']}" for i in ids) or "none"
 
 
 OPS = [stock, price, place_order, cancel_order, list_orders]

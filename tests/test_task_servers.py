@@ -21,6 +21,7 @@ import pytest
 from rlfabric.envs import bank_server, calendar_server, files_server, notes_server, records_server, shop_server
 from rlfabric.envs.task_library import TASK_SERVERS, sample_tasks, task_server
 from rlfabric.envs.task_server import CONTROL_PREFIX, TaskServer, state_digest
+from rlfabric.grpo_config import TOOL_ALPHABET
 from rlfabric.mcp_tools import McpSession, McpToolError
 
 AGENT_TOOLS = {
@@ -123,6 +124,8 @@ def test_sampled_tasks_of_every_difficulty_name_live_entities_and_their_solution
                 check_names(task, state)
                 results, final = await replay(session, task)
                 check_dependent(task, results)
+                texts = [task["question"], task["solution"]["answer"], json.dumps(task["solution"]["calls"]), *results]
+                assert set("".join(texts)) <= set(TOOL_ALPHABET), texts  # a character-level model can read it all
                 answer = task["solution"]["answer"]
                 assert spec.verify(task, final, answer), (task, results, final)
                 digest = await session.call("env_digest")
@@ -251,7 +254,7 @@ def test_records_verifier_hand_written_cases():
     assert spec.verify(join, joined, "done")
     assert not spec.verify(join, changed(joined, ("people", 2, "team"), "red"), "done")  # cy moved too
     assert not spec.verify(join, changed(joined, ("people", 0, "age"), 31), "done")
-    count = task_asking(spec, state, 3, "Move ana to bo's team; how many in it?")
+    count = task_asking(spec, state, 3, "Move ana to bo's team, how many in it?")
     assert spec.verify(count, joined, "3") and not spec.verify(count, joined, "2")
 
 
