@@ -49,6 +49,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "rlfabric.agent_loop",  # multi-turn episodes of text envs, built token by token
             "rlfabric.tools",  # tools with JSON schemas, tool-call parsers, checked calls under a deadline
             "rlfabric.mcp_tools",  # tools served by MCP servers, one client session per episode
+            "rlfabric.mcp_server_process",  # one HTTP MCP server process: started, pinged, stopped
             "rlfabric.tool_env",  # a text env whose agent calls tools before answering
             "rlfabric.policies",  # the policy interface, scripted and neural-net policies, batching episodes' calls
         ),

@@ -15,8 +15,9 @@ import pytest
 import ray
 from test_mcp_tools import RecallTask, recall_player
 
-from rlfabric.actors.tool_server import ToolServer, http_command
+from rlfabric.actors.tool_server import ToolServer
 from rlfabric.agent_loop import EpisodeLimits, ScriptedTurns, Turn, run_episodes
+from rlfabric.mcp_server_process import http_command
 from rlfabric.models.chat_tokens import ChatTokens
 from rlfabric.models.hf import TOOL_ALPHABET, build_char_tokenizer
 from rlfabric.tool_env import McpToolEnv

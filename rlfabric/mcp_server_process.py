@@ -1,0 +1,126 @@
+"""One streamable HTTP MCP server process: started from a command line that names its port as ``{port}``, ready
+once an MCP session opens on it, stopped with everything it started.
+
+``HttpServerProcess(command)`` picks a free port on this host; ``await start(timeout_s)`` launches the process in
+a process group of its own (killed with its parent on Linux, so it never outlives whoever started it) and keeps
+the probe session it opened, whose ``ping()`` is a health check; ``await stop()`` ends the probe and the whole
+process group. The supervised ``ToolServer`` actor restarts one of these; ``rlfabric tools check`` runs one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import os
+import shlex
+import signal
+import socket
+import sys
+import tempfile
+import time
+
+from rlfabric.mcp_tools import McpSession, server_command
+
+PORT_FIELD = "{port}"
+
+
+def http_command(command: str | list[str], port: int) -> list[str]:
+    """The server's argv with ``{port}`` filled in; ValueError when the command has no ``{port}`` to fill."""
+    argv = server_command(command)
+    if not any(PORT_FIELD in part for part in argv):
+        raise ValueError(
+            f"tool server command {shlex.join(argv)!r} has no {PORT_FIELD}: a supervised server serves streamable "
+            f"HTTP on the port it is given, e.g. 'python -m rlfabric.envs.notes_server --http {PORT_FIELD}'"
+        )
+    return [part.replace(PORT_FIELD, str(port)) for part in argv]
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port nobody listens on now (the server binds it right after)."""
+    with socket.socket() as probe:
+        probe.bind((host, 0))
+        return int(probe.getsockname()[1])
+
+
+def _die_with_parent() -> None:  # runs in the child before exec: the server must not outlive its parent
+    os.setsid()
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+class HttpServerProcess:
+    """See the module docstring. ``name`` labels the server in errors."""
+
+    def __init__(self, name: str, command: str | list[str], host: str = "127.0.0.1") -> None:
+        self.name = name
+        self.port = free_port(host)
+        self.argv = http_command(command, self.port)
+        self.url = f"http://{host}:{self.port}/mcp"
+        self.process: asyncio.subprocess.Process | None = None
+        self.probe: McpSession | None = None
+        self._log = tempfile.TemporaryFile()
+
+    @property
+    def running(self) -> bool:
+        return self.process is not None and self.process.returncode is None
+
+    async def start(self, timeout_s: float = 30.0) -> str:
+        """Launch the server and wait until an MCP session opens on it; its URL. Raises RuntimeError naming the
+        server, its command, why, and the tail of its log when it does not come up within ``timeout_s``."""
+        self._log.seek(0)
+        self._log.truncate()
+        self.process = await asyncio.create_subprocess_exec(
+            *self.argv,
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=self._log,
+            stderr=self._log,
+            preexec_fn=_die_with_parent,
+        )
+        deadline = time.monotonic() + timeout_s
+        reason = "no answer"
+        while time.monotonic() < deadline:
+            if self.process.returncode is not None:
+                reason = f"exited with status {self.process.returncode}"
+                break
+            try:
+                self.probe = await McpSession.open(self.url, max(deadline - time.monotonic(), 0.1))
+            except Exception as exc:  # noqa: BLE001 - not listening yet; tried again until the deadline
+                reason = str(exc)
+                await asyncio.sleep(0.1)
+                continue
+            return self.url
+        await self.stop()
+        raise RuntimeError(
+            f"tool server {self.name!r} ({shlex.join(self.argv)}) did not start within {timeout_s:g}s: {reason}; "
+            f"log: {self.log_tail()}"
+        )
+
+    async def ping(self, timeout_s: float) -> None:
+        """One ping on the probe session within ``timeout_s`` (TimeoutError, or the session's error)."""
+        if self.probe is None:
+            raise RuntimeError(f"tool server {self.name!r} is not running")
+        await asyncio.wait_for(self.probe.ping(), timeout_s)
+
+    def log_tail(self, lines: int = 5) -> str:
+        """The last lines the server wrote (stdout and stderr), joined by ' | '."""
+        self._log.seek(0)
+        return " | ".join(self._log.read().decode(errors="replace").strip().splitlines()[-lines:]) or "(empty)"
+
+    async def stop(self) -> None:
+        """End the probe session and the server's whole process group (SIGTERM, then SIGKILL after 5 s)."""
+        probe, self.probe = self.probe, None
+        if probe is not None:
+            with contextlib.suppress(Exception):
+                await probe.close(timeout_s=2.0)
+        process = self.process
+        if process is None or process.returncode is not None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGTERM)  # its group: nothing it started stays behind
+        try:
+            await asyncio.wait_for(process.wait(), 5.0)
+        except (asyncio.TimeoutError, TimeoutError):
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGKILL)
+            await process.wait()
