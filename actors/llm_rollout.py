@@ -36,6 +36,7 @@ from rlfabric.compact import FloatFields
 from rlfabric.data import row_metadata
 from rlfabric.models.chat_tokens import ChatTokens
 from rlfabric.models.hf import load_tokenizer
+from rlfabric.models.llm_batch import efficiency_rewards
 from rlfabric.policies.batching import ActBatcher
 from rlfabric.policies.served import GeneratorsFailed, ServedLLMPolicy
 from rlfabric.reward_pool import RewardPool
@@ -133,6 +134,7 @@ class LLMRolloutCore:
         reward_registry: bytes,
         prompt_key: str,
         text_env: TextEnvSource | None = None,
+        efficiency: dict[str, Any] | None = None,
     ) -> None:
         rewards.load_snapshot(reward_registry)
         self.pool = (
@@ -154,9 +156,16 @@ class LLMRolloutCore:
             self.chat = ChatTokens(load_tokenizer(text_env.model_dir))
             self.make_env = text_env_factory(text_env.spec, text_env.kwargs)
         self.weights = reward_weights
+        self.efficiency = efficiency if efficiency and efficiency["weight"] > 0 else None
         self.prompt_key = prompt_key
         self.prompt_sets: dict[str, PromptSet] = {}
         self.lock = threading.Lock()  # the reward pool is not thread-safe; rollouts run concurrently
+
+    def scalar_rewards(self, trajectories: Trajectories) -> np.ndarray:
+        """[N] the scalar reward the learner's advantages use: the weighted components plus the efficiency
+        penalty, so the group statistics the driver filters on see what the learner will."""
+        scalar = trajectories.total_reward(self.weights)
+        return scalar if self.efficiency is None else scalar + efficiency_rewards(trajectories, self.efficiency)
 
     def set_prompts(self, name: str, prompts: PromptSet) -> int:
         self.prompt_sets[name] = prompts
@@ -215,7 +224,7 @@ class LLMRolloutCore:
             final_rewards=final,
             truncated=[finish[i] == "length" for i in kept],
         )
-        scalar = trajectories.total_reward(self.weights)
+        scalar = self.scalar_rewards(trajectories)
         versions = np.array([acted.versions[i] for i in kept], np.int64)
         meta.update(
             {
@@ -270,7 +279,7 @@ class LLMRolloutCore:
         episode_ids = [request.first_group * g + i for i in range(len(episodes))]
         trajectories = episodes_to_trajectories(episodes, episode_ids, group_ids)
         kept = [e for e in episodes if e.error is None]
-        scalar = trajectories.total_reward(self.weights)
+        scalar = self.scalar_rewards(trajectories)
         versions = np.array([min((t.version for t in e.turns), default=-1) for e in kept], np.int64)
         sampled = [sum(len(t.sampled) for t in e.turns) for e in episodes]
         meta.update(

@@ -177,6 +177,14 @@ def cmd_envs_list(args: argparse.Namespace) -> int:
             if env_id in gym.registry:
                 print(f"  gym:{env_id}")
     print("Any importable callable returning a gymnasium.Env works as package.module:factory.")
+    from rlfabric.envs.task_library import TASK_SERVERS
+
+    print(
+        "MCP task servers (env.id: rlfabric/McpTasks-v0, data.train: task:mcp?servers=NAME,...; "
+        "check one: rlfabric tools check NAME):"
+    )
+    for name, spec in TASK_SERVERS.items():
+        print(f"  {name:<10} {spec.min_calls}-{spec.max_calls} calls  {spec.description}")
     return 0
 
 
@@ -188,6 +196,10 @@ def cmd_envs_check(args: argparse.Namespace) -> int:
     from rlfabric import registry
 
     _import_user_modules(args.import_modules)
+    from rlfabric.envs.task_library import TASK_SERVERS
+
+    if args.name in TASK_SERVERS:  # an MCP task server: its tasks against its verifier
+        return cmd_tools_check(argparse.Namespace(server=args.name, tasks=4, seed=0, url=None))
     kwargs = _json_object("--kwargs", args.kwargs, '{"size": 7}')
     factory = registry.resolve(args.name, field="envs check NAME")
     try:
@@ -217,10 +229,13 @@ def cmd_tools_list(args: argparse.Namespace) -> int:
     one running at a URL."""
     import asyncio
 
+    from rlfabric.envs.task_library import TASK_SERVERS
     from rlfabric.mcp_tools import McpSession, McpStartError
 
+    server = TASK_SERVERS[args.server].command if args.server in TASK_SERVERS else args.server
+
     async def listed() -> list:
-        session = await McpSession.open(args.server, args.timeout)
+        session = await McpSession.open(server, args.timeout)
         try:
             return session.tools()
         finally:
@@ -240,6 +255,32 @@ def cmd_tools_list(args: argparse.Namespace) -> int:
         )
         print(f"  {tool.name}({arguments})  {tool.description}")
     return 0
+
+
+def cmd_tools_check(args: argparse.Namespace) -> int:
+    """Run a shipped task server's tasks, each difficulty, against its verifier with the scripted solver."""
+    import asyncio
+
+    from rlfabric.envs.mcp_tasks import check_task_server
+    from rlfabric.envs.task_library import TASK_SERVERS
+
+    if args.server not in TASK_SERVERS:
+        print(
+            f"rlfabric: tools check: {args.server!r} is not a task server: {', '.join(TASK_SERVERS)}", file=sys.stderr
+        )
+        return 1
+    print(f"{args.server}: {args.tasks} tasks per difficulty, played by the scripted solver over MCP, verified:")
+    try:
+        report = asyncio.run(check_task_server(args.server, args.tasks, args.seed, args.url))
+    except Exception as exc:  # a server that does not start, a generator that fails: the report
+        print(f"FAIL {args.server}: {type(exc).__name__}: {exc}")
+        return 1
+    for level in report:
+        line = f"  {level['calls']} calls: {level['solved']}/{level['tasks']} solved"
+        print(line + (f"; first failure: {level['failure']}" if level["failure"] else ""))
+    ok = all(level["solved"] == level["tasks"] for level in report)
+    print(f"{'OK' if ok else 'FAIL'} {args.server}")
+    return 0 if ok else 1
 
 
 def _json_object(option: str, text: str | None, example: str) -> dict[str, Any]:
@@ -346,10 +387,19 @@ def build_parser() -> argparse.ArgumentParser:
     tools = sub.add_parser("tools", help="MCP tool servers").add_subparsers(dest="tools_command", required=True)
     tool_list = tools.add_parser("list", help="show an MCP server's tools and their arguments")
     tool_list.add_argument(
-        "server", help="a command line (stdio), e.g. 'python -m rlfabric.envs.notes_server', or an HTTP URL"
+        "server",
+        help="a command line (stdio), e.g. 'python -m rlfabric.envs.notes_server', an HTTP URL, or a task server name",
     )
     tool_list.add_argument("--timeout", type=float, default=30.0, help="seconds to start and answer (default 30)")
     tool_list.set_defaults(func=cmd_tools_list)
+    tool_check = tools.add_parser(
+        "check", help="play a shipped task server's tasks with the scripted solver and verify the final states"
+    )
+    tool_check.add_argument("server", help="a task server's name (rlfabric envs list shows them)")
+    tool_check.add_argument("--tasks", type=int, default=4, help="tasks per difficulty (default 4)")
+    tool_check.add_argument("--seed", type=int, default=0, help="seed of the task draws (default 0)")
+    tool_check.add_argument("--url", help="a running HTTP server of it to use instead of one process per episode")
+    tool_check.set_defaults(func=cmd_tools_check)
     return parser
 
 

@@ -164,6 +164,10 @@ def _task(spec: str, field: str) -> tuple[Callable[..., list[dict[str, Any]]], d
     if name not in TASKS:
         raise ConfigError(f"{field} = {spec!r}: no task {name!r}; tasks are {', '.join(sorted(TASKS))}")
     generate = TASKS[name]
+    if isinstance(generate, str):  # a generator in an upper layer (one that starts servers), named by its path
+        from rlfabric.shipping import import_callable
+
+        generate = import_callable(generate)
     allowed = [p for p in inspect.signature(generate).parameters if p not in ("n", "seed")]
     for key in options:
         if key not in allowed:

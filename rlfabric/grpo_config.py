@@ -89,6 +89,11 @@ class LLMEnvConfig:
     # A step that raises or misses its deadline: "fail" ends the episode as failed (never trained on), "observe"
     # shows the error to the agent as its observation.
     on_env_error: Literal["fail", "observe"] = "fail"
+    # MCP servers the run starts and supervises, one Ray actor each (health checks, restarts; docs/agents.md): a
+    # list of shipped task servers' names ([notes, bank]), or a mapping of names to command lines that serve
+    # streamable HTTP on {port} ({mine: "my-mcp-server --port {port}"}). The env's factory gets them as
+    # tool_servers={name: actor}.
+    tool_servers: list[str] | dict[str, str] = field(default_factory=list)
 
 
 @dataclass
@@ -412,6 +417,15 @@ def _validate_env(cfg: LLMConfig) -> None:
         "rewards.functions",
         [f.name for f in cfg.rewards.functions],
         "must be [] with env.id: the text env gives the rewards, by component, at each step",
+    )
+    servers = e.tool_servers
+    entries = servers.items() if isinstance(servers, dict) else [(name, "") for name in servers]
+    require(
+        isinstance(servers, (list, dict))
+        and all(isinstance(n, str) and n and isinstance(c, str) and (not c or "{port}" in c) for n, c in entries),
+        "env.tool_servers",
+        servers,
+        "must be a list of task server names, or a mapping of names to command lines with {port}",
     )
 
 

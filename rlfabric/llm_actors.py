@@ -144,4 +144,5 @@ def start_rollout_worker(cfg: LLMConfig, text_env: Any = None) -> Any:
         reward_registry=rewards.snapshot(),
         prompt_key=cfg.data.prompt_key,
         text_env=text_env,
+        efficiency=dataclasses.asdict(r.efficiency),
     )

@@ -54,7 +54,13 @@ from rlfabric.llm_run_state import (
     reference_path,
 )
 from rlfabric.llm_sft import sft_batch
-from rlfabric.llm_text_env import Demonstrations, episode_totals, text_env_source
+from rlfabric.llm_text_env import (
+    Demonstrations,
+    episode_totals,
+    start_tool_servers,
+    stop_tool_servers,
+    text_env_source,
+)
 from rlfabric.models.hf import check_model_source, model_max_positions
 from rlfabric.models.llm_batch import pad_rows_for_learners
 from rlfabric.models.shared_weights import remove_stale
@@ -102,6 +108,7 @@ class GRPOTrainer:
         self.learners: list[Any] = []
         self.reference: Any = None
         self.text_env: TextEnvSource | None = None  # what the rollout worker plays, when env.id names a text env
+        self.tool_servers: dict[str, Any] = {}  # supervised MCP servers by name (env.tool_servers)
         self.demonstrations: Demonstrations | None = None  # the scripted player's episodes, for a text env's warm-up
         self.log: RunLog | None = None
         self._elapsed_before = 0.0  # wall clock of the sessions before a resume
@@ -269,6 +276,8 @@ class GRPOTrainer:
         self._load_data()
         ensure_ray(self.cfg.ray, wanted_cpus(self.cfg), openmp_env())
         check_fits(actor_requests(self.cfg), [n["Resources"] for n in ray.nodes() if n.get("Alive")])
+        if self.text_env is not None and self.cfg.env.tool_servers:
+            self.tool_servers = start_tool_servers(self.cfg.env.tool_servers, self.text_env, self.demonstrations)
         self.generators = ActorSlots(
             "generator",
             lambda slot, generation: start_generator(self.cfg, self.base_model_dir, self._sampling_seed()),
@@ -656,6 +665,8 @@ class GRPOTrainer:
             if actor is not None:
                 ray.kill(actor, no_restart=True)
         self.generators, self.rollout_workers, self.learners, self.reference = None, None, [], None
+        stop_tool_servers(self.tool_servers)
+        self.tool_servers = {}
 
 
 def train_llm(cfg: LLMConfig, run_dir: str | Path, quiet: bool = False) -> dict[str, Any]:

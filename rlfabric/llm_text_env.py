@@ -10,7 +10,14 @@ import numpy as np
 
 from rlfabric import registry, shipping
 from rlfabric.actors.llm_rollout import EPISODE_COUNTS, TextEnvSource
-from rlfabric.agent_loop import EpisodeLimits, Player, ScriptedTurns, episodes_to_trajectories, run_episodes
+from rlfabric.agent_loop import (
+    EpisodeLimits,
+    Player,
+    ScriptedTurns,
+    close_env,
+    episodes_to_trajectories,
+    run_episodes,
+)
 from rlfabric.config import ConfigError
 from rlfabric.grpo_config import LLMConfig
 from rlfabric.models.chat_tokens import ChatTokens
@@ -27,15 +34,30 @@ def text_env_source(
     one line naming ``env.id``), check the tokenizer can format turns, and return the worker's ``TextEnvSource``.
     ``context``: the model's maximum positions, the default of ``env.max_episode_tokens``."""
     e = cfg.env
+
+    async def reset_once(env: Any) -> None:
+        try:
+            await call_env(env.reset, first_task)
+        finally:
+            await close_env(env, e.step_timeout_s)  # an env holding a tool server session lets it go
+
     try:
         env = make_text_env(e.id, e.kwargs)
-        asyncio.run(call_env(env.reset, first_task))
+        asyncio.run(reset_once(env))
     except ConfigError:
         raise
     except Exception as exc:  # noqa: BLE001 - the user's env code: its error, named
         raise ConfigError(
             f"env.id = {e.id!r}: building it and resetting it on the first task failed: {type(exc).__name__}: {exc}"
         ) from None
+    if cfg.grpo.step_credit == "gigpo" and not callable(getattr(env, "state_key", None)):
+        raise ConfigError(
+            f"grpo.step_credit = 'gigpo' needs env states to group steps by, and env.id = {e.id!r} has no state_key() "
+            "method: use step_mix, or give the env a state_key() (docs/trajectories.md)"
+        )
+    # An env's count components (tool calls, say) are not rewards: it weighs them 0 unless rewards.weights does not.
+    for name, weight in (getattr(env, "default_reward_weights", None) or {}).items():
+        cfg.rewards.weights.setdefault(name, float(weight))
     try:
         ChatTokens(tokenizer)
     except ValueError as exc:
@@ -92,3 +114,61 @@ def episode_totals(scored: list[dict[str, Any]], samples: int) -> dict[str, floa
     totals["invalid_tool_calls"] = sum(v for k, v in totals.items() if k.startswith("invalid_tool_calls_"))
     totals["turns_mean"] = totals.pop("turns") / max(samples, 1)
     return totals
+
+
+def tool_server_commands(tool_servers: list[str] | dict[str, str]) -> dict[str, str]:
+    """``env.tool_servers`` as {name: command line with ``{port}``}: a shipped task server's name alone stands for
+    its HTTP command (``python -m rlfabric.envs.<name>_server --http {port}``)."""
+    from rlfabric.envs.task_library import TASK_SERVERS
+
+    named = tool_servers if isinstance(tool_servers, dict) else dict.fromkeys(tool_servers, "")
+    commands = {}
+    for name, command in named.items():
+        if not command:
+            if name not in TASK_SERVERS:
+                raise ConfigError(
+                    f"env.tool_servers: {name!r} is not a shipped task server ({', '.join(TASK_SERVERS)}); give its "
+                    "command line with {port}, e.g. {mine: 'my-mcp-server --port {port}'}"
+                )
+            command = f"{TASK_SERVERS[name].command} --http {{port}}"
+        commands[name] = command
+    return commands
+
+
+def start_tool_servers(
+    tool_servers: list[str] | dict[str, str], source: TextEnvSource, demonstrations: Demonstrations | None
+) -> dict[str, Any]:
+    """Start one supervised ``ToolServer`` actor per ``env.tool_servers`` entry and wait until each serves (a
+    server that does not start is one error naming it, its command and its log); the env's factory then gets
+    ``tool_servers={name: actor}`` among its kwargs, in the rollout workers and for the warm-up's episodes."""
+    import ray
+
+    from rlfabric.actors.tool_server import ToolServer
+    from rlfabric.llm_resources import SETUP_TIMEOUT_S
+
+    commands = tool_server_commands(tool_servers)
+    if not commands:
+        return {}
+    handles = {name: ToolServer.remote(name, command) for name, command in commands.items()}
+    try:
+        ray.get([h.start.remote() for h in handles.values()], timeout=SETUP_TIMEOUT_S)
+    except Exception as exc:
+        stop_tool_servers(handles)
+        cause = exc.cause if isinstance(exc, ray.exceptions.RayTaskError) else exc
+        raise ConfigError(f"env.tool_servers: {cause}") from None
+    source.kwargs["tool_servers"] = handles
+    if demonstrations is not None:
+        demonstrations.make_env = text_env_factory(source.spec, source.kwargs)
+    return handles
+
+
+def stop_tool_servers(handles: dict[str, Any]) -> None:
+    """Stop the supervised tool servers (their processes end with them) and their actors."""
+    import ray
+
+    try:
+        ray.get([h.stop.remote() for h in handles.values()], timeout=10)
+    except Exception:  # noqa: BLE001, S110 - killed below either way; their servers die with them
+        pass
+    for handle in handles.values():
+        ray.kill(handle, no_restart=True)

@@ -170,9 +170,12 @@ def key_lookup_rows(n: int, seed: int, table_size: int = 4, key_length: int = 2,
     return rows
 
 
-TASKS: dict[str, Callable[..., list[dict[str, Any]]]] = {
+# A generator that lives above this layer (it starts MCP servers to sample their live state) is named by its
+# "package.module:function" path, imported only when a spec uses it.
+TASKS: dict[str, Callable[..., list[dict[str, Any]]] | str] = {
     "arithmetic": arithmetic_rows,
     "countdown": countdown_rows,
     "guess_number": guess_number_rows,
     "key_lookup": key_lookup_rows,
+    "mcp": "rlfabric.envs.mcp_tasks:mcp_task_rows",
 }

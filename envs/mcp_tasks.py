@@ -1,0 +1,201 @@
+"""McpTasks: an agent env over rlfabric's stateful MCP task servers (``rlfabric.envs.task_library``).
+
+Each task names its server and a seed (``mcp_task_rows`` samples them from the live state of fresh sessions).
+``reset(task)`` opens an MCP session on the task's server (supervised: the URL its ``ToolServer`` actor gives;
+else the server's command line, a process per episode), puts the session in the seed's state (``env_reset``) and
+asks the task's question. Each turn's tool calls run on that session, checked against the listed schemas first
+(``ToolEnv``); the first turn without a call is the answer: the env reads the session's final state
+(``env_state``) and the server's verifier decides success. ``state_key()`` is the session state's digest
+(``env_digest``), so steps that reach the same state across a group's episodes group for step-level credit.
+``close()`` frees the session's state on the server (``env_close``) and ends the session.
+
+Reward components: ``correct`` 1 when the verifier accepts the final state and answer (what ``eval_accuracy``
+averages); ``invalid`` 1 per call the env refused (malformed, unknown tool, arguments that break the schema: call
+validity); and two counts, ``calls`` (tool calls made) and ``failed_calls`` (calls the server answered with an
+error or that missed their deadline), which the env weighs 0 by default (``default_reward_weights``) and which
+``rewards.efficiency`` reads to penalise redundant or failing calls.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Sequence
+from typing import Any
+
+from rlfabric.envs.task_library import TASK_SERVERS, sample_tasks, task_server
+from rlfabric.mcp_server_process import HttpServerProcess
+from rlfabric.text_env import TextStep
+from rlfabric.tool_env import McpToolEnv, server_address
+
+REFUSED_KINDS = ("malformed", "unknown_tool", "invalid_arguments")  # calls that never reached the server
+FAILED_KINDS = ("tool_error", "tool_timeout")  # calls the server answered with an error, or too late
+
+
+class VerifiedTask:
+    """What ``McpTaskEnv`` wraps: resets the session to the task's seed, asks its question, and scores an answer
+    by the server's verifier on the session's final state."""
+
+    def __init__(self, env: McpTaskEnv) -> None:
+        self.env = env
+        self.task: dict[str, Any] = {}
+
+    async def reset(self, task: dict[str, Any]) -> str:
+        self.task = task
+        await self.env.control("env_reset", {"seed": int(task["seed"])})
+        return str(task["question"])
+
+    async def answer(self, text: str) -> TextStep:
+        final_state = json.loads(await self.env.control("env_state"))
+        success = task_server(self.task["server"]).verify(self.task, final_state, text)
+        return TextStep("Done." if success else "Wrong.", {"correct": float(success)}, terminated=True)
+
+
+class McpTaskEnv(McpToolEnv):
+    """See the module docstring. ``servers``: the task servers this env may open (names in ``TASK_SERVERS``; None:
+    all); ``tool_servers``: their ``ToolServer`` actors (a run starts them from ``env.tool_servers``) or the URLs of
+    running servers, by name;
+    ``system_prompt``: None lists the task's tools and the call format, "" leaves the system message out."""
+
+    default_reward_weights = {"calls": 0.0, "failed_calls": 0.0}
+
+    def __init__(
+        self,
+        servers: Sequence[str] | str | None = None,
+        tool_servers: dict[str, Any] | None = None,
+        system_prompt: str | None = None,
+        parser: str = "hermes",
+        tool_timeout_s: float = 10.0,
+        start_timeout_s: float = 30.0,
+    ) -> None:
+        names = list(TASK_SERVERS) if servers is None else [servers] if isinstance(servers, str) else list(servers)
+        supervised = dict(tool_servers or {})
+        unknown = sorted(set(names) - set(TASK_SERVERS)) + sorted(set(supervised) - set(names))
+        if unknown:
+            raise ValueError(f"McpTasks servers {unknown} are not task servers of this env: {sorted(TASK_SERVERS)}")
+        self.addresses = {n: server_address(supervised.get(n) or task_server(n).command) for n in names}
+        super().__init__(VerifiedTask(self), self.addresses[names[0]], parser, tool_timeout_s, start_timeout_s)
+        self.fixed_prompt = system_prompt
+
+    async def reset(self, task: dict[str, Any]) -> str:
+        name = task.get("server")
+        if name not in self.addresses:
+            raise ValueError(f"McpTasks task server = {name!r}: this env serves {sorted(self.addresses)}")
+        self.server = self.addresses[name]
+        question = await super().reset(task)
+        if self.fixed_prompt is not None:
+            self.system_prompt = self.fixed_prompt
+        return question
+
+    async def step(self, action: str) -> TextStep:
+        step = await super().step(action)
+        info = step.info
+        bad = info.get("invalid_tool_calls", {})
+        step.rewards["calls"] = step.rewards.get("calls", 0.0) + float(info.get("tool_calls", 0))
+        step.rewards["invalid"] = step.rewards.get("invalid", 0.0) + float(sum(bad.get(k, 0) for k in REFUSED_KINDS))
+        failed = float(sum(bad.get(k, 0) for k in FAILED_KINDS))
+        step.rewards["failed_calls"] = step.rewards.get("failed_calls", 0.0) + failed
+        return step
+
+    async def control(self, name: str, arguments: dict[str, Any] | None = None) -> str:
+        """Call one of the server's control tools (``env_*``) on this episode's session."""
+        if self.session is None:
+            raise RuntimeError(f"McpTasks {name} called with no session open (reset first)")
+        return await asyncio.wait_for(self.session.call(name, arguments), self.tool_timeout_s)
+
+    async def state_key(self) -> str:
+        """The digest of the session's state: equal states across episodes give equal keys."""
+        return await self.control("env_digest")
+
+    async def close(self) -> None:
+        if self.session is not None:
+            try:  # an HTTP server keeps the session's state until told: free it
+                await self.control("env_close")
+            except Exception:  # noqa: BLE001, S110 - a lost server holds nothing to free
+                pass
+        await super().close()
+
+
+def mcp_task_rows(n: int, seed: int, servers: str = "notes,bank", min_calls: int = 1, max_calls: int = 1) -> list[dict]:
+    """Tasks of ``McpTasks`` (``data.train: task:mcp?servers=notes,bank&min_calls=1&max_calls=2``): ``n`` rows
+    spread round-robin over the comma-separated ``servers``, each drawn by the server's task generator from the
+    live state of a fresh session (its own process here), needing ``min_calls`` to ``max_calls`` tool calls (each
+    server's range clips it). A row is the task (``server``, ``seed``, ``question``, ``goal``, ``solution``,
+    ``calls``) plus ``prompt``, which names it (held-out splits keep tasks apart by it)."""
+    names = [s.strip() for s in str(servers).split(",") if s.strip()]
+    if not names:
+        raise ValueError(f"servers = {servers!r}: name at least one of {', '.join(TASK_SERVERS)}")
+    for name in names:
+        if name not in TASK_SERVERS:
+            raise ValueError(f"servers = {servers!r}: {name!r} is not a task server ({', '.join(TASK_SERVERS)})")
+    if not isinstance(min_calls, int) or not isinstance(max_calls, int) or not 1 <= min_calls <= max_calls:
+        raise ValueError(f"min_calls = {min_calls!r}, max_calls = {max_calls!r}: need integers 1 <= min <= max")
+    counts = [n // len(names) + (i < n % len(names)) for i in range(len(names))]
+
+    async def draw() -> list[list[dict]]:
+        batches = []
+        for k, (name, count) in enumerate(zip(names, counts, strict=True)):
+            spec = task_server(name)
+            low, high = max(min_calls, spec.min_calls), min(max_calls, spec.max_calls)
+            if low > high:
+                raise ValueError(
+                    f"{name}: its tasks need {spec.min_calls} to {spec.max_calls} calls, not {min_calls}-{max_calls}"
+                )
+            batches.append(await sample_tasks(spec, count, seed * 1000 + k, (low, high)) if count else [])
+        return batches
+
+    batches = asyncio.run(draw())
+    rows: list[dict] = []
+    for i in range(max(counts, default=0)):  # interleaved, so any prefix mixes the servers
+        for batch in batches:
+            if i < len(batch):
+                task = batch[i]
+                rows.append({**task, "prompt": f"{task['server']}#{task['seed']}: {task['question']}"})
+    return rows
+
+
+def tool_call_text(call: dict[str, Any]) -> str:
+    """A solution call in Hermes format, compact JSON (fewer characters for a character-level model)."""
+    return f"<tool_call>{json.dumps(call, separators=(',', ':'))}</tool_call>"
+
+
+def solution_player(task: dict[str, Any], messages: list[dict[str, str]]) -> str:
+    """The scripted solver (``sft.player: rlfabric.envs.mcp_tasks:solution_player``): the task's solution calls,
+    one per turn, then its answer. Its results depend on the earlier calls' only through the seeded state, which
+    the generator read: replayed on a session reset to the task's seed, every call finds what it needs."""
+    done = sum(1 for m in messages if m["role"] == "assistant")
+    calls = task["solution"]["calls"]
+    return tool_call_text(calls[done]) if done < len(calls) else str(task["solution"]["answer"])
+
+
+async def check_task_server(name: str, tasks_per_level: int = 4, seed: int = 0, url: str | None = None) -> list[dict]:
+    """Play ``tasks_per_level`` tasks of each difficulty of server ``name`` with the scripted solver through the
+    real env (an MCP session per episode, the builtin tool tokenizer) and report, per number of calls: tasks,
+    solved (the verifier's verdict) and the first failure. ``rlfabric tools check NAME`` prints it."""
+    from rlfabric.agent_loop import EpisodeLimits, ScriptedTurns, run_episodes
+    from rlfabric.models.chat_tokens import ChatTokens
+    from rlfabric.models.hf import TOOL_ALPHABET, build_char_tokenizer
+
+    spec = task_server(name)
+    chat = ChatTokens(build_char_tokenizer(TOOL_ALPHABET))
+    turns = ScriptedTurns(solution_player, chat)
+    server = None if url else HttpServerProcess(name, f"{spec.command} --http {{port}}")
+    if server is not None:  # one process serves every episode's session: far quicker than a process each
+        url = await server.start()
+    report = []
+    try:
+        for calls in range(spec.min_calls, spec.max_calls + 1):
+            tasks = await sample_tasks(spec, tasks_per_level, seed + calls, calls, url=url)
+            limits = EpisodeLimits(max_turns=calls + 1, turn_tokens=512, max_episode_tokens=16384)
+            episodes = await run_episodes(lambda: McpTaskEnv(name, {name: url}), tasks, turns, chat, limits)
+            solved = [e.error is None and e.rewards.get("correct", 0.0) == 1.0 for e in episodes]
+            first = next((i for i, ok in enumerate(solved) if not ok), None)
+            failure = None
+            if first is not None:
+                episode = episodes[first]
+                failure = episode.error or f"not verified: {tasks[first]['question']!r} -> {episode.texts}"
+            report.append({"calls": calls, "tasks": len(tasks), "solved": sum(solved), "failure": failure})
+    finally:
+        if server is not None:
+            await server.stop()
+    return report

@@ -1,0 +1,125 @@
+"""McpTasks: agent episodes on the stateful MCP task servers, end to end through the real protocol. Tasks drawn
+from the live state of fresh sessions (``task:mcp``), solved by the scripted solver and verified on the final
+state; a wrong answer, a wrong change and bad calls scored as such; state keys equal exactly when the states are;
+supervised servers free each episode's state when it ends; the CLI lists and checks the servers."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import ray
+
+from rlfabric.actors.tool_server import ToolServer
+from rlfabric.agent_loop import EpisodeLimits, ScriptedTurns, run_episodes
+from rlfabric.cli import main
+from rlfabric.config import ConfigError
+from rlfabric.data import load_prompts
+from rlfabric.envs.mcp_tasks import McpTaskEnv, solution_player, tool_call_text
+from rlfabric.envs.task_library import TASK_SERVERS
+from rlfabric.mcp_tools import McpSession
+from rlfabric.models.chat_tokens import ChatTokens
+from rlfabric.models.hf import TOOL_ALPHABET, build_char_tokenizer
+
+CHAT = ChatTokens(build_char_tokenizer(TOOL_ALPHABET))
+LIMITS = EpisodeLimits(max_turns=6, turn_tokens=512, max_episode_tokens=16384, step_timeout_s=30.0)
+SPEC = "task:mcp?servers=notes,bank&min_calls=1&max_calls=2"
+
+
+def play(tasks: list[dict], player, **env_kwargs) -> list:
+    turns = ScriptedTurns(player, CHAT)
+    return asyncio.run(run_episodes(lambda: McpTaskEnv(**env_kwargs), tasks, turns, CHAT, LIMITS))
+
+
+def test_tasks_come_from_the_named_servers_interleaved_and_repeat_for_a_seed():
+    rows = load_prompts(SPEC, num_rows=6, seed=3)
+    assert [r["server"] for r in rows] == ["notes", "bank"] * 3  # any prefix mixes the servers
+    assert {r["calls"] for r in rows} <= {1, 2}
+    assert all(len(r["solution"]["calls"]) == r["calls"] for r in rows)
+    assert len({r["prompt"] for r in rows}) == 6 and all(r["question"] in r["prompt"] for r in rows)
+    assert load_prompts(SPEC, num_rows=6, seed=3) == rows
+    for spec, says in [
+        ("task:mcp?servers=notes,atm", "'atm' is not a task server"),
+        ("task:mcp?servers=bank&min_calls=3&max_calls=2", "1 <= min <= max"),
+    ]:
+        with pytest.raises(ConfigError, match=says):
+            load_prompts(spec, num_rows=2)
+
+
+def test_the_scripted_solver_is_verified_and_wrong_answers_changes_and_calls_are_scored():
+    tasks = list(load_prompts("task:mcp?servers=bank&min_calls=2&max_calls=2", num_rows=8, seed=1))
+    asked = next(t for t in tasks if t["solution"]["answer"] != "done")  # "Balance of bo?"
+    change = next(t for t in tasks if t["solution"]["answer"] == "done")  # "Send 5 from a2 to bo"
+
+    def wrong_answer(task: dict, messages: list[dict]) -> str:
+        reply = solution_player(task, messages)
+        return reply if reply.startswith("<tool_call>") else "1000"
+
+    def bad_calls_then_skip_the_change(task: dict, messages: list[dict]) -> str:
+        done = sum(m["role"] == "assistant" for m in messages)
+        bad = ['<tool_call>{"name": "transfer"</tool_call>', tool_call_text({"name": "rob", "arguments": {}})]
+        return bad[done] if done < 2 else "done"  # malformed, unknown tool, then claims done without transferring
+
+    solved = play([asked, change], solution_player, servers="bank")
+    assert [e.rewards["correct"] for e in solved] == [1.0, 1.0], [e.error for e in solved]
+    assert [e.rewards["calls"] for e in solved] == [2.0, 2.0] and solved[0].rewards["invalid"] == 0.0
+    wrong = play([asked], wrong_answer, servers="bank")[0]
+    assert wrong.error is None and wrong.rewards["correct"] == 0.0
+    skipped = play([change], bad_calls_then_skip_the_change, servers="bank")[0]
+    assert skipped.rewards["correct"] == 0.0  # the state lacks the transfer the task asked for
+    assert skipped.rewards["invalid"] == 2.0 and skipped.invalid_tool_calls == {"malformed": 1, "unknown_tool": 1}
+
+
+def test_state_keys_are_equal_exactly_when_the_session_states_are():
+    task = next(t for t in load_prompts("task:mcp?servers=notes", num_rows=4, seed=2) if t["calls"] == 1)
+
+    async def keys() -> list[str]:
+        envs = [McpTaskEnv("notes") for _ in range(3)]
+        try:
+            for env in envs:
+                await env.reset(task)
+            before = [await env.state_key() for env in envs]
+            await envs[1].step(tool_call_text({"name": "put", "arguments": {"key": "zz", "value": "new"}}))
+            await envs[2].step(tool_call_text({"name": "put", "arguments": {"key": "zz", "value": "new"}}))
+            return before + [await env.state_key() for env in envs]
+        finally:
+            for env in envs:
+                await env.close()
+
+    a, b, c, a_after, b_after, c_after = asyncio.run(keys())
+    assert a == b == c == a_after  # three fresh sessions on one seed; a read-only episode keeps its state
+    assert b_after == c_after != a_after  # the same write gives the same state, and a new one
+
+
+def test_supervised_servers_serve_episodes_and_free_each_sessions_state(local_ray):
+    tasks = load_prompts(SPEC, num_rows=8, seed=5)
+    servers = {n: ToolServer.remote(n, f"{TASK_SERVERS[n].command} --http {{port}}") for n in ("notes", "bank")}
+    urls = ray.get([s.start.remote() for s in servers.values()])
+    episodes = play(tasks, solution_player, servers=["notes", "bank"], tool_servers=servers)
+    assert [e.rewards.get("correct") for e in episodes] == [1.0] * 8, [e.error for e in episodes]
+
+    async def live_sessions(url: str) -> int:
+        session = await McpSession.open(url)
+        try:
+            return int(await session.call("env_sessions"))
+        finally:
+            await session.close()
+
+    assert [asyncio.run(live_sessions(url)) for url in urls] == [0, 0]  # every episode's state was freed
+    ray.get([s.stop.remote() for s in servers.values()])
+
+
+def test_the_cli_lists_the_task_servers_and_checks_one_with_its_scripted_solver(capsys):
+    assert main(["envs", "list"]) == 0
+    listed = capsys.readouterr().out
+    assert all(f"  {name} " in listed for name in TASK_SERVERS) and len(TASK_SERVERS) >= 6
+    assert main(["tools", "check", "notes", "--tasks", "2"]) == 0
+    out = capsys.readouterr().out
+    levels = [line for line in out.splitlines() if " calls: " in line]
+    spec = TASK_SERVERS["notes"]
+    assert len(levels) == spec.max_calls - spec.min_calls + 1 and all("2/2 solved" in line for line in levels)
+    assert out.strip().endswith("OK notes")
+    assert main(["tools", "check", "atm"]) == 1
+    assert "not a task server" in capsys.readouterr().err
+    assert main(["tools", "list", "bank"]) == 0
+    assert "transfer(from_account: string, to_account: string, amount: integer)" in capsys.readouterr().out
