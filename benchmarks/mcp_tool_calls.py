@@ -13,7 +13,8 @@ round trip is ``put(key, value)`` then ``get(key)`` (checked to return the value
 
 Reported: calls/s of each (two calls a round trip), the median of ``--repeats`` (5) rounds of ``--duration``
 (2) s after a 1 s warm-up, the order flipping each round, and the ratio rlfabric / bare of the medians (the
-target is >= 0.9), with the range of the rounds' own ratios.
+target is >= 0.9), with the range of the rounds' own ratios; and the client process's CPU time per call (the
+server's excluded), which moves less with other load on the machine than calls/s does.
 
 Part 2, agent episodes. ``--episodes`` (64) concurrent scripted episodes through ``run_episodes`` (the character
 tokenizer's chat tokens, as in the tests): the player makes ``k`` tool calls (``put`` then ``get``s of one key, one
@@ -142,7 +143,7 @@ async def round_trips(hold: Callable, url: str, sessions: int, duration_s: float
     from the start signal to the last session's last completed round trip (opening and closing untimed)."""
     ready = asyncio.Semaphore(0)
     go = asyncio.Event()
-    start = [0.0]
+    start, cpu = [0.0], [0.0, 0.0]
     ends: list[float] = []
     counts: list[int] = []
 
@@ -156,18 +157,22 @@ async def round_trips(hold: Callable, url: str, sessions: int, duration_s: float
                 n += 1
             ends.append(time.perf_counter())
             counts.append(n)
+            if len(ends) == sessions:  # the last session done: the calls' CPU, before any session closes
+                cpu[1] = time.process_time()
 
         await hold(url, opened)
 
     workers = [asyncio.create_task(one(i)) for i in range(sessions)]
     for _ in range(sessions):
         await ready.acquire()
-    start[0] = time.perf_counter()
+    start[0], cpu[0] = time.perf_counter(), time.process_time()
     go.set()
     await asyncio.gather(*workers)
     elapsed = max(ends) - start[0]
     calls = 2 * sum(counts)
-    return {"calls": calls, "seconds": elapsed, "calls_per_s": calls / elapsed}
+    # This process's CPU (the server's is its own) per call: less at the mercy of other load than calls/s.
+    client_ms = 1e3 * (cpu[1] - cpu[0]) / calls
+    return {"calls": calls, "seconds": elapsed, "calls_per_s": calls / elapsed, "client_cpu_ms_per_call": client_ms}
 
 
 def measure_round_trips(url: str, sessions: int, args: argparse.Namespace) -> dict[str, Any]:
@@ -184,7 +189,8 @@ def measure_round_trips(url: str, sessions: int, args: argparse.Namespace) -> di
     row: dict[str, Any] = {"sessions": sessions}
     for name, results in runs.items():
         rates = [r["calls_per_s"] for r in results]
-        row[name] = {"calls_per_s": statistics.median(rates), "runs": results}
+        cpu = statistics.median(r["client_cpu_ms_per_call"] for r in results)
+        row[name] = {"calls_per_s": statistics.median(rates), "client_cpu_ms_per_call": cpu, "runs": results}
     row["ratio"] = row[RLFABRIC]["calls_per_s"] / row[BARE]["calls_per_s"]
     # Each round's own ratio too: on a shared machine the load drifts between rounds more than within one.
     pairs = zip(runs[RLFABRIC], runs[BARE], strict=True)
@@ -301,14 +307,18 @@ def main() -> None:
     server, url = start_notes_server()
     try:
         print("part 1: tool round trips (put + get) on one streamable-HTTP notes server, one asyncio loop")
-        print(f"{'sessions':>8} | {BARE + ' calls/s':>24} | {RLFABRIC + ' calls/s':>27} | rlfabric / bare (rounds)")
+        print(
+            f"{'sessions':>8} | {BARE + ' calls/s':>24} | {RLFABRIC + ' calls/s':>27} | rlfabric / bare (rounds) | "
+            "client CPU ms/call, bare vs rlfabric"
+        )
         trips = []
         for sessions in args.sessions:
             row = measure_round_trips(url, sessions, args)
             trips.append(row)
             print(
                 f"{sessions:>8} | {row[BARE]['calls_per_s']:>24.0f} | {row[RLFABRIC]['calls_per_s']:>27.0f} | "
-                f"{row['ratio']:.2f} ({min(row['round_ratios']):.2f}-{max(row['round_ratios']):.2f})",
+                f"{row['ratio']:.2f} ({min(row['round_ratios']):.2f}-{max(row['round_ratios']):.2f}){'':>8} | "
+                f"{row[BARE]['client_cpu_ms_per_call']:.2f} vs {row[RLFABRIC]['client_cpu_ms_per_call']:.2f}",
                 flush=True,
             )
         print(f"\npart 2: {args.episodes} concurrent scripted episodes, k tool calls then the answer")
