@@ -53,10 +53,14 @@ META_COUNTS = ("samples", "rows", "failed", "tokens", "reward_restarts", "record
 # What text-env episodes add (sums over a rollout's episodes); the driver logs each step's totals.
 # mixed_version_episodes: episodes whose turns were sampled by more than one policy version (a weight update
 # landed between their turns: a partial rollout, every token keeping its own version)
+# solved_episodes, solved_tool_calls: episodes whose "correct" component is positive, and their tool calls (calls
+# per solved episode: how efficiently the policy succeeds)
 EPISODE_COUNTS = (
     "turns",
     "env_errors",
     "tool_calls",
+    "solved_episodes",
+    "solved_tool_calls",
     "mixed_version_episodes",
     *(f"invalid_tool_calls_{k}" for k in ERROR_KINDS),
 )
@@ -297,6 +301,8 @@ class LLMRolloutCore:
                 "turns": sum(len(e.turns) for e in episodes),
                 "env_errors": sum(e.env_errors for e in episodes),
                 "tool_calls": sum(e.tool_calls for e in episodes),
+                "solved_episodes": sum(e.rewards.get("correct", 0.0) > 0 for e in kept),
+                "solved_tool_calls": sum(e.tool_calls for e in kept if e.rewards.get("correct", 0.0) > 0),
                 "mixed_version_episodes": sum(len({t.version for t in e.turns}) > 1 for e in kept),
                 **{
                     f"invalid_tool_calls_{kind}": sum(e.invalid_tool_calls.get(kind, 0) for e in episodes)

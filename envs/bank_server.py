@@ -13,20 +13,13 @@ from __future__ import annotations
 
 import random
 
-from mcp.server.mcpserver import MCPServer
 from mcp.server.mcpserver.exceptions import ToolError
 
 from rlfabric.envs.task_server import (
-    SessionStates,
-    TaskServer,
-    add_control_tools,
-    add_state_tools,
+    build_task_server,
     call,
-    check_calls,
-    pick_task,
     serve,
     solved_task,
-    verify_task,
 )
 
 OWNERS = ["ana", "bo", "cy", "dee", "eli", "fay", "gus", "hal", "ivy", "jo", "kai", "lu"]
@@ -163,31 +156,10 @@ MAKERS = {
 }
 
 
-def make_task(state: dict, rng: random.Random, calls: int) -> dict:
-    """A task of ``calls`` tool calls on the live ``state`` (see the module docstring for the kinds)."""
-    return pick_task(check_calls(calls, MAKERS, "bank"), state, rng, calls, "bank")
-
-
-STATES = SessionStates(initial_state)
-server = MCPServer("bank")
-add_state_tools(server, STATES, OPS)
-add_control_tools(server, STATES)
-
-TASK = TaskServer(
-    name="bank",
-    module="rlfabric.envs.bank_server",
-    description="bank accounts: look up owners and balances, transfer money (no overdraft)",
-    initial_state=initial_state,
-    make_task=make_task,
-    verify=verify_task,
-    min_calls=1,
-    max_calls=4,
+server, STATES, TASK = build_task_server(
+    "bank", "bank accounts: look up owners and balances, transfer money (no overdraft)", initial_state, OPS, MAKERS
 )
 
 
-def main() -> None:
-    serve(server)
-
-
 if __name__ == "__main__":
-    main()
+    serve(server)

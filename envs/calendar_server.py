@@ -13,20 +13,13 @@ from __future__ import annotations
 
 import random
 
-from mcp.server.mcpserver import MCPServer
 from mcp.server.mcpserver.exceptions import ToolError
 
 from rlfabric.envs.task_server import (
-    SessionStates,
-    TaskServer,
-    add_control_tools,
-    add_state_tools,
+    build_task_server,
     call,
-    check_calls,
-    pick_task,
     serve,
     solved_task,
-    verify_task,
 )
 
 TITLES = ["gym", "lunch", "call", "demo", "class", "yoga", "chat", "sync", "run", "math", "tea", "walk"]
@@ -179,31 +172,10 @@ def _day(state: dict, event_id: str) -> int:
 MAKERS = {1: [_day_of, _add], 2: [_move, _delete], 3: [_move_to_day_of]}
 
 
-def make_task(state: dict, rng: random.Random, calls: int) -> dict:
-    """A task of ``calls`` tool calls on the live ``state`` (see the module docstring for the kinds)."""
-    return pick_task(check_calls(calls, MAKERS, "calendar"), state, rng, calls, "calendar")
-
-
-STATES = SessionStates(initial_state)
-server = MCPServer("calendar")
-add_state_tools(server, STATES, OPS)
-add_control_tools(server, STATES)
-
-TASK = TaskServer(
-    name="calendar",
-    module="rlfabric.envs.calendar_server",
-    description="a week's calendar: find, add, move and delete events (no clashes)",
-    initial_state=initial_state,
-    make_task=make_task,
-    verify=verify_task,
-    min_calls=1,
-    max_calls=3,
+server, STATES, TASK = build_task_server(
+    "calendar", "a week's calendar: find, add, move and delete events (no clashes)", initial_state, OPS, MAKERS
 )
 
 
-def main() -> None:
-    serve(server)
-
-
 if __name__ == "__main__":
-    main()
+    serve(server)

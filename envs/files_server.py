@@ -14,20 +14,13 @@ from __future__ import annotations
 
 import random
 
-from mcp.server.mcpserver import MCPServer
 from mcp.server.mcpserver.exceptions import ToolError
 
 from rlfabric.envs.task_server import (
-    SessionStates,
-    TaskServer,
-    add_control_tools,
-    add_state_tools,
+    build_task_server,
     call,
-    check_calls,
-    pick_task,
     serve,
     solved_task,
-    verify_task,
 )
 
 DIRS = ["docs", "src", "tmp", "home", "mail", "logs"]
@@ -188,31 +181,10 @@ def _copy_lone(state: dict, rng: random.Random) -> dict | None:
 MAKERS = {1: [_read], 2: [_copy, _read_lone], 3: [_copy_lone]}
 
 
-def make_task(state: dict, rng: random.Random, calls: int) -> dict:
-    """A task of ``calls`` tool calls on the live ``state`` (see the module docstring for the kinds)."""
-    return pick_task(check_calls(calls, MAKERS, "files"), state, rng, calls, "files")
-
-
-STATES = SessionStates(initial_state)
-server = MCPServer("files")
-add_state_tools(server, STATES, OPS)
-add_control_tools(server, STATES)
-
-TASK = TaskServer(
-    name="files",
-    module="rlfabric.envs.files_server",
-    description="a small file tree in memory: list, read, write, copy and move files",
-    initial_state=initial_state,
-    make_task=make_task,
-    verify=verify_task,
-    min_calls=1,
-    max_calls=3,
+server, STATES, TASK = build_task_server(
+    "files", "a small file tree in memory: list, read, write, copy and move files", initial_state, OPS, MAKERS
 )
 
 
-def main() -> None:
-    serve(server)
-
-
 if __name__ == "__main__":
-    main()
+    serve(server)

@@ -7,7 +7,8 @@ asks the task's question. Each turn's tool calls run on that session, checked ag
 (``ToolEnv``); the first turn without a call is the answer: the env reads the session's final state
 (``env_state``) and the server's verifier decides success. ``state_key()`` is the session state's digest
 (``env_digest``), so steps that reach the same state across a group's episodes group for step-level credit.
-``close()`` frees the session's state on the server (``env_close``) and ends the session.
+``close()`` ends the session, and with it the session's state on the server (an HTTP task server frees a
+session's state when the session ends; ``env_close`` is there for clients that keep a session open).
 
 Reward components: ``correct`` 1 when the verifier accepts the final state and answer (what ``eval_accuracy``
 averages); ``invalid`` 1 per call the env refused (malformed, unknown tool, arguments that break the schema: call
@@ -20,6 +21,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import random
+import string
 from collections.abc import Sequence
 from typing import Any
 
@@ -42,7 +45,7 @@ class VerifiedTask:
 
     async def reset(self, task: dict[str, Any]) -> str:
         self.task = task
-        await self.env.control("env_reset", {"seed": int(task["seed"])})
+        self.env.digest = await self.env.control("env_reset", {"seed": int(task["seed"])})
         return str(task["question"])
 
     async def answer(self, text: str) -> TextStep:
@@ -76,6 +79,7 @@ class McpTaskEnv(McpToolEnv):
         self.addresses = {n: server_address(supervised.get(n) or task_server(n).command) for n in names}
         super().__init__(VerifiedTask(self), self.addresses[names[0]], parser, tool_timeout_s, start_timeout_s)
         self.fixed_prompt = system_prompt
+        self.digest: str | None = None  # the session state's digest, while no call has happened since
 
     async def reset(self, task: dict[str, Any]) -> str:
         name = task.get("server")
@@ -90,6 +94,8 @@ class McpTaskEnv(McpToolEnv):
     async def step(self, action: str) -> TextStep:
         step = await super().step(action)
         info = step.info
+        if info.get("tool_calls"):
+            self.digest = None  # a call may have changed the state: state_key() asks the server again
         bad = info.get("invalid_tool_calls", {})
         step.rewards["calls"] = step.rewards.get("calls", 0.0) + float(info.get("tool_calls", 0))
         step.rewards["invalid"] = step.rewards.get("invalid", 0.0) + float(sum(bad.get(k, 0) for k in REFUSED_KINDS))
@@ -104,16 +110,11 @@ class McpTaskEnv(McpToolEnv):
         return await asyncio.wait_for(self.session.call(name, arguments), self.tool_timeout_s)
 
     async def state_key(self) -> str:
-        """The digest of the session's state: equal states across episodes give equal keys."""
-        return await self.control("env_digest")
-
-    async def close(self) -> None:
-        if self.session is not None:
-            try:  # an HTTP server keeps the session's state until told: free it
-                await self.control("env_close")
-            except Exception:  # noqa: BLE001, S110 - a lost server holds nothing to free
-                pass
-        await super().close()
+        """The digest of the session's state: equal states across episodes give equal keys. Asked of the server
+        only after a turn that called tools (``env_reset`` returned the first)."""
+        if self.digest is None:
+            self.digest = await self.control("env_digest")
+        return self.digest
 
 
 def mcp_task_rows(n: int, seed: int, servers: str = "notes,bank", min_calls: int = 1, max_calls: int = 1) -> list[dict]:
@@ -121,7 +122,8 @@ def mcp_task_rows(n: int, seed: int, servers: str = "notes,bank", min_calls: int
     spread round-robin over the comma-separated ``servers``, each drawn by the server's task generator from the
     live state of a fresh session (its own process here), needing ``min_calls`` to ``max_calls`` tool calls (each
     server's range clips it). A row is the task (``server``, ``seed``, ``question``, ``goal``, ``solution``,
-    ``calls``) plus ``prompt``, which names it (held-out splits keep tasks apart by it)."""
+    ``calls``) plus ``prompt``, which names it (held-out splits keep tasks apart by it), and ``answer``, the
+    solution's (shown beside sampled episodes)."""
     names = [s.strip() for s in str(servers).split(",") if s.strip()]
     if not names:
         raise ValueError(f"servers = {servers!r}: name at least one of {', '.join(TASK_SERVERS)}")
@@ -150,7 +152,8 @@ def mcp_task_rows(n: int, seed: int, servers: str = "notes,bank", min_calls: int
         for batch in batches:
             if i < len(batch):
                 task = batch[i]
-                rows.append({**task, "prompt": f"{task['server']}#{task['seed']}: {task['question']}"})
+                name = f"{task['server']}#{task['seed']}: {task['question']}"
+                rows.append({**task, "prompt": name, "answer": task["solution"]["answer"]})
     return rows
 
 
@@ -199,3 +202,15 @@ async def check_task_server(name: str, tasks_per_level: int = 4, seed: int = 0, 
         if server is not None:
             await server.stop()
     return report
+
+
+_CARELESS = random.Random(0)  # the careless player's slips: seeded, so a run's demonstrations repeat
+
+
+def careless_player(task: dict[str, Any], messages: list[dict[str, str]]) -> str:
+    """``solution_player`` that, on a third of its episodes, answers at once with a guess (three random letters)
+    instead of calling the tools: demonstrations that teach the calls and the copying, but not always to use the
+    tools, which is left to GRPO (``sft.player: rlfabric.envs.mcp_tasks:careless_player``)."""
+    if not any(m["role"] == "assistant" for m in messages) and _CARELESS.random() < 1 / 3:
+        return "".join(_CARELESS.choice(string.ascii_lowercase) for _ in range(3))
+    return solution_player(task, messages)

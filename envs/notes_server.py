@@ -14,20 +14,13 @@ from __future__ import annotations
 
 import random
 
-from mcp.server.mcpserver import MCPServer
 from mcp.server.mcpserver.exceptions import ToolError
 
 from rlfabric.envs.task_server import (
-    SessionStates,
-    TaskServer,
-    add_control_tools,
-    add_state_tools,
+    build_task_server,
     call,
-    check_calls,
-    pick_task,
     serve,
     solved_task,
-    verify_task,
 )
 
 KEYS = ["cat", "dog", "sun", "sky", "tea", "map", "key", "box", "pen", "hat", "ink", "fox", "owl", "bee"]
@@ -92,32 +85,10 @@ def _rename(state: dict, rng: random.Random) -> dict | None:
 MAKERS = {1: [_lookup], 2: [_copy], 3: [_rename]}
 
 
-def make_task(state: dict, rng: random.Random, calls: int) -> dict:
-    """A task of ``calls`` tool calls on the live ``state``: 1 "Note cat?" (answer: its value), 2 "Copy note cat to
-    owl" (get, then put what it returned), 3 "Rename note cat to owl" (get, put, delete)."""
-    return pick_task(check_calls(calls, MAKERS, "notes"), state, rng, calls, "notes")
-
-
-STATES = SessionStates(initial_state)
-server = MCPServer("notes")
-add_state_tools(server, STATES, OPS)
-add_control_tools(server, STATES)
-
-TASK = TaskServer(
-    name="notes",
-    module="rlfabric.envs.notes_server",
-    description="a key-value notes store: look up, copy and rename notes",
-    initial_state=initial_state,
-    make_task=make_task,
-    verify=verify_task,
-    min_calls=1,
-    max_calls=3,
+server, STATES, TASK = build_task_server(
+    "notes", "a key-value notes store: look up, copy and rename notes", initial_state, OPS, MAKERS
 )
 
 
-def main() -> None:
-    serve(server)
-
-
 if __name__ == "__main__":
-    main()
+    serve(server)

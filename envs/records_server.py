@@ -19,20 +19,13 @@ import random
 import re
 import sqlite3
 
-from mcp.server.mcpserver import MCPServer
 from mcp.server.mcpserver.exceptions import ToolError
 
 from rlfabric.envs.task_server import (
-    SessionStates,
-    TaskServer,
-    add_control_tools,
-    add_state_tools,
+    build_task_server,
     call,
-    check_calls,
-    pick_task,
     serve,
     solved_task,
-    verify_task,
 )
 
 PEOPLE = ["ana", "bo", "cy", "dee", "eli", "fay", "gus", "hal", "ivy", "jo", "kai", "lu", "max", "ned"]
@@ -176,31 +169,16 @@ def _room_of_team_of(state: dict, rng: random.Random) -> dict | None:
 MAKERS = {1: [_team_of, _room_of, _move_to], 2: [_join, _room_of_team_of], 3: [_join_then_count]}
 
 
-def make_task(state: dict, rng: random.Random, calls: int) -> dict:
-    """A task of ``calls`` tool calls on the live ``state`` (see the module docstring for the kinds)."""
-    return pick_task(check_calls(calls, MAKERS, "records"), state, rng, calls, "records")
-
-
-STATES = SessionStates(initial_state, load=load, dump=dump)
-server = MCPServer("records")
-add_state_tools(server, STATES, OPS)
-add_control_tools(server, STATES)
-
-TASK = TaskServer(
-    name="records",
-    module="rlfabric.envs.records_server",
-    description="people and teams in sqlite: read-only SELECT queries, move people between teams",
-    initial_state=initial_state,
-    make_task=make_task,
-    verify=verify_task,
-    min_calls=1,
-    max_calls=3,
+server, STATES, TASK = build_task_server(
+    "records",
+    "people and teams in sqlite: read-only SELECT queries, move people between teams",
+    initial_state,
+    OPS,
+    MAKERS,
+    load=load,
+    dump=dump,
 )
 
 
-def main() -> None:
-    serve(server)
-
-
 if __name__ == "__main__":
-    main()
+    serve(server)

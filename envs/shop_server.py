@@ -13,20 +13,13 @@ from __future__ import annotations
 
 import random
 
-from mcp.server.mcpserver import MCPServer
 from mcp.server.mcpserver.exceptions import ToolError
 
 from rlfabric.envs.task_server import (
-    SessionStates,
-    TaskServer,
-    add_control_tools,
-    add_state_tools,
+    build_task_server,
     call,
-    check_calls,
-    pick_task,
     serve,
     solved_task,
-    verify_task,
 )
 
 ITEMS = ["pen", "cup", "mug", "hat", "bag", "map", "box", "jar", "fan", "lamp", "bell", "bowl", "sock", "cap"]
@@ -155,31 +148,10 @@ def _change(state: dict, rng: random.Random) -> dict | None:
 MAKERS = {1: [_stock_of, _order], 2: [_cancel, _order_all], 3: [_change]}
 
 
-def make_task(state: dict, rng: random.Random, calls: int) -> dict:
-    """A task of ``calls`` tool calls on the live ``state`` (see the module docstring for the kinds)."""
-    return pick_task(check_calls(calls, MAKERS, "shop"), state, rng, calls, "shop")
-
-
-STATES = SessionStates(initial_state)
-server = MCPServer("shop")
-add_state_tools(server, STATES, OPS)
-add_control_tools(server, STATES)
-
-TASK = TaskServer(
-    name="shop",
-    module="rlfabric.envs.shop_server",
-    description="a shop: look up stock, place, cancel and change orders",
-    initial_state=initial_state,
-    make_task=make_task,
-    verify=verify_task,
-    min_calls=1,
-    max_calls=3,
+server, STATES, TASK = build_task_server(
+    "shop", "a shop: look up stock, place, cancel and change orders", initial_state, OPS, MAKERS
 )
 
 
-def main() -> None:
-    serve(server)
-
-
 if __name__ == "__main__":
-    main()
+    serve(server)

@@ -120,16 +120,16 @@ class SessionStates:
 
 
 def add_control_tools(server: MCPServer, states: SessionStates) -> None:
-    """Registers env_reset(seed: int) -> "ok" (state := initial_state(seed), a deep copy), env_state() -> the
-    session's state as canonical JSON (sort_keys, compact separators), env_digest() -> state_digest(state),
-    env_close() -> "ok" (frees the session's state; an HTTP server must not keep state of ended sessions: an
-    HTTP session that ends without it is freed too), and
-    env_sessions() -> how many sessions hold a state (so a test or a health check can see env_close free one)."""
+    """Registers env_reset(seed: int) -> the new state's digest (state := initial_state(seed), a deep copy),
+    env_state() -> the session's state as canonical JSON (sort_keys, compact separators), env_digest() ->
+    state_digest(state), env_close() -> "ok" (frees the session's state; an HTTP server must not keep state of
+    ended sessions: an HTTP session that ends without it is freed too), and env_sessions() -> how many sessions
+    hold a state (so a test or a health check can see env_close free one)."""
 
     async def env_reset(seed: int, ctx: Context) -> str:
-        """Put this session in the initial state of seed (for the env, not the agent)."""
+        """Put this session in the initial state of seed and return its digest (for the env, not the agent)."""
         states.reset(ctx, seed)
-        return "ok"
+        return state_digest(states.snapshot(ctx))  # the first state key, without a round trip of its own
 
     async def env_state(ctx: Context) -> str:
         """This session's state as canonical JSON (for the env, not the agent)."""
@@ -261,3 +261,39 @@ def serve(server: MCPServer, argv: Sequence[str] | None = None) -> None:
         server.run()
     else:
         server.run("streamable-http", host="127.0.0.1", port=args.http)
+
+
+def build_task_server(
+    name: str,
+    description: str,
+    initial_state: Callable[[int], dict],
+    ops: Sequence[Op],
+    makers: Mapping[int, Sequence[TaskMaker]],
+    *,
+    load: Callable[[dict], dict] = copy.deepcopy,
+    dump: Callable[[dict], dict] | None = None,
+) -> tuple[MCPServer, SessionStates, TaskServer]:
+    """A shipped task server from its parts: the ``MCPServer`` serving ``ops`` on each session's state plus the
+    control tools, the ``SessionStates``, and its ``TaskServer`` (module ``rlfabric.envs.<name>_server``; a task of
+    ``calls`` calls is drawn by one of ``makers[calls]``, so the difficulties are ``makers``' keys; verified by
+    ``verify_task``). The server logs warnings only: the env imports the module to read its ``TaskServer``, and
+    must not get the SDK's INFO logging with it."""
+    states = SessionStates(initial_state, load=load, dump=dump)
+    server = MCPServer(name, log_level="WARNING")
+    add_state_tools(server, states, ops)
+    add_control_tools(server, states)
+
+    def make_task(state: dict, rng: random.Random, calls: int) -> dict:
+        return pick_task(check_calls(calls, makers, name), state, rng, calls, name)
+
+    spec = TaskServer(
+        name=name,
+        module=f"rlfabric.envs.{name}_server",
+        description=description,
+        initial_state=initial_state,
+        make_task=make_task,
+        verify=verify_task,
+        min_calls=min(makers),
+        max_calls=max(makers),
+    )
+    return server, states, spec

@@ -391,16 +391,24 @@ class GRPOTrainer:
         s = self.cfg.sft
         if s.steps == 0:
             return
+
+        def finish(step: int, pending: list[Any]) -> None:
+            metrics = self._from_learners(pending, "an SFT step")
+            row = {"phase": "sft", "sft_step": step, "sft_loss": float(np.mean([m["sft_loss"] for m in metrics]))}
+            self._log(row, show=step % 20 == 0 or step == s.steps)
+
+        pending: list[Any] = []
         for step in range(1, s.steps + 1):
+            # The next batch is built (a text env's demonstrations played) while the learners train on this one.
             indices = self.rollouts.sample_rows(s.batch_size)
             batch = sft_batch(
                 self.cfg, self.tokenizer, self.train_rows, self.train_ids, indices, self.rng, self.demonstrations
             )
-            batch = pad_rows_for_learners(batch, self.cfg.learner.num_learners)
-            ref = ray.put(batch)
-            metrics = self._from_learners([ln.sft_step.remote([ref]) for ln in self.learners], "an SFT step")
-            row = {"phase": "sft", "sft_step": step, "sft_loss": float(np.mean([m["sft_loss"] for m in metrics]))}
-            self._log(row, show=step % 20 == 0 or step == s.steps)
+            ref = ray.put(pad_rows_for_learners(batch, self.cfg.learner.num_learners))
+            if pending:
+                finish(step - 1, pending)
+            pending = [ln.sft_step.remote([ref]) for ln in self.learners]
+        finish(s.steps, pending)
         self.version = self.weights.publish()
         self.reference_dir = None  # the warmed-up policy now; saved below where a resumed run needs it
         if self.cfg.grpo.kl_coef > 0:  # the KL anchors GRPO to the warmed-up policy, not the untrained one

@@ -22,7 +22,10 @@ agent. Servers supervised as Ray actors: ``rlfabric.actors.tool_server``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import functools
 import shlex
+import ssl
 import sys
 import tempfile
 from collections.abc import Sequence
@@ -59,6 +62,20 @@ def server_command(server: str | Sequence[str]) -> list[str]:
     if argv[0] in ("python", "python3"):
         argv[0] = sys.executable
     return argv
+
+
+@functools.cache
+def _tls_context() -> ssl.SSLContext:
+    return ssl.create_default_context()
+
+
+def _http_client() -> Any:
+    """An HTTP client for one session, with the SDK's timeouts (30 s, 300 s to read a stream). Its TLS context is
+    built once per process: loading the CA bundle costs ~30 ms of CPU, more than the whole MCP handshake, and the
+    SDK would load it again for every session (even over plain http)."""
+    import httpx2
+
+    return httpx2.AsyncClient(timeout=httpx2.Timeout(30.0, read=300.0), verify=_tls_context())
 
 
 def _first_error(exc: BaseException) -> BaseException:
@@ -113,13 +130,17 @@ class McpSession:
         from mcp.client.streamable_http import streamable_http_client
 
         assert self._ready is not None
+        client = _http_client() if self.url else None
         if self.url:
-            transport = streamable_http_client(self.url)
+            transport = streamable_http_client(self.url, http_client=client)
         else:
             params = StdioServerParameters(command=self.argv[0], args=self.argv[1:])
             transport = stdio_client(params, errlog=self._stderr)
         try:
-            async with transport as (read, write):
+            async with contextlib.AsyncExitStack() as stack:
+                if client is not None:  # the SDK leaves a client it was given open: ours closes with the session
+                    await stack.enter_async_context(client)
+                read, write = await stack.enter_async_context(transport)
                 async with ClientSession(read, write) as session:
                     await session.initialize()
                     self.listed = list((await session.list_tools()).tools)

@@ -1,0 +1,121 @@
+"""Learning on the MCP task servers: GiGPO against GRPO, and the adaptive efficiency penalty against success alone.
+
+Each comparison trains ``examples/agent_mcp_grpo.yaml`` (or ``--config``) twice with the same seed and budget,
+differing only in the setting under test, one run after the other (2 cores: never two at once):
+
+* ``credit``: ``grpo.step_credit: none`` (GRPO: one advantage per episode) against ``gigpo`` (the episode advantage
+  plus a step advantage among steps that acted in the same server state);
+* ``efficiency``: success alone against ``rewards.efficiency`` (weight 0.2 on the ``calls`` count, on successful
+  episodes only).
+
+It reads each run's metrics.jsonl and plots, per comparison, the held-out success (``eval_accuracy``), the sampled
+policy's success on training tasks and the tool calls per solved episode, both runs in one figure
+(``benchmarks/results/mcp_agent_<comparison>.png``), and writes the figures to
+``benchmarks/results/mcp_agent_learning.json``.
+
+    python benchmarks/mcp_agent_learning.py                       # both comparisons
+    python benchmarks/mcp_agent_learning.py --only credit --steps 20
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+RESULTS = HERE / "results"
+COMPARISONS = {
+    "credit": {"GRPO": ["grpo.step_credit=none"], "GiGPO": ["grpo.step_credit=gigpo"]},
+    "efficiency": {
+        "success only": ["rewards.efficiency.weight=0.0"],
+        "success + efficiency penalty": [
+            "rewards.efficiency.weight=0.2",
+            "rewards.efficiency.counts=[calls]",
+            "rewards.efficiency.apply=on_success",
+        ],
+    },
+}
+
+
+def train(config: str, overrides: list[str], run_dir: Path) -> tuple[list[dict], float]:
+    """One training run in a subprocess; its metrics rows and wall time."""
+    started = time.perf_counter()
+    command = [sys.executable, "-m", "rlfabric.cli", "train", config, *overrides, "--run-dir", str(run_dir), "--quiet"]
+    subprocess.run(command, check=True)
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return rows, time.perf_counter() - started
+
+
+def curves(rows: list[dict]) -> dict[str, list]:
+    """Held-out success by step, and per GRPO step the sampled success and the calls per solved episode."""
+    evals = [(r["step"], r["eval_accuracy"]) for r in rows if r.get("phase") == "eval"]
+    grpo = [r for r in rows if r.get("phase") == "grpo"]
+    return {
+        "eval_steps": [s for s, _ in evals],
+        "eval_accuracy": [a for _, a in evals],
+        "steps": [r["step"] for r in grpo],
+        "train_success": [r.get("accuracy") for r in grpo],
+        "calls_per_solved": [r.get("solved_tool_calls", 0) / max(r.get("solved_episodes", 0), 1) for r in grpo],
+    }
+
+
+def plot(name: str, runs: dict[str, dict[str, list]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(14, 4))
+    for label, c in runs.items():
+        axes[0].plot(c["eval_steps"], c["eval_accuracy"], marker="o", label=label)
+        axes[1].plot(c["steps"], c["train_success"], label=label)
+        axes[2].plot(c["steps"], c["calls_per_solved"], label=label)
+    for ax, title in zip(
+        axes, ("held-out success (greedy)", "success on training tasks (sampled)", "tool calls per solved episode")
+    ):
+        ax.set_title(title)
+        ax.set_xlabel("GRPO step")
+        ax.grid(alpha=0.3)
+    axes[0].legend()
+    fig.suptitle(f"MCP task servers: {name}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config", default=str(HERE.parent / "examples" / "agent_mcp_grpo.yaml"))
+    parser.add_argument("--only", choices=sorted(COMPARISONS), help="run one comparison")
+    parser.add_argument("--steps", type=int, help="training.total_steps of every run (default: the config's)")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    common = [f"training.seed={args.seed}"] + ([f"training.total_steps={args.steps}"] if args.steps else [])
+    out_json = RESULTS / "mcp_agent_learning.json"
+    report = json.loads(out_json.read_text()) if out_json.exists() else {}
+    for name in [args.only] if args.only else list(COMPARISONS):
+        runs = {}
+        for label, overrides in COMPARISONS[name].items():
+            with tempfile.TemporaryDirectory() as tmp:
+                rows, wall = train(args.config, common + overrides, Path(tmp) / "run")
+            runs[label] = {**curves(rows), "wall_s": wall, "overrides": overrides}
+            c = runs[label]
+            tail = [x for x in c["train_success"][-5:] if x is not None]
+            print(
+                f"{name} / {label}: held-out {c['eval_accuracy']} at steps {c['eval_steps']}; sampled success, last 5 "
+                f"steps {sum(tail) / max(len(tail), 1):.2f}; calls per solved episode, last 5 steps "
+                f"{sum(c['calls_per_solved'][-5:]) / max(len(c['calls_per_solved'][-5:]), 1):.2f}; {wall:.0f} s",
+                flush=True,
+            )
+        plot(name, runs, RESULTS / f"mcp_agent_{name}.png")
+        report[name] = {"config": args.config, "seed": args.seed, "runs": runs}
+        out_json.write_text(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()
