@@ -60,6 +60,7 @@ from rlfabric.llm_text_env import (
     start_tool_servers,
     stop_tool_servers,
     text_env_source,
+    tool_server_restarts,
 )
 from rlfabric.models.hf import check_model_source, model_max_positions
 from rlfabric.models.llm_batch import pad_rows_for_learners
@@ -643,6 +644,7 @@ class GRPOTrainer:
             "rollout_worker_restarts": c.rollout_worker_restarts,
             "resampled_samples": c.resampled_samples,
             "reward_worker_restarts": c.reward_worker_restarts,
+            "tool_server_restarts": tool_server_restarts(self.tool_servers),
             "trained_samples": c.trained_samples,
             "weight_transport": self.weights.weights_via,
             "final_model": str(model_path),

@@ -172,3 +172,17 @@ def stop_tool_servers(handles: dict[str, Any]) -> None:
         pass
     for handle in handles.values():
         ray.kill(handle, no_restart=True)
+
+
+def tool_server_restarts(handles: dict[str, Any]) -> int | None:
+    """How many times the supervised tool servers were restarted (None when the run has none, or they do not
+    answer within 10 s)."""
+    import ray
+
+    if not handles:
+        return None
+    try:
+        return sum(h["restarts"] for h in ray.get([a.health.remote() for a in handles.values()], timeout=10))
+    except Exception:  # noqa: BLE001 - a summary figure, not worth failing the run's end for
+        return None
+
