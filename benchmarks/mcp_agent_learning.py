@@ -14,7 +14,7 @@ policy's success on training tasks and the tool calls per solved episode, both r
 ``benchmarks/results/mcp_agent_learning.json``.
 
     python benchmarks/mcp_agent_learning.py                       # both comparisons
-    python benchmarks/mcp_agent_learning.py --only credit --steps 20
+    python benchmarks/mcp_agent_learning.py --only credit --steps 20 --sft-steps 300
 """
 
 from __future__ import annotations
@@ -75,9 +75,8 @@ def plot(name: str, runs: dict[str, dict[str, list]], path: Path) -> None:
         axes[0].plot(c["eval_steps"], c["eval_accuracy"], marker="o", label=label)
         axes[1].plot(c["steps"], c["train_success"], label=label)
         axes[2].plot(c["steps"], c["calls_per_solved"], label=label)
-    for ax, title in zip(
-        axes, ("held-out success (greedy)", "success on training tasks (sampled)", "tool calls per solved episode")
-    ):
+    titles = ("held-out success (greedy)", "success on training tasks (sampled)", "tool calls per solved episode")
+    for ax, title in zip(axes, titles, strict=True):
         ax.set_title(title)
         ax.set_xlabel("GRPO step")
         ax.grid(alpha=0.3)
@@ -93,9 +92,11 @@ def main() -> None:
     parser.add_argument("--config", default=str(HERE.parent / "examples" / "agent_mcp_grpo.yaml"))
     parser.add_argument("--only", choices=sorted(COMPARISONS), help="run one comparison")
     parser.add_argument("--steps", type=int, help="training.total_steps of every run (default: the config's)")
+    parser.add_argument("--sft-steps", type=int, help="sft.steps of every run (default: the config's)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     common = [f"training.seed={args.seed}"] + ([f"training.total_steps={args.steps}"] if args.steps else [])
+    common += [f"sft.steps={args.sft_steps}"] if args.sft_steps else []
     out_json = RESULTS / "mcp_agent_learning.json"
     report = json.loads(out_json.read_text()) if out_json.exists() else {}
     for name in [args.only] if args.only else list(COMPARISONS):
