@@ -30,9 +30,10 @@ uses it). It is unmounted and removed when its HTTP session closes (seen through
 teardown), when it sits idle past ``--session-idle-s``, and when the server stops; if the server is killed, the
 kernel frees it with the server's namespace.
 
-Per call, a launcher process (this file, as root) unshares new mount, PID, network, IPC and UTS namespaces, builds
-a root on a fresh tmpfs, ``pivot_root``s into it and detaches the old root, then forks the PID namespace's init,
-which forks the user's Python process. All by the kernel:
+Per call, a launcher process (``code_sandbox_launcher.py``, run as root in a fresh interpreter; it says how)
+unshares new mount, PID, network, IPC and UTS namespaces, builds a root on a fresh tmpfs, ``pivot_root``s into it
+and detaches the old root, then forks the PID namespace's init, which forks the user's Python process. All by the
+kernel:
 
 - network: a new, empty network namespace (loopback only, and down): no socket reaches any host, the server's
   own loopback included; abstract Unix sockets are per namespace too;
@@ -74,11 +75,9 @@ without a known ``pivot_root`` number, an ``--expose`` path missing or covering 
 import argparse
 import asyncio
 import contextlib
-import ctypes
 import json
 import os
 import platform
-import resource
 import secrets
 import signal
 import site
@@ -88,17 +87,22 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-# linux/sched.h, linux/mount.h, linux/prctl.h
-CLONE_NEWNS, CLONE_NEWUTS, CLONE_NEWIPC = 0x20000, 0x4000000, 0x8000000
-CLONE_NEWPID, CLONE_NEWNET = 0x20000000, 0x40000000
-MS_RDONLY, MS_NOSUID, MS_NODEV, MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 1, 2, 4, 32, 4096, 16384, 1 << 18
-MNT_DETACH = 2
-PR_SET_PDEATHSIG, PR_SET_NO_NEW_PRIVS = 1, 38
-SYS_PIVOT_ROOT = {"x86_64": 155, "aarch64": 41}
+from rlfabric.envs import code_sandbox_launcher
+from rlfabric.envs.code_sandbox_launcher import (
+    CLONE_NEWNS,
+    MNT_DETACH,
+    MS_PRIVATE,
+    MS_REC,
+    SYS_PIVOT_ROOT,
+    libc_call,
+    mount,
+    tmpfs,
+)
+
 SANDBOX_UIDS = (1 << 30, 1 << 31)
-DEVICES = ("null", "zero", "full", "random", "urandom")
 LIBRARY_DIRS = ("/lib", "/lib32", "/lib64", "/usr/lib", "/usr/lib32", "/usr/lib64")
 SETUP_GRACE_S = 10.0  # the server's backstop: wall-clock limit plus the launcher's start-up
+LAUNCHER = os.path.abspath(code_sandbox_launcher.__file__)  # run as a script under -I -S: standard library only
 
 
 @dataclass(frozen=True)
@@ -191,51 +195,6 @@ def format_result(result: RunResult, limits: Limits) -> str:
         lines.append(f"processes left running, killed: {result.leftover}")
     lines += [shown(result.stdout, result.stdout_total, "stdout"), shown(result.stderr, result.stderr_total, "stderr")]
     return "\n".join(lines)
-
-
-# ---- kernel calls ----
-
-_LIBC: Any = None
-
-
-def _sys(name: str, *args: Any) -> int:
-    """libc's ``name(*args)`` (str arguments passed as bytes); an ``OSError`` naming the call when it fails."""
-    global _LIBC
-    if _LIBC is None:
-        _LIBC = ctypes.CDLL(None, use_errno=True)
-    # strings as bytes; ints as C longs, wide enough for every flags argument (ctypes would pass a C int)
-    raw = [
-        os.fsencode(arg) if isinstance(arg, str) else ctypes.c_long(arg) if isinstance(arg, int) else arg
-        for arg in args
-    ]
-    result = getattr(_LIBC, name)(*raw)
-    if result == -1:
-        errno = ctypes.get_errno()
-        shown_args = ", ".join(repr(arg) for arg in args)
-        raise OSError(errno, f"{name}({shown_args}) failed: {os.strerror(errno)}")
-    return result
-
-
-def _mount(source: str | None, target: str, fstype: str | None, flags: int, data: str | None = None) -> None:
-    _sys("mount", source, target, fstype, flags, data)
-
-
-def _bind(source: str, target: str, *, writable: bool = False, devices: bool = False) -> None:
-    """Bind ``source`` (a folder or a file) at ``target``: read-only unless ``writable``, nosuid, nodev unless
-    ``devices``. Not recursive: mounts below ``source`` stay hidden."""
-    if os.path.isdir(source):
-        os.makedirs(target, exist_ok=True)
-    elif not os.path.exists(target):  # a file's mount point (an exposed file may already show through a bind)
-        os.makedirs(os.path.dirname(target), exist_ok=True)
-        open(target, "w").close()
-    _mount(source, target, None, MS_BIND)
-    flags = MS_BIND | MS_REMOUNT | MS_NOSUID | (0 if writable else MS_RDONLY) | (0 if devices else MS_NODEV)
-    _mount(None, target, None, flags)
-
-
-def _tmpfs(target: str, options: str, flags: int = MS_NOSUID | MS_NODEV) -> None:
-    os.makedirs(target, exist_ok=True)
-    _mount("tmpfs", target, "tmpfs", flags, options)
 
 
 # ---- host side: the server ----
@@ -332,8 +291,8 @@ class Sandbox:
             self.unavailable = f"--expose paths clash with the sandbox's own /, /dev, /scratch or /main.py: {clashing}"
         else:
             try:
-                _sys("unshare", CLONE_NEWNS)
-                _mount(None, "/", None, MS_REC | MS_PRIVATE)  # our scratch mounts never reach the host
+                libc_call("unshare", CLONE_NEWNS)
+                mount(None, "/", None, MS_REC | MS_PRIVATE)  # our scratch mounts never reach the host
                 if self.workdir is not None:
                     os.makedirs(self.workdir, exist_ok=True)
                 self.base = tempfile.mkdtemp(prefix="rlfabric-sandbox-", dir=self.workdir)
@@ -355,7 +314,7 @@ class Sandbox:
             path = os.path.join(self.base, f"session-{self._count}")
             uid = SANDBOX_UIDS[0] + secrets.randbelow(SANDBOX_UIDS[1] - SANDBOX_UIDS[0])
             options = f"size={self.limits.scratch_mib}m,nr_inodes=16384,mode=0700,uid={uid},gid={uid}"
-            _tmpfs(path, options)
+            tmpfs(path, options)
             self.sessions[key] = Scratch(path, uid, now)
         return self.sessions[key]
 
@@ -364,7 +323,7 @@ class Sandbox:
         scratch = self.sessions.pop(key, None)
         if scratch is not None:
             try:
-                _sys("umount2", scratch.path, MNT_DETACH)
+                libc_call("umount2", scratch.path, MNT_DETACH)
                 os.rmdir(scratch.path)
             except OSError as exc:
                 print(f"code sandbox: could not remove {scratch.path}: {exc}", file=sys.stderr)
@@ -409,7 +368,7 @@ class Sandbox:
         }
         try:
             process = await asyncio.create_subprocess_exec(
-                *[sys.executable, "-I", "-S", os.path.abspath(__file__), "--sandbox-launcher"],
+                *[sys.executable, "-I", "-S", LAUNCHER],
                 stdin=asyncio.subprocess.PIPE,
                 stdout=asyncio.subprocess.PIPE,
                 stderr=asyncio.subprocess.PIPE,
@@ -484,138 +443,6 @@ def _read_status(fd: int) -> dict[str, Any]:
     return json.loads(data) if data else {}
 
 
-# ---- the launcher: this file run as root in a fresh interpreter, stdlib only ----
-
-
-def _launcher() -> None:
-    """Read the call's config from stdin, build the sandbox (any failure is reported as ``setup_error`` before any
-    code runs), fork the PID namespace's init and wait for it."""
-    config = json.loads(sys.stdin.buffer.read())
-    devnull = os.open(os.devnull, os.O_RDONLY)
-    os.dup2(devnull, 0)
-    os.close(devnull)
-    status = os.fdopen(config["status_fd"], "w")
-    try:
-        _sys("prctl", PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-        if os.getppid() != config["parent"]:
-            raise OSError("the server exited before the sandbox started")
-        _sys("unshare", CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWNET | CLONE_NEWIPC | CLONE_NEWUTS)
-        _build_root(config)
-    except OSError as exc:
-        status.write(json.dumps({"setup_error": str(exc)}))
-        status.close()
-        os._exit(1)
-    init = os.fork()  # pid 1 of the new PID namespace
-    if init == 0:
-        try:
-            _init(config, status)
-        except BaseException as exc:  # noqa: BLE001 - said on stderr; no report makes the call fail
-            os.write(2, f"code sandbox: the sandbox's init failed: {exc!r}\n".encode())
-        os._exit(1)
-    os.waitpid(init, 0)
-    os._exit(0)
-
-
-def _build_root(config: dict[str, Any]) -> None:
-    """Mount the sandbox's root on a tmpfs (see the module docstring for what it holds) and pivot into it."""
-    os.umask(0o022)
-    root = config["root"]
-    _mount(None, "/", None, MS_REC | MS_PRIVATE)
-    _tmpfs(root, "size=16m,mode=0755")
-    for path in config["binds"]:
-        _bind(path, root + path)
-    for path in config["hide"]:
-        _tmpfs(root + path, "size=4k,mode=0755")  # root's, so the code cannot write there either
-    for path in config["expose"]:
-        _bind(path, root + path)
-    for link, target in config["links"].items():
-        os.symlink(target, root + link)
-    for device in DEVICES:
-        _bind(f"/dev/{device}", f"{root}/dev/{device}", writable=True, devices=True)
-    _tmpfs(f"{root}/dev/shm", f"size={config['limits']['file_mib']}m,mode=1777")
-    _bind(config["scratch"], f"{root}/scratch", writable=True)
-    if not os.path.lexists(f"{root}/tmp"):  # an exposed path under /tmp keeps /tmp a folder
-        os.symlink("/scratch", f"{root}/tmp")
-    with open(f"{root}/main.py", "w", encoding="utf-8", errors="replace") as main:  # lone surrogates: '?'
-        main.write(config["code"])
-    os.chmod(f"{root}/main.py", 0o444)
-    # pivot_root(".", "."): the old root ends up on top of the new one, and is then detached from this namespace
-    os.chdir(root)
-    _sys("syscall", SYS_PIVOT_ROOT[platform.machine()], ".", ".")
-    _sys("umount2", ".", MNT_DETACH)
-    os.chdir("/")
-    _mount(None, "/", None, MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV)
-    _sys("sethostname", "sandbox", 7)
-
-
-def _init(config: dict[str, Any], status: Any) -> None:
-    """PID 1 of the sandbox: run the code, reap, stop everything at the wall clock or when the main process ends,
-    and report how it ended (wait status, CPU seconds, processes killed, wall clock hit)."""
-    _sys("prctl", PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGCHLD})  # waited for with sigtimedwait, no handler races
-    main = os.fork()
-    if main == 0:
-        _exec_code(config)
-    deadline = time.monotonic() + config["limits"]["wall_s"]
-    report: dict[str, Any] = {"status": None, "cpu_s": 0.0, "leftover": 0, "wall_hit": False}
-
-    def reap(block: bool, ending: bool) -> None:
-        """Reap every child that has exited (all of them when ``block``); when ``ending``, count the others."""
-        while True:
-            try:
-                pid, wait_status, usage = os.wait4(-1, 0 if block else os.WNOHANG)
-            except ChildProcessError:
-                return
-            if pid == 0:
-                return
-            if pid == main:
-                report["status"], report["cpu_s"] = wait_status, usage.ru_utime + usage.ru_stime
-            elif ending:
-                report["leftover"] += 1
-
-    while report["status"] is None:
-        reap(block=False, ending=False)
-        remaining = deadline - time.monotonic()
-        if report["status"] is None and remaining <= 0:
-            report["wall_hit"] = True
-        elif report["status"] is None:
-            signal.sigtimedwait({signal.SIGCHLD}, remaining)
-            continue
-        break
-    with contextlib.suppress(ProcessLookupError):  # none left
-        os.kill(-1, signal.SIGKILL)  # every other process in this namespace: still running when the call ended
-    reap(block=True, ending=True)
-    status.write(json.dumps(report))
-    status.close()
-    os._exit(0)
-
-
-def _exec_code(config: dict[str, Any]) -> None:
-    """The user's process: limits, then the session's uid with no capabilities and no_new_privs, then Python."""
-    try:
-        limits = config["limits"]
-        cpu = limits["cpu_s"]
-        resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))
-        resource.setrlimit(resource.RLIMIT_AS, (limits["memory_mib"] << 20,) * 2)
-        resource.setrlimit(resource.RLIMIT_NPROC, (limits["processes"],) * 2)
-        resource.setrlimit(resource.RLIMIT_FSIZE, (limits["file_mib"] << 20,) * 2)
-        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-        uid = config["uid"]
-        os.setgroups([])
-        os.setresgid(uid, uid, uid)
-        os.setresuid(uid, uid, uid)  # drops every capability
-        _sys("prctl", PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)
-        os.chdir("/scratch")
-        signal.pthread_sigmask(signal.SIG_SETMASK, set())
-        os.closerange(3, 1 << 16)
-        python = config["python"]
-        env = {"PATH": os.path.dirname(python), "HOME": "/scratch", "TMPDIR": "/scratch", "LANG": "C.UTF-8"}
-        os.execve(python, [python, "-I", "-u", "/main.py"], env)
-    except BaseException as exc:  # noqa: BLE001 - reported on the code's stderr, then this process ends
-        os.write(2, f"code sandbox: could not start the code: {exc}\n".encode())
-    os._exit(127)
-
-
 # ---- the MCP server ----
 
 
@@ -673,7 +500,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--expose", action="append", default=[], metavar="PATH", help="show PATH read-only")
     parser.add_argument("--workdir", help="where scratch folders live (default: the system temp folder)")
     parser.add_argument("--session-idle-s", type=float, default=1800.0, help="drop idle HTTP sessions' scratch")
-    parser.add_argument("--sandbox-launcher", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     for name in ("cpu_s", "memory_mib", "wall_s", "output_bytes", "max_processes", "file_mib", "scratch_mib"):
         if getattr(args, name) <= 0:
@@ -683,9 +509,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    if args.sandbox_launcher:
-        _launcher()
-        return
     limits = Limits(
         args.cpu_s, args.memory_mib, args.wall_s, args.output_bytes, args.max_processes, args.file_mib, args.scratch_mib
     )
