@@ -185,4 +185,3 @@ def tool_server_restarts(handles: dict[str, Any]) -> int | None:
         return sum(h["restarts"] for h in ray.get([a.health.remote() for a in handles.values()], timeout=10))
     except Exception:  # noqa: BLE001 - a summary figure, not worth failing the run's end for
         return None
-

@@ -63,5 +63,5 @@ def test_a_step_of_metadata_is_a_few_hundred_bytes():
         "group_stats": np.zeros((8, 5), np.float32),
         "component_means": {"correct": 0.1, "format": 0.2},
     }
-    metrics = {name: 1.0 for name in LEARNER_METRICS.names}
-    assert payload_bytes(encode_meta(meta)) + payload_bytes(LEARNER_METRICS.pack(metrics)) < 400
+    metrics = {name: 1.0 for name in LEARNER_METRICS.names}  # every one, step credit's two included
+    assert payload_bytes(encode_meta(meta)) + payload_bytes(LEARNER_METRICS.pack(metrics)) < 420
