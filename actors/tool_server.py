@@ -1,11 +1,12 @@
 """ToolServer: one MCP tool server, started, health-checked, restarted and stopped by a Ray actor that owns it.
 
-The server is a streamable HTTP MCP server started from its command line, which names its port as ``{port}``
-(``python -m rlfabric.envs.bank_server --http {port}``): the actor picks a free port on its node, starts the process
-(killed with the actor, never left behind) and waits until an MCP session opens on it
-(``rlfabric.mcp_server_process``). Episodes ask
-``address()`` for the URL and then talk to the server directly, one MCP session each, so tool calls cost no hop
-through the actor; the server keeps each session's state apart.
+The server is a streamable HTTP MCP server started from its command line, which names its port as ``{port}`` and
+may name its address as ``{host}`` (``python -m rlfabric.envs.bank_server --http {port} --host {host}``): the actor
+picks a free port on its node (on 127.0.0.1 when the cluster has one node, else on the node's address, so that
+episodes on other nodes reach it; ``serving_address``), starts the process (killed with the actor, never left
+behind) and waits until an MCP session opens on it (``rlfabric.mcp_server_process``). Episodes ask ``address()``
+for the URL and then talk to the server directly, one MCP session each, so tool calls cost no hop through the
+actor; the server keeps each session's state apart.
 
 Supervision: every ``health_interval_s`` the actor checks that the process is alive and that a ping on its own
 probe session answers within ``ping_timeout_s``. A server that exited, or hangs, is killed and started again on
@@ -27,6 +28,14 @@ import ray
 from rlfabric.mcp_server_process import HttpServerProcess
 
 
+def serving_address() -> str:
+    """Where a server on this node listens: 127.0.0.1 on a one-node cluster (nothing else can reach it), the node's
+    own address on a bigger one, so episodes on other nodes reach it (an MCP server has no authentication of its
+    own: keep the cluster's network private, as Ray's own ports need)."""
+    alive = [n for n in ray.nodes() if n.get("Alive")]
+    return ray.util.get_node_ip_address() if len(alive) > 1 else "127.0.0.1"
+
+
 @ray.remote(num_cpus=0, max_restarts=3, max_task_retries=0)
 class ToolServer:
     """See the module docstring. ``name`` labels the server in errors and logs."""
@@ -38,10 +47,12 @@ class ToolServer:
         start_timeout_s: float = 30.0,
         health_interval_s: float = 1.0,
         ping_timeout_s: float = 5.0,
-        host: str = "127.0.0.1",
+        host: str | None = None,
     ) -> None:
         self.name = name
-        self.server = HttpServerProcess(name, command, host)  # the port stays the same across restarts
+        self.server = HttpServerProcess(
+            name, command, host or serving_address()
+        )  # the port stays the same across restarts
         self.url = self.server.url
         self.start_timeout_s, self.health_interval_s, self.ping_timeout_s = (
             start_timeout_s,

@@ -253,14 +253,19 @@ class TaskServer:
 
 
 def serve(server: MCPServer, argv: Sequence[str] | None = None) -> None:
-    """Serve ``server`` over stdio, or over streamable HTTP on 127.0.0.1 with ``--http PORT``."""
+    """Serve ``server`` over stdio, or over streamable HTTP on ``--host`` (127.0.0.1) with ``--http PORT``."""
     parser = argparse.ArgumentParser(description=f"The {server.name} task server over MCP (stdio, or HTTP).")
-    parser.add_argument("--http", type=int, metavar="PORT", help="serve streamable HTTP on 127.0.0.1:PORT")
+    parser.add_argument("--http", type=int, metavar="PORT", help="serve streamable HTTP on HOST:PORT")
+    parser.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="address to serve HTTP on (default 127.0.0.1; a node's address on a cluster)",
+    )
     args = parser.parse_args(argv)
     if args.http is None:
         server.run()
     else:
-        server.run("streamable-http", host="127.0.0.1", port=args.http)
+        server.run("streamable-http", host=args.host, port=args.http)
 
 
 def build_task_server(

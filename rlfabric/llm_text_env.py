@@ -118,7 +118,7 @@ def episode_totals(scored: list[dict[str, Any]], samples: int) -> dict[str, floa
 
 def tool_server_commands(tool_servers: list[str] | dict[str, str]) -> dict[str, str]:
     """``env.tool_servers`` as {name: command line with ``{port}``}: a shipped task server's name alone stands for
-    its HTTP command (``python -m rlfabric.envs.<name>_server --http {port}``)."""
+    its HTTP command (``python -m rlfabric.envs.<name>_server --http {port} --host {host}``)."""
     from rlfabric.envs.task_library import TASK_SERVERS
 
     named = tool_servers if isinstance(tool_servers, dict) else dict.fromkeys(tool_servers, "")
@@ -130,7 +130,7 @@ def tool_server_commands(tool_servers: list[str] | dict[str, str]) -> dict[str, 
                     f"env.tool_servers: {name!r} is not a shipped task server ({', '.join(TASK_SERVERS)}); give its "
                     "command line with {port}, e.g. {mine: 'my-mcp-server --port {port}'}"
                 )
-            command = f"{TASK_SERVERS[name].command} --http {{port}}"
+            command = f"{TASK_SERVERS[name].command} --http {{port}} --host {{host}}"
         commands[name] = command
     return commands
 

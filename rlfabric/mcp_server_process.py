@@ -1,10 +1,12 @@
 """One streamable HTTP MCP server process: started from a command line that names its port as ``{port}``, ready
 once an MCP session opens on it, stopped with everything it started.
 
-``HttpServerProcess(command)`` picks a free port on this host; ``await start(timeout_s)`` launches the process in
-a process group of its own (killed with its parent on Linux, so it never outlives whoever started it) and keeps
-the probe session it opened, whose ``ping()`` is a health check; ``await stop()`` ends the probe and the whole
-process group. The supervised ``ToolServer`` actor restarts one of these; ``rlfabric tools check`` runs one.
+``HttpServerProcess(command, host)`` picks a free port on ``host`` (127.0.0.1 by default; a node's address for
+episodes on other nodes), filled in for ``{port}`` and ``{host}`` in the command; ``await start(timeout_s)``
+launches the process in a process group of its own (killed with its parent on Linux, so it never outlives
+whoever started it) and keeps the probe session it opened, whose ``ping()`` is a health check; ``await stop()``
+ends the probe and the whole process group. The supervised ``ToolServer`` actor restarts one of these;
+``rlfabric tools check`` runs one.
 """
 
 from __future__ import annotations
@@ -23,17 +25,19 @@ import time
 from rlfabric.mcp_tools import McpSession, server_command
 
 PORT_FIELD = "{port}"
+HOST_FIELD = "{host}"
 
 
-def http_command(command: str | list[str], port: int) -> list[str]:
-    """The server's argv with ``{port}`` filled in; ValueError when the command has no ``{port}`` to fill."""
+def http_command(command: str | list[str], port: int, host: str = "127.0.0.1") -> list[str]:
+    """The server's argv with ``{port}`` (and ``{host}``, where it has one) filled in; ValueError when the command
+    has no ``{port}`` to fill."""
     argv = server_command(command)
     if not any(PORT_FIELD in part for part in argv):
         raise ValueError(
             f"tool server command {shlex.join(argv)!r} has no {PORT_FIELD}: a supervised server serves streamable "
             f"HTTP on the port it is given, e.g. 'python -m rlfabric.envs.notes_server --http {PORT_FIELD}'"
         )
-    return [part.replace(PORT_FIELD, str(port)) for part in argv]
+    return [part.replace(PORT_FIELD, str(port)).replace(HOST_FIELD, host) for part in argv]
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -55,7 +59,7 @@ class HttpServerProcess:
     def __init__(self, name: str, command: str | list[str], host: str = "127.0.0.1") -> None:
         self.name = name
         self.port = free_port(host)
-        self.argv = http_command(command, self.port)
+        self.argv = http_command(command, self.port, host)
         self.url = f"http://{host}:{self.port}/mcp"
         self.process: asyncio.subprocess.Process | None = None
         self.probe: McpSession | None = None

@@ -118,3 +118,14 @@ def test_a_server_command_without_a_port_or_that_does_not_start_is_one_clear_err
     broken = ToolServer.remote("broken", [sys.executable, "-c", exits, "{port}"], start_timeout_s=10.0)
     with pytest.raises(ray.exceptions.RayTaskError, match="'broken'.*did not start.*status 3.*unknown flag --port"):
         ray.get(broken.start.remote())
+
+
+def test_a_server_listens_where_its_actor_is_told_and_on_loopback_on_one_node(local_ray):
+    # On a cluster of several nodes the actor serves on its node's address; here an explicit one stands in for it.
+    elsewhere = ToolServer.remote("notes", f"{NOTES_HTTP} --host {{host}}", host="127.0.0.2")
+    assert ray.get(elsewhere.start.remote()).startswith("http://127.0.0.2:")
+    assert [e.rewards for e in play(elsewhere, ScriptedTurns(recall_player, CHAT), 2)] == [{"correct": 1.0}] * 2
+    ray.get(elsewhere.stop.remote())
+    local = ToolServer.remote("notes", NOTES_HTTP)  # one node: loopback, reachable from nowhere else
+    assert ray.get(local.address.remote())[0].startswith("http://127.0.0.1:")
+    ray.get(local.stop.remote())
