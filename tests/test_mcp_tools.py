@@ -8,13 +8,13 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+from http_servers import free_port, module_over_http
 
 from rlfabric.agent_loop import EpisodeLimits, ScriptedTurns, run_episodes
 from rlfabric.mcp_tools import McpSession, McpSessionLost, McpStartError
@@ -79,31 +79,11 @@ def test_concurrent_episodes_each_own_a_server_session_and_close_it():
     assert notes_servers_running() == 0
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.fixture
 def notes_over_http():
     """The notes server serving streamable HTTP in its own process; its URL."""
-    port = free_port()
-    process = subprocess.Popen(
-        [sys.executable, "-m", "rlfabric.envs.notes_server", "--http", str(port)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    deadline = time.monotonic() + 30.0
-    while time.monotonic() < deadline:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=1.0).close()
-            break
-        except OSError:
-            time.sleep(0.2)
-    yield f"http://127.0.0.1:{port}/mcp"
-    process.kill()
-    process.wait()
+    with module_over_http("rlfabric.envs.notes_server") as url:
+        yield url
 
 
 def test_sixteen_episodes_share_one_http_server_process_each_in_its_own_session(notes_over_http):

@@ -11,12 +11,10 @@ import hashlib
 import json
 import random
 import re
-import socket
-import subprocess
-import sys
 import time
 
 import pytest
+from http_servers import module_over_http
 
 from rlfabric.envs import bank_server, calendar_server, files_server, notes_server, records_server, shop_server
 from rlfabric.envs.task_library import TASK_SERVERS, sample_tasks, task_server
@@ -291,31 +289,11 @@ def test_records_refuses_anything_but_a_select():
     asyncio.run(scenario())
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.fixture
 def bank_over_http():
     """The bank server serving streamable HTTP in its own process; its URL."""
-    port = free_port()
-    process = subprocess.Popen(
-        [sys.executable, "-m", "rlfabric.envs.bank_server", "--http", str(port)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    deadline = time.monotonic() + 30.0
-    while time.monotonic() < deadline:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=1.0).close()
-            break
-        except OSError:
-            time.sleep(0.2)
-    yield f"http://127.0.0.1:{port}/mcp"
-    process.kill()
-    process.wait()
+    with module_over_http("rlfabric.envs.bank_server") as url:
+        yield url
 
 
 def test_http_sessions_hold_their_own_state_and_env_close_frees_it(bank_over_http):
