@@ -53,6 +53,7 @@ from typing import Any
 import mcp
 
 from rlfabric.agent_loop import EpisodeLimits, ScriptedTurns, run_episodes
+from rlfabric.mcp_server_process import free_port
 from rlfabric.mcp_tools import McpSession
 from rlfabric.models.chat_tokens import ChatTokens
 from rlfabric.models.hf import TOOL_ALPHABET, build_char_tokenizer
@@ -67,12 +68,6 @@ NOTES_STDIO = "python -m rlfabric.envs.notes_server"
 CALL_TIMEOUT_S = 30.0
 
 # -- the server ---------------------------------------------------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def start_notes_server(timeout_s: float = 30.0) -> tuple[subprocess.Popen, str]:

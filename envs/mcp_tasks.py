@@ -182,7 +182,7 @@ async def check_task_server(name: str, tasks_per_level: int = 4, seed: int = 0, 
     spec = task_server(name)
     chat = ChatTokens(build_char_tokenizer(TOOL_ALPHABET))
     turns = ScriptedTurns(solution_player, chat)
-    server = None if url else HttpServerProcess(name, f"{spec.command} --http {{port}}")
+    server = None if url else HttpServerProcess(name, spec.http_command)
     if server is not None:  # one process serves every episode's session: far quicker than a process each
         url = await server.start()
     report = []

@@ -251,6 +251,12 @@ class TaskServer:
         """The command line that serves it over stdio."""
         return f"python -m {self.module}"
 
+    @property
+    def http_command(self) -> str:
+        """The command line that serves it over streamable HTTP on ``{host}:{port}`` (``HttpServerProcess`` and
+        ``ToolServer`` fill them in)."""
+        return f"{self.command} --http {{port}} --host {{host}}"
+
 
 def serve(server: MCPServer, argv: Sequence[str] | None = None) -> None:
     """Serve ``server`` over stdio, or over streamable HTTP on ``--host`` (127.0.0.1) with ``--http PORT``."""

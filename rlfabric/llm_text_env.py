@@ -130,7 +130,7 @@ def tool_server_commands(tool_servers: list[str] | dict[str, str]) -> dict[str, 
                     f"env.tool_servers: {name!r} is not a shipped task server ({', '.join(TASK_SERVERS)}); give its "
                     "command line with {port}, e.g. {mine: 'my-mcp-server --port {port}'}"
                 )
-            command = f"{TASK_SERVERS[name].command} --http {{port}} --host {{host}}"
+            command = TASK_SERVERS[name].http_command
         commands[name] = command
     return commands
 

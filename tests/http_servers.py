@@ -9,11 +9,20 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+from rlfabric.mcp_server_process import free_port
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+__all__ = ["free_port", "module_over_http", "wait_for_port"]
+
+
+def wait_for_port(port: int, timeout_s: float) -> None:
+    """Until something accepts connections on 127.0.0.1:``port``, or ``timeout_s`` passes."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1.0).close()
+            return
+        except OSError:
+            time.sleep(0.2)
 
 
 @contextmanager
@@ -23,13 +32,7 @@ def module_over_http(module: str, timeout_s: float = 30.0) -> Iterator[str]:
     process = subprocess.Popen(
         [sys.executable, "-m", module, "--http", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
     )
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=1.0).close()
-            break
-        except OSError:
-            time.sleep(0.2)
+    wait_for_port(port, timeout_s)
     try:
         yield f"http://127.0.0.1:{port}/mcp"
     finally:

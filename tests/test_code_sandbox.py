@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+from http_servers import free_port, wait_for_port
 
 from rlfabric.envs.code_sandbox_server import Limits, RunResult, format_result
 from rlfabric.mcp_tools import McpSession, McpToolError
@@ -188,24 +189,12 @@ def test_processes_left_running_are_killed_when_the_call_returns_or_is_cancelled
     assert stdout_of(later) == "False"
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def test_over_http_sessions_are_isolated_and_one_never_waits_on_another(tmp_path):
     port = free_port()
     server = subprocess.Popen([*sandbox(tmp_path, "--wall-s", "5"), "--http", str(port)], stderr=subprocess.PIPE)
     url = f"http://127.0.0.1:{port}/mcp"
     try:
-        deadline = time.monotonic() + 60.0
-        while time.monotonic() < deadline:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=1.0).close()
-                break
-            except OSError:
-                time.sleep(0.2)
+        wait_for_port(port, 60.0)
 
         async def scenario() -> tuple[str, float, str, float]:
             slow, quick = await McpSession.open(url), await McpSession.open(url)

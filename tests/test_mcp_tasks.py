@@ -93,7 +93,7 @@ def test_state_keys_are_equal_exactly_when_the_session_states_are():
 
 def test_supervised_servers_serve_episodes_and_free_each_sessions_state(local_ray):
     tasks = load_prompts(SPEC, num_rows=8, seed=5)
-    servers = {n: ToolServer.remote(n, f"{TASK_SERVERS[n].command} --http {{port}}") for n in ("notes", "bank")}
+    servers = {n: ToolServer.remote(n, TASK_SERVERS[n].http_command) for n in ("notes", "bank")}
     urls = ray.get([s.start.remote() for s in servers.values()])
     episodes = play(tasks, solution_player, servers=["notes", "bank"], tool_servers=servers)
     assert [e.rewards.get("correct") for e in episodes] == [1.0] * 8, [e.error for e in episodes]
