@@ -13,10 +13,11 @@ import ray
 from rlfabric.actors.tool_server import ToolServer
 from rlfabric.agent_loop import EpisodeLimits, ScriptedTurns, run_episodes
 from rlfabric.cli import main
-from rlfabric.config import ConfigError
+from rlfabric.config import ConfigError, config_from_dict
 from rlfabric.data import load_prompts
 from rlfabric.envs.mcp_tasks import McpTaskEnv, solution_player, tool_call_text
 from rlfabric.envs.task_library import TASK_SERVERS
+from rlfabric.llm_text_env import tool_server_commands
 from rlfabric.mcp_tools import McpSession
 from rlfabric.models.chat_tokens import ChatTokens
 from rlfabric.models.hf import TOOL_ALPHABET, build_char_tokenizer
@@ -123,3 +124,22 @@ def test_the_cli_lists_the_task_servers_and_checks_one_with_its_scripted_solver(
     assert "not a task server" in capsys.readouterr().err
     assert main(["tools", "list", "bank"]) == 0
     assert "transfer(from_account: string, to_account: string, amount: integer)" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("tool_servers", "says"),
+    [
+        ({"mine": "my-mcp-server"}, r"env.tool_servers = .*command lines with \{port\}"),
+        ("notes", r"env.tool_servers = 'notes' is not valid"),
+    ],
+)
+def test_a_bad_tool_servers_value_is_one_error_naming_the_field(tool_servers, says):
+    config = {"algo": "grpo", "env": {"id": "rlfabric/McpTasks-v0", "tool_servers": tool_servers}, "sft": {"steps": 0}}
+    with pytest.raises(ConfigError, match=says):
+        config_from_dict({**config, "rewards": {"functions": []}})
+
+
+def test_an_unknown_shipped_server_name_is_one_error_listing_them():
+    assert tool_server_commands(["notes"]) == {"notes": TASK_SERVERS["notes"].http_command}
+    with pytest.raises(ConfigError, match=r"'atm' is not a shipped task server \(notes, bank"):
+        tool_server_commands(["atm"])
