@@ -177,6 +177,10 @@ def cmd_envs_list(args: argparse.Namespace) -> int:
             if env_id in gym.registry:
                 print(f"  gym:{env_id}")
     print("Any importable callable returning a gymnasium.Env works as package.module:factory.")
+    print(
+        "PettingZoo envs (multi_agent configs): pettingzoo:<family>.<name> (e.g. pettingzoo:classic.tictactoe_v3), "
+        "package:module for a module with parallel_env/env (e.g. mpe2:simple_spread_v3), or a factory returning one."
+    )
     from rlfabric.envs.task_library import TASK_SERVERS
 
     print(
@@ -207,6 +211,8 @@ def cmd_envs_check(args: argparse.Namespace) -> int:
     except Exception as exc:  # the factory's own error is the report
         print(f"FAIL {args.name}: building the env raised {exc.__class__.__name__}: {exc}")
         return 1
+    if registry.is_pettingzoo_env(env):
+        return _check_pettingzoo_env(args.name, lambda: factory(**kwargs), env, args.cycles)
     if not hasattr(env, "unwrapped") and callable(getattr(env, "step", None)):
         return _check_text_env(args, env)
     with warnings.catch_warnings(record=True) as caught:
@@ -222,6 +228,123 @@ def cmd_envs_check(args: argparse.Namespace) -> int:
     for w in caught:
         print("  warning:", _ANSI_COLOR.sub("", str(w.message)))
     return 0
+
+
+def _check_pettingzoo_env(name: str, make: Any, env: Any, cycles: int) -> int:
+    """``envs check`` on a PettingZoo env: PettingZoo's API and seed tests (``cycles`` cycles each, on fresh envs
+    from ``make``), then what rlfabric does with each agent's spaces (``rlfabric.multiagent.spaces``) and whether
+    ``env`` has a global state for a centralized critic. Exit 1 when a test fails or an agent's spaces are refused."""
+    import warnings
+
+    from pettingzoo import ParallelEnv
+
+    with warnings.catch_warnings():  # pettingzoo.test imports an env module PettingZoo itself deprecates
+        warnings.simplefilter("ignore", DeprecationWarning)
+        from pettingzoo.test import api_test, parallel_api_test, parallel_seed_test, seed_test
+
+    parallel = isinstance(env, ParallelEnv)
+    title = env.metadata.get("name") or type(env.unwrapped).__name__
+    print(f"{name}: PettingZoo {'Parallel' if parallel else 'AEC'} env {title}, {len(env.possible_agents)} agents")
+    if parallel:
+        tests = {
+            "parallel_api_test": lambda: parallel_api_test(make(), num_cycles=cycles),
+            "parallel_seed_test": lambda: parallel_seed_test(make, num_cycles=cycles),
+        }
+    else:
+        tests = {
+            "api_test": lambda: api_test(make(), num_cycles=cycles),
+            "seed_test": lambda: seed_test(make, num_cycles=cycles),
+        }
+    failures = []
+    for test, run in tests.items():
+        error, messages = _run_quietly(run)
+        print(f"{'PASS' if error is None else 'FAIL'} {test} ({cycles} cycles){'' if error is None else ': ' + error}")
+        for message in messages:
+            print("  warning:", message)
+        if error is not None:
+            failures.append(test)
+    try:
+        failures += _print_agent_spaces(env)
+        print(_global_state_line(env))
+    finally:
+        env.close()
+    print(f"FAIL {name}: {', '.join(failures)}" if failures else f"OK {name}")
+    return 1 if failures else 0
+
+
+def _run_quietly(run: Any) -> tuple[str | None, list[str]]:
+    """Run a PettingZoo test with its prints silenced: (None or the failure in one line, its distinct warnings)."""
+    import contextlib
+    import io
+    import warnings
+
+    error = None
+    with warnings.catch_warnings(record=True) as caught, contextlib.redirect_stdout(io.StringIO()):
+        warnings.simplefilter("always")
+        try:
+            run()
+        except Exception as exc:  # the test's assertion is the report
+            error = _one_line(exc)
+    return error, list(dict.fromkeys(_ANSI_COLOR.sub("", str(w.message)).strip() for w in caught))
+
+
+def _one_line(exc: BaseException) -> str:
+    """``Type: first line of the message``; an assertion without a message (or with only pytest's rewritten
+    ``assert ...``) is named by the line that failed."""
+    import traceback
+
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    bare = not text or (isinstance(exc, AssertionError) and text.startswith("assert "))
+    if bare and exc.__traceback__ is not None:
+        frame = traceback.extract_tb(exc.__traceback__)[-1]
+        text = f"at {Path(frame.filename).name}:{frame.lineno}: {frame.line}"
+    return f"{exc.__class__.__name__}: {text}"
+
+
+def _print_agent_spaces(env: Any) -> list[str]:
+    """One block per group of agents with identical spaces: the spaces, then what rlfabric does with them (or why
+    it cannot). Returns a failure label per refused group."""
+    from rlfabric.multiagent.spaces import UnsupportedSpaceError, agent_spaces
+
+    groups: list[tuple[Any, Any, list[str]]] = []
+    for agent in env.possible_agents:
+        obs, act = env.observation_space(agent), env.action_space(agent)
+        group = next((g for g in groups if g[0] == obs and g[1] == act), None)
+        if group is None:
+            groups.append((obs, act, [agent]))
+        else:
+            group[2].append(agent)
+    refused = []
+    for obs, act, agents in groups:
+        names = ", ".join(map(str, agents)) if len(agents) <= 4 else f"{agents[0]} ... {agents[-1]} ({len(agents)})"
+        print(f"{'agents' if len(agents) > 1 else 'agent'} {names}: observation {obs}, action {act}")
+        try:
+            notes = agent_spaces(obs, act, str(agents[0])).notes
+        except UnsupportedSpaceError as exc:
+            print(f"  refused: {exc}")
+            refused.append(f"the spaces of {names} are refused")
+            continue
+        for note in notes:
+            print(f"  {note}")
+    return refused
+
+
+def _global_state_line(env: Any) -> str:
+    """Whether the env has a global ``state()`` (a centralized critic's input) and its size, after a reset."""
+    try:
+        env.reset(seed=0)
+        state = env.state()
+    except NotImplementedError:
+        return "global state: none (state() is not implemented)"
+    except Exception as exc:  # a broken state() is reported, not fatal: nothing else needs it
+        return f"global state: none (state() raised {_one_line(exc)})"
+    import numpy as np
+
+    try:
+        space = f" from state_space {env.state_space}"
+    except Exception:  # no state_space attribute (wrappers raise their own errors for it)
+        space = ""
+    return f"global state: state() gives {int(np.asarray(state).size)} values{space} (a centralized critic's input)"
 
 
 def cmd_tools_list(args: argparse.Namespace) -> int:
@@ -376,10 +499,19 @@ def build_parser() -> argparse.ArgumentParser:
     env_list.add_argument("--import", dest="import_modules", action="append", help="module to import first")
     env_list.set_defaults(func=cmd_envs_list)
     check = envs.add_parser(
-        "check", help="run Gymnasium's env checker on an env spec, or one turn of a text env on --task"
+        "check",
+        help="run Gymnasium's env checker on an env spec, PettingZoo's API tests on a multi-agent one (and say what "
+        "rlfabric does with its spaces), or one turn of a text env on --task",
     )
-    check.add_argument("name", help="a registered name, gym:<id>, entry-point name or package.module:factory")
+    check.add_argument(
+        "name",
+        help="a registered name, gym:<id>, pettingzoo:<family>.<name>, entry-point name, package.module:factory "
+        "or a PettingZoo package:module",
+    )
     check.add_argument("--kwargs", help="JSON object of factory keyword arguments")
+    check.add_argument(
+        "--cycles", type=int, default=100, help="PettingZoo envs: cycles each API test plays (default 100)"
+    )
     check.add_argument("--task", help="text envs: the JSON task row to reset on (default {})")
     check.add_argument("--import", dest="import_modules", action="append", help="module to import first")
     check.set_defaults(func=cmd_envs_check)
