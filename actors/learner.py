@@ -25,22 +25,33 @@ from rlfabric.trajectory import Trajectories, time_major
 class LearnerCore:
     """PPO learner logic without Ray."""
 
-    def __init__(self, config: dict[str, Any], obs_dim: int, action: ActionSpec) -> None:
+    def __init__(
+        self,
+        config: dict[str, Any],
+        obs_dim: int,
+        action: ActionSpec,
+        critic_dim: int | None = None,
+        seed_offset: int = 0,
+    ) -> None:
+        """``critic_dim``: the input size of a centralized critic (None: it sees the observation). ``seed_offset``
+        sets one learner's seeds apart from another's (one learner per trainable policy in a game)."""
         self.cfg: Config = config_from_dict(config)
-        seed = self.cfg.training.seed
+        seed = self.cfg.training.seed + seed_offset
         torch.manual_seed(seed)
         np.random.seed(seed)
         random.seed(seed)
         self.rng = np.random.default_rng(seed)
         self.device = self._device()
         m = self.cfg.model
-        self.model = ActorCritic(obs_dim, action, m.hidden_sizes, m.activation, m.init_log_std).to(self.device)
+        self.model = ActorCritic(obs_dim, action, m.hidden_sizes, m.activation, m.init_log_std, critic_dim)
+        self.model.to(self.device)
         self.optimizer = torch.optim.Adam(self.model.parameters(), lr=self.cfg.ppo.lr, eps=1e-5, fused=True)
         self.version = 0
         self.updates_done = 0
         self.total_updates = math.ceil(self.cfg.training.total_env_steps / self.cfg.ppo.train_batch_size)
         self.obs_stats = RunningStats.empty((obs_dim,))
         self.return_stats = RunningStats.empty((1,))
+        self.value_stats = RunningStats.empty((1,))  # of the value targets, when normalizing values
 
     def _device(self) -> torch.device:
         want = self.cfg.learner.device
@@ -61,41 +72,64 @@ class LearnerCore:
 
     # -- update -----------------------------------------------------------------------------------------
 
-    def _values(self, obs: np.ndarray) -> np.ndarray:
-        if len(obs) == 0:
+    def _values(self, obs: np.ndarray | None) -> np.ndarray:
+        """The critic's values of ``obs`` in return units (denormalized when normalizing values)."""
+        if obs is None or len(obs) == 0:
             return np.zeros(0, np.float32)
         with torch.no_grad():
             # Fragments arrive read-only (zero-copy from the object store); torch wants a writable array.
-            return self.model.value(torch.as_tensor(np.array(obs), device=self.device)).cpu().numpy()
+            out = self.model.value(torch.as_tensor(np.array(obs), device=self.device)).cpu().numpy()
+        if self.cfg.ppo.normalize_values:
+            out = ppo.denormalize_values(out, float(self.value_stats.mean[0]), float(self.value_stats.var[0]))
+        return out
 
     def _advantages(self, frag: Trajectories) -> dict[str, np.ndarray]:
-        """Values, GAE advantages and returns for one fragment (a record of one row per env), flattened to
-        [T * N] in time-major order."""
+        """Values, GAE advantages and returns for one fragment, flattened over its steps in time-major order.
+
+        Rows may differ in length (a multi-agent fragment has one row per agent and env copy, each of the agent's
+        own steps): padding is masked out of GAE (``ppo.row_next_values``) and of the batch. The critic sees
+        ``critic_obs`` where the fragment has it (a centralized critic), else the observations.
+        """
         assert frag.obs is not None and frag.actions is not None and frag.truncation_index is not None
-        obs = time_major(frag.obs)
-        T, N, D = obs.shape
-        p = self.cfg.ppo
-        values = self._values(obs.reshape(T * N, D)).reshape(T, N)
-        next_values = ppo.next_state_values(
+        n, width = frag.length.shape[0], frag.width
+        valid = np.arange(width)[None, :] < frag.length[:, None]
+        centralized = frag.critic_obs is not None
+        critic_in = frag.critic_obs if centralized else frag.obs
+        values = np.zeros((n, width), np.float32)
+        values[valid] = self._values(critic_in[valid])
+        next_values = ppo.row_next_values(
             values,
-            self._values(frag.bootstrap_obs),
-            frag.truncation_index[:, ::-1],  # (row, position) -> (t, env)
-            self._values(frag.truncation_obs),
+            frag.length,
+            self._values(frag.bootstrap_critic_obs if centralized else frag.bootstrap_obs),
+            frag.truncation_index,
+            self._values(frag.truncation_critic_obs if centralized else frag.truncation_obs),
         )
-        rewards = time_major(frag.rewards["env"])
+        p = self.cfg.ppo
+        rewards = frag.rewards["env"]
         if p.normalize_reward:
             rewards = scale_rewards(rewards, self.return_stats, p.reward_clip)
-        terminated, truncated = time_major(frag.terminated), time_major(frag.truncated)
-        adv, ret = ppo.gae(rewards, values, next_values, terminated, truncated, p.gamma, p.gae_lambda)
-        actions = time_major(frag.actions)
+        adv, ret = ppo.gae(
+            time_major(rewards),
+            time_major(values),
+            time_major(next_values),
+            time_major(frag.terminated | ~valid),  # padding: no bootstrap into it, zero advantage
+            time_major(frag.truncated),
+            p.gamma,
+            p.gae_lambda,
+        )
+        steps = time_major(valid)
         flat = {
-            "obs": obs.reshape(T * N, D),
-            "actions": actions.reshape(T * N, *actions.shape[2:]),
-            "logp": time_major(frag.logprobs).reshape(-1),
-            "values": values.reshape(-1),
-            "advantages": adv.reshape(-1),
-            "returns": ret.reshape(-1),
+            "obs": time_major(frag.obs)[steps],
+            "actions": time_major(frag.actions)[steps],
+            "logp": time_major(frag.logprobs)[steps],
+            "values": time_major(values)[steps],
+            "advantages": adv[steps],
+            "returns": ret[steps],
         }
+        if frag.action_mask is not None:
+            flat["mask"] = time_major(frag.action_mask)[steps]
+        if centralized:
+            flat["critic_obs"] = time_major(critic_in)[steps]
         return flat
 
     def _merge_stats(self, fragments: list[Trajectories]) -> None:
@@ -110,6 +144,12 @@ class LearnerCore:
         self._merge_stats(fragments)
         parts = [self._advantages(f) for f in fragments]
         flat = {k: np.concatenate([part[k] for part in parts]) for k in parts[0]}
+        explained = ppo.explained_variance(flat["values"], flat["returns"])
+        if p.normalize_values:  # the critic learns targets normalized with statistics that include this batch
+            self.value_stats = self.value_stats.merge(RunningStats.of(flat["returns"].reshape(-1, 1)))
+            mean, var = float(self.value_stats.mean[0]), float(self.value_stats.var[0])
+            flat["values"] = ppo.normalize_values(flat["values"], mean, var)
+            flat["returns"] = ppo.normalize_values(flat["returns"], mean, var)
         batch = {k: torch.as_tensor(v, device=self.device) for k, v in flat.items()}
         lr = ppo.linear_lr(p.lr, self.updates_done, self.total_updates) if p.anneal_lr else p.lr
         for group in self.optimizer.param_groups:
@@ -123,7 +163,12 @@ class LearnerCore:
             order = torch.as_tensor(self.rng.permutation(n), device=self.device)
             for lo in range(0, n, p.minibatch_size):
                 idx = order[lo : lo + p.minibatch_size]
-                logp, entropy, values = self.model.evaluate(batch["obs"][idx], batch["actions"][idx])
+                logp, entropy, values = self.model.evaluate(
+                    batch["obs"][idx],
+                    batch["actions"][idx],
+                    batch["mask"][idx] if "mask" in batch else None,
+                    batch["critic_obs"][idx] if "critic_obs" in batch else None,
+                )
                 adv = batch["advantages"][idx]
                 if p.normalize_advantages:
                     adv = ppo.normalize_advantages(adv)
@@ -160,7 +205,7 @@ class LearnerCore:
         out.update(
             lr=lr,
             epochs_run=float(epochs_run),
-            explained_variance=ppo.explained_variance(flat["values"], flat["returns"]),
+            explained_variance=explained,
             learn_time_s=time.perf_counter() - start,
         )
         return out
@@ -174,6 +219,7 @@ class LearnerCore:
             "optimizer": self.optimizer.state_dict(),
             "obs_stats": self.obs_stats.to_dict(),
             "return_stats": self.return_stats.to_dict(),
+            "value_stats": self.value_stats.to_dict(),
             "version": self.version,
             "updates_done": self.updates_done,
             "rng": {
@@ -188,6 +234,8 @@ class LearnerCore:
         self.optimizer.load_state_dict(state["optimizer"])
         self.obs_stats = RunningStats.from_dict(state["obs_stats"])
         self.return_stats = RunningStats.from_dict(state["return_stats"])
+        if "value_stats" in state:  # checkpoints from before value normalization have none
+            self.value_stats = RunningStats.from_dict(state["value_stats"])
         self.version = int(state["version"])
         self.updates_done = int(state["updates_done"])
         self.rng.bit_generator.state = state["rng"]["numpy"]

@@ -19,8 +19,12 @@ __all__ = ["Config", "ConfigError", "Trainer", "load_config", "make_env", "regis
 
 
 def __getattr__(name: str):  # the driver pulls in torch and Ray: import it only when asked for
-    if name in ("Trainer", "train"):
+    if name == "Trainer":
         from rlfabric import driver
 
-        return getattr(driver, name)
+        return driver.Trainer
+    if name == "train":  # PPO on a Gymnasium env or a game
+        from rlfabric import game_driver
+
+        return game_driver.train
     raise AttributeError(f"module 'rlfabric' has no attribute {name!r}")

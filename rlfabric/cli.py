@@ -111,7 +111,7 @@ def cmd_train_llm(args: argparse.Namespace, cfg: object | None) -> int:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from rlfabric.driver import Trainer
+    from rlfabric.game_driver import ppo_trainer, ppo_trainer_from_run_dir
 
     _import_user_modules(args.import_modules)
     if not args.resume:
@@ -125,10 +125,10 @@ def cmd_train(args: argparse.Namespace) -> int:
             raise ConfigError("--resume DIR continues the run in DIR; --run-dir is for new runs, drop it")
         if _saved_algo(Path(args.resume)) == "grpo":
             return cmd_train_llm(args, None)
-        trainer = Trainer.from_run_dir(args.resume, args.overrides, quiet=args.quiet)
+        trainer = ppo_trainer_from_run_dir(args.resume, args.overrides, quiet=args.quiet)
     else:
         run_dir = Path(args.run_dir) if args.run_dir else _default_run_dir(cfg.env.id)
-        trainer = Trainer(cfg, run_dir, quiet=args.quiet)
+        trainer = ppo_trainer(cfg, run_dir, quiet=args.quiet)
     where = ""
     if args.resume:
         from rlfabric.driver import latest_checkpoint

@@ -128,7 +128,7 @@ class Trainer:
         self.version = 0
         self.registry_blob = b""
         self.fragments_per_batch = cfg.runners.num_runners  # one fragment per runner per train batch
-        self._update_ref: ray.ObjectRef | None = None  # the learner's update in flight, if any
+        self._update_refs: list[ray.ObjectRef] | None = None  # the learners' update in flight, if any
         self._batch: list[dict[str, Any]] = []  # metadata of the fragments it trains on
         self._sampled_this_version: set[int] = set()  # sync mode: runners that sampled for this version
         self._iter_start = self._run_start = time.monotonic()
@@ -207,7 +207,9 @@ class Trainer:
         ensure_ray(self.cfg.ray, r.num_runners * r.num_cpus + self.cfg.learner.num_cpus)
         self.registry_blob = registry.snapshot()
         self._make_placement_group()
-        self.pool = RunnerPool(self._make_runner, self.cfg.runners.num_runners, self.cfg.runners.sample_timeout_s)
+        self.pool = RunnerPool(
+            self._make_runner, r.num_runners, r.sample_timeout_s, num_fragments=self._fragments_per_sample()
+        )
         r, lc = self.cfg.runners, self.cfg.learner
         try:
             spaces = self.pool.call(0, "spaces", timeout=SETUP_TIMEOUT_S)
@@ -220,17 +222,16 @@ class Trainer:
             raise ConfigError(
                 f"env.id = {self.cfg.env.id!r}: building the env on a runner failed: {error_summary(exc)}"
             ) from None
-        options = self._actor_options(lc.num_cpus, lc.num_gpus, lc.resources, bundle=0)
-        self.learner = Learner.options(**options).remote(self.cfg.to_dict(), spaces["obs_dim"], spaces["action"])
+        self._make_learners(spaces)
         try:
-            ray.get(self.learner.get_version.remote(), timeout=SETUP_TIMEOUT_S)
+            ray.get([learner.get_version.remote() for learner in self._learners()], timeout=SETUP_TIMEOUT_S)
         except ray.exceptions.GetTimeoutError:
             raise ConfigError(
                 f"learner.num_gpus = {lc.num_gpus!r} / learner.resources = {lc.resources!r}: the learner did not "
                 f"start within {SETUP_TIMEOUT_S:g} s; the cluster may not have these resources free"
             ) from None
         if checkpoint is not None:
-            ray.get(self.learner.load_state.remote(checkpoint["learner"]))
+            self._load_learner_state(checkpoint)
             self._restarts_before = self.progress.runner_restarts
             self._lost_before = self.progress.lost_fragments
         total = self.cfg.training.total_env_steps
@@ -242,6 +243,31 @@ class Trainer:
             progress_line=lambda row: ppo_progress_line(row, total),
         )
         self._publish()
+
+    # -- the learner (one; a game has one per trainable policy: rlfabric.game_driver) ----------------------
+
+    def _fragments_per_sample(self) -> int:
+        return 1
+
+    def _make_learners(self, spaces: dict[str, Any]) -> None:
+        lc = self.cfg.learner
+        options = self._actor_options(lc.num_cpus, lc.num_gpus, lc.resources, bundle=0)
+        self.learner = Learner.options(**options).remote(self.cfg.to_dict(), spaces["obs_dim"], spaces["action"])
+
+    def _learners(self) -> list[Any]:
+        return [self.learner]
+
+    def _load_learner_state(self, checkpoint: dict[str, Any]) -> None:
+        ray.get(self.learner.load_state.remote(checkpoint["learner"]))
+
+    def _checkpoint_state(self) -> dict[str, Any]:
+        return {"learner": ray.get(self.learner.state.remote())}
+
+    def _start_update(self, batch: list[Completed]) -> list[ray.ObjectRef]:
+        return [self.learner.update_from_refs.remote([c.data_ref for c in batch])]
+
+    def _update_stats(self, results: list[dict[str, float]]) -> dict[str, float]:
+        return results[0]
 
     def _publish(self) -> None:
         weights_ref, self.version = ray.get(self.learner.publish.remote())
@@ -256,7 +282,7 @@ class Trainer:
     def save_checkpoint(self) -> Path:
         self._sync_fault_counts()
         state = {
-            "learner": ray.get(self.learner.state.remote()),
+            **self._checkpoint_state(),
             "progress": self.progress.__dict__,
             "config": self.cfg.to_dict(),
         }
@@ -278,7 +304,7 @@ class Trainer:
             return False
         if self.cfg.training.max_policy_lag == 0:
             # Synchronous: one fragment per runner per policy version, none while the learner updates.
-            return self._update_ref is None and index not in self._sampled_this_version
+            return self._update_refs is None and index not in self._sampled_this_version
         # Async: keep sampling up to max_policy_lag batches ahead of the learner.
         in_flight = len(self.pool.in_flight)
         return buffered + in_flight < self.fragments_per_batch * self.cfg.training.max_policy_lag
@@ -313,7 +339,7 @@ class Trainer:
             with stop_requests() as stop:
                 self._loop(stop)
         except (KeyboardInterrupt, RunAbortedError):
-            if self._update_ref is not None:
+            if self._update_refs is not None:
                 self._complete_update()  # an update in flight is worth keeping: it takes a second
             self.save_checkpoint()
             self.log.close()
@@ -324,31 +350,33 @@ class Trainer:
         buffer: list[Completed] = []
         self._iter_start = self._run_start = time.monotonic()
         self._start_elapsed = self.progress.elapsed_s
-        while not (self._should_stop() and self._update_ref is None):
+        while not (self._should_stop() and self._update_refs is None):
             if stop.is_set():  # Ctrl-C, honoured here where no Ray call or write is half-done
                 raise KeyboardInterrupt
             for i in range(len(self.pool)):
                 if not self._should_stop() and self._may_sample(i, len(buffer)):
                     self.pool.submit(i)
                     self._sampled_this_version.add(i)
-            update_ref = self._update_ref
-            waiting = self.pool.pending_refs() + ([update_ref] if update_ref is not None else [])
+            update_refs = self._update_refs or []
+            waiting = self.pool.pending_refs() + update_refs
             if not waiting:  # nothing in flight and nothing allowed to start: a scheduling bug, not an end
                 raise RuntimeError(f"driver stalled with {len(buffer)} fragments buffered; please report this")
             ready, _ = ray.wait(waiting, num_returns=1, timeout=1.0)
-            if update_ref is not None and update_ref in ready:
+            if update_refs and len(ray.wait(update_refs, num_returns=len(update_refs), timeout=0)[0]) == len(
+                update_refs
+            ):
                 self._complete_update()
-            completed, failed = self.pool.collect([r for r in ready if r is not update_ref])
+            completed, failed = self.pool.collect([r for r in ready if r not in update_refs])
             for reason in self.pool.failures[len(self.pool.failures) - len(failed) :]:
                 self.log.note(f"{reason}; replaced it and asked again")
             for done in completed:
                 self._accept(done, buffer)
             self._sampled_this_version.difference_update(failed)  # lost work is asked for again
-            if self._update_ref is None and len(buffer) >= self.fragments_per_batch and not self._should_stop():
+            if self._update_refs is None and len(buffer) >= self.fragments_per_batch and not self._should_stop():
                 batch, buffer = buffer[: self.fragments_per_batch], buffer[self.fragments_per_batch :]
                 batch.sort(key=lambda c: c.runner)  # arrival order varies; a fixed order keeps seeded runs repeatable
                 self._batch = [c.meta for c in batch]
-                self._update_ref = self.learner.update_from_refs.remote([c.data_ref for c in batch])
+                self._update_refs = self._start_update(batch)
         self._tick()
 
     def _tick(self) -> None:
@@ -356,8 +384,8 @@ class Trainer:
 
     def _complete_update(self) -> None:
         """Take the finished update's statistics, log it, publish the new version, checkpoint when due."""
-        stats = ray.get(self._update_ref)
-        self._update_ref = None
+        stats = self._update_stats(ray.get(self._update_refs))
+        self._update_refs = None
         self._tick()
         # Counted and logged before anything that blocks, so an interrupt never leaves a checkpoint whose
         # iteration has no metrics row.
@@ -390,9 +418,18 @@ class Trainer:
             "runner_restarts": p.runner_restarts,
             "sample_time_s": float(np.mean([m["sample_time_s"] for m in batch])),
             **stats,
+            **self._iteration_metrics(batch),
         }
         p.iteration, p.env_steps = row["iteration"], row["env_steps"]
         self.log.log(row)
+
+    def _iteration_metrics(self, batch: list[dict[str, Any]]) -> dict[str, Any]:
+        """Further columns of an iteration's metrics row (a game's per-policy returns, self-play ratings)."""
+        return {}
+
+    def _summary_extras(self) -> dict[str, Any]:
+        """Further entries of summary.json (a game's evaluation against baselines)."""
+        return {}
 
     def _finish(self) -> dict[str, Any]:
         ckpt = self.save_checkpoint()
@@ -413,6 +450,7 @@ class Trainer:
             "runner_restarts": p.runner_restarts,
             "runner_failures": self.pool.failures[-10:],
             "checkpoint": str(ckpt.relative_to(self.run_dir)),
+            **self._summary_extras(),
         }
         write_summary(self.run_dir, summary)
         summary["plot"] = plot_learning_curve(self.run_dir, f"PPO on {self.cfg.env.id}")
@@ -435,8 +473,9 @@ class Trainer:
     def close(self) -> None:
         if self.pool is not None:
             self.pool.shutdown()
-        if self.learner is not None:
-            ray.kill(self.learner)
+        for learner in self._learners():
+            if learner is not None:
+                ray.kill(learner)
         if self.placement_group is not None:
             ray.util.remove_placement_group(self.placement_group)
 

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from rlfabric.config_base import RayConfig, require
+from rlfabric.multiagent.config import MultiAgentConfig, validate_multi_agent
 
 
 @dataclass
@@ -70,6 +71,8 @@ class PPOConfig:
     target_kl: float | None = None
     normalize_obs: bool = False
     normalize_reward: bool = False
+    # Value normalization (MAPPO's ValueNorm): the critic learns returns normalized by their running statistics.
+    normalize_values: bool = False
     obs_clip: float = 10.0
     reward_clip: float = 10.0
 
@@ -101,6 +104,8 @@ class Config:
     ppo: PPOConfig = field(default_factory=PPOConfig)
     training: TrainingConfig = field(default_factory=TrainingConfig)
     ray: RayConfig = field(default_factory=RayConfig)
+    # Games (PettingZoo envs): policies, agent -> policy mapping, critic, self-play. Ignored for Gymnasium envs.
+    multi_agent: MultiAgentConfig = field(default_factory=MultiAgentConfig)
 
     @property
     def fragment_length(self) -> int:
@@ -178,4 +183,5 @@ def validate(cfg: Config) -> Config:
         cfg.model.hidden_sizes,
         "must be a non-empty list of positive integers",
     )
+    validate_multi_agent(cfg.multi_agent)
     return cfg

@@ -25,7 +25,7 @@ class InFlight:
     runner: int
     generation: int  # the runner slot's generation when the sample was asked for
     meta_ref: ray.ObjectRef
-    data_ref: ray.ObjectRef
+    data_refs: list[ray.ObjectRef]
     deadline: float
 
 
@@ -33,16 +33,30 @@ class InFlight:
 class Completed:
     runner: int
     meta: dict[str, Any]
-    data_ref: ray.ObjectRef
+    data_refs: list[ray.ObjectRef]  # one fragment per trainable policy (one in single-agent PPO)
+
+    @property
+    def data_ref(self) -> ray.ObjectRef:
+        return self.data_refs[0]
 
 
 class RunnerPool:
-    def __init__(self, make_runner: Callable[[int, int], Any], num_runners: int, sample_timeout_s: float) -> None:
-        """``make_runner(index, generation)`` creates the actor; generation counts replacements of that slot."""
+    def __init__(
+        self,
+        make_runner: Callable[[int, int], Any],
+        num_runners: int,
+        sample_timeout_s: float,
+        num_fragments: int = 1,
+    ) -> None:
+        """``make_runner(index, generation)`` creates the actor; generation counts replacements of that slot.
+        ``num_fragments``: the data objects a sample returns after its metadata (one per trainable policy)."""
         self.sample_timeout_s = sample_timeout_s
+        self.num_fragments = num_fragments
         self.slots = ActorSlots("runner", make_runner, num_runners)
         self.in_flight: dict[ray.ObjectRef, InFlight] = {}
-        self.weights_ref: ray.ObjectRef | None = None
+        # The latest call of each state-setting method (weights, opponents) with its args: a replacement runner
+        # gets them all before it samples.
+        self.state_calls: dict[str, tuple[Any, ...]] = {}
         self.lost_fragments = 0
         self.failures: list[str] = []
 
@@ -61,19 +75,24 @@ class RunnerPool:
         """A blocking call on one runner (setup and evaluation, not the hot path)."""
         return ray.get(getattr(self.runners[index], method).remote(*args), timeout=timeout)
 
-    def broadcast(self, weights_ref: ray.ObjectRef) -> None:
-        """Send one published version to every runner: each reads the same object from the store."""
-        self.weights_ref = weights_ref
+    def broadcast(self, *weights_refs: ray.ObjectRef) -> None:
+        """Send one published version (one per trainable policy) to every runner: each reads the same objects
+        from the store."""
+        self.broadcast_call("set_weights", *weights_refs)
+
+    def broadcast_call(self, method: str, *args: Any) -> None:
+        """Call ``method(*args)`` on every runner, and on every replacement runner later."""
+        self.state_calls[method] = args
         for runner in self.runners:
-            runner.set_weights.remote(weights_ref)
+            getattr(runner, method).remote(*args)
 
     def busy(self, index: int) -> bool:
         return any(f.runner == index for f in self.in_flight.values())
 
     def submit(self, index: int) -> None:
-        meta_ref, data_ref = self.runners[index].sample.remote()
+        meta_ref, *data_refs = self.runners[index].sample.options(num_returns=1 + self.num_fragments).remote()
         deadline = time.monotonic() + self.sample_timeout_s
-        self.in_flight[meta_ref] = InFlight(index, self.slots.generations[index], meta_ref, data_ref, deadline)
+        self.in_flight[meta_ref] = InFlight(index, self.slots.generations[index], meta_ref, data_refs, deadline)
 
     def pending_refs(self) -> list[ray.ObjectRef]:
         return list(self.in_flight)
@@ -92,43 +111,44 @@ class RunnerPool:
             try:
                 meta = ray.get(flight.meta_ref, timeout=0)
             except RayError as exc:  # the process died, or the env raised inside sample()
-                self._discard(flight.data_ref)
+                self._discard(flight.data_refs)
                 self._replace(flight, f"runner {flight.runner} failed: {exc.__class__.__name__}: {error_summary(exc)}")
                 failed.append(flight.runner)
                 continue
             self.slots.succeeded(flight.runner, flight.generation)
-            done.append(Completed(flight.runner, meta, flight.data_ref))
+            done.append(Completed(flight.runner, meta, flight.data_refs))
         now = time.monotonic()
         for ref, flight in list(self.in_flight.items()):
             if now > flight.deadline and not ray.wait([ref], timeout=0)[0]:  # finished in time but not yet read
                 del self.in_flight[ref]
-                self._discard(flight.data_ref)
+                self._discard(flight.data_refs)
                 self._replace(flight, f"runner {flight.runner} missed its {self.sample_timeout_s:g}s deadline")
                 failed.append(flight.runner)
         return done, failed
 
     @staticmethod
-    def _discard(ref: ray.ObjectRef) -> None:
-        """Give up on a sample's result; a failed one is read once so Ray does not log its error as unhandled."""
-        if ray.wait([ref], timeout=0)[0]:
-            try:
-                ray.get(ref, timeout=0)
-            except RayError:
-                pass
+    def _discard(refs: list[ray.ObjectRef]) -> None:
+        """Give up on a sample's results; failed ones are read once so Ray does not log their errors as unhandled."""
+        for ref in refs:
+            if ray.wait([ref], timeout=0)[0]:
+                try:
+                    ray.get(ref, timeout=0)
+                except RayError:
+                    pass
 
     def _replace(self, flight: InFlight, reason: str) -> None:
         """Replace the runner a failed sample ran on (once per runner) and count its fragment as lost."""
         self.failures.append(reason)
-        if self.slots.replace(flight.runner, flight.generation, reason) and self.weights_ref is not None:
-            self.runners[flight.runner].set_weights.remote(self.weights_ref)
+        if self.slots.replace(flight.runner, flight.generation, reason):
+            for method, args in self.state_calls.items():
+                getattr(self.runners[flight.runner], method).remote(*args)
         self.lost_fragments += 1
 
     def shutdown(self) -> None:
         self.slots.shutdown()
         # Samples still running when the run ended now fail; read them so Ray does not report them as unhandled.
-        refs = [r for f in self.in_flight.values() for r in (f.meta_ref, f.data_ref)]
+        refs = [r for f in self.in_flight.values() for r in (f.meta_ref, *f.data_refs)]
         if refs:
             ray.wait(refs, num_returns=len(refs), timeout=5)
-        for ref in refs:
-            self._discard(ref)
+        self._discard(refs)
         self.in_flight.clear()

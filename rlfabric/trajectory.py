@@ -23,7 +23,16 @@ NO_VERSION = -1  # policy_version of positions no policy produced: prompt, tool 
 NO_GROUP = -1
 
 # Columns with one entry per row / per position; the reward dicts and step spans are handled by name below.
-ROW_COLUMNS = ("episode_id", "group_id", "agent_id", "policy_id", "length", "prompt_length", "bootstrap_obs")
+ROW_COLUMNS = (
+    "episode_id",
+    "group_id",
+    "agent_id",
+    "policy_id",
+    "length",
+    "prompt_length",
+    "bootstrap_obs",
+    "bootstrap_critic_obs",
+)
 POSITION_COLUMNS = (
     "loss_mask",
     "policy_version",
@@ -35,6 +44,8 @@ POSITION_COLUMNS = (
     "obs",
     "actions",
     "values",
+    "action_mask",
+    "critic_obs",
 )
 
 
@@ -68,6 +79,13 @@ class Trajectories:
     bootstrap_obs: np.ndarray | None = None  # float32 [N, D]: the observation after each row's last position
     truncation_index: np.ndarray | None = None  # int64 [K, 2]: (row, position) of truncations inside rows
     truncation_obs: np.ndarray | None = None  # float32 [K, D]: the final observation at each of those
+    # -- multi-agent games --
+    action_mask: np.ndarray | None = None  # bool [N, L, A]: the legal actions at each step (masked ones never sampled)
+    # float32 [N, L, G]: what a centralized critic sees at each step (global state and the agent's one-hot); None:
+    # the critic sees ``obs``. Its bootstrap and truncation counterparts follow ``bootstrap_obs`` / ``truncation_obs``.
+    critic_obs: np.ndarray | None = None
+    bootstrap_critic_obs: np.ndarray | None = None  # float32 [N, G]
+    truncation_critic_obs: np.ndarray | None = None  # float32 [K, G]
     # -- rewards, by named component --
     rewards: dict[str, np.ndarray] = field(default_factory=dict)  # float32 [N, L]: received at each position
     final_rewards: dict[str, np.ndarray] = field(default_factory=dict)  # float32 [N]: outcome of the row
@@ -170,10 +188,13 @@ class Trajectories:
         out["step_rewards"] = {k: v[spans] for k, v in self.step_rewards.items()}
         out["state_keys"] = None if self.state_keys is None else self.state_keys[spans]
         out["truncation_index"], out["truncation_obs"] = self.truncation_index, self.truncation_obs
+        out["truncation_critic_obs"] = self.truncation_critic_obs
         if self.truncation_index is not None:
             kept = remap[self.truncation_index[:, 0]] >= 0
             out["truncation_index"] = _renumber(self.truncation_index[kept], remap)
-            out["truncation_obs"] = None if self.truncation_obs is None else self.truncation_obs[kept]
+            for name in ("truncation_obs", "truncation_critic_obs"):
+                value = getattr(self, name)
+                out[name] = None if value is None else value[kept]
         out["extras"] = dict(self.extras)
         return Trajectories(**out)
 
@@ -228,7 +249,7 @@ def concat(parts: Sequence[Trajectories]) -> Trajectories:
             # a part without keys (its env has no state_key) gets a key unique to each of its steps
             keyed = [p.state_keys if p.state_keys is not None else unique_state_keys(p) for p in parts]
             out[f.name] = None if all(v is None for v in values) else np.concatenate(keyed)
-        elif f.name == "truncation_obs":
+        elif f.name in ("truncation_obs", "truncation_critic_obs"):
             out[f.name] = None if any(v is None for v in values) else np.concatenate(values)
         elif f.name == "extras":
             out[f.name] = {k: v for p in parts for k, v in p.extras.items()}

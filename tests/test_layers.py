@@ -34,6 +34,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "rlfabric.trajectory",
             "rlfabric.normalization",
             "rlfabric.shipping",
+            "rlfabric.multiagent.config",  # the multi_agent section of a PPO config
         ),
     ),
     (
@@ -50,8 +51,10 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "rlfabric.tools",  # tools with JSON schemas, tool-call parsers, checked calls under a deadline
             "rlfabric.mcp_tools",  # tools served by MCP servers, one client session per episode
             "rlfabric.mcp_server_process",  # one HTTP MCP server process: started, pinged, stopped
+            "rlfabric.mcp_stdio_gateway",  # a stdio MCP server behind HTTP: one child process per session
             "rlfabric.tool_env",  # a text env whose agent calls tools before answering
             "rlfabric.policies",  # the policy interface, scripted and neural-net policies, batching episodes' calls
+            "rlfabric.multiagent",  # games: per-agent spaces, env copies stepped per agent, self-play pool, baselines
         ),
     ),
     # The pools start, supervise and replace actors of a role; the driver and actors that call other actors (a
@@ -72,6 +75,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "rlfabric",  # the package's face: re-exports config and registry, and the driver on demand
             "rlfabric.placement",  # whether a run's actors fit the cluster, checked by the drivers before setup
             "rlfabric.driver",
+            "rlfabric.game_driver",  # PPO on multi-agent games: a learner per trainable policy, self-play
             "rlfabric.llm_driver",
             "rlfabric.llm_run_state",  # a GRPO run's checkpoint state, counters and KL reference entry
             "rlfabric.llm_resources",  # CPUs, torch threads, OpenMP wait policy, setup deadline

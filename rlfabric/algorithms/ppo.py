@@ -31,6 +31,34 @@ def next_state_values(
     return next_values
 
 
+def row_next_values(
+    values: np.ndarray,
+    lengths: np.ndarray,
+    bootstrap_values: np.ndarray,
+    truncation_index: np.ndarray,
+    truncation_values: np.ndarray,
+) -> np.ndarray:
+    """V(s_{t+1}) for every position of rows of different lengths (``values`` [N, L], row i uses its first
+    lengths[i] positions; a multi-agent fragment's rows are one agent's own steps each).
+
+    next[i, t] = values[i, t + 1] for t < lengths[i] - 1;  next[i, lengths[i] - 1] = bootstrap_values[i] (the value
+    of what the agent observed after its last step);  next[i, t] = 0 for t >= lengths[i] (padding).
+    At a truncation (i, t) (rows of ``truncation_index``), next[i, t] = V(final observation), as in
+    ``next_state_values``. Rows of full length L give exactly ``next_state_values`` transposed.
+    """
+    n, width = values.shape
+    next_values = np.zeros_like(values)
+    next_values[:, :-1] = values[:, 1:]
+    rows = np.arange(n)
+    last = lengths.astype(np.int64) - 1
+    has = last >= 0
+    next_values[rows[has], last[has]] = bootstrap_values[has]
+    next_values[np.arange(width)[None, :] >= lengths[:, None]] = 0.0
+    if len(truncation_index):
+        next_values[truncation_index[:, 0], truncation_index[:, 1]] = truncation_values
+    return next_values
+
+
 def gae(
     rewards: np.ndarray,
     values: np.ndarray,
@@ -121,3 +149,14 @@ def linear_lr(base_lr: float, update_index: int, total_updates: int) -> float:
     """Learning rate annealed linearly from base_lr at update 0 to base_lr / total_updates at the last one."""
     frac = 1.0 - update_index / max(total_updates, 1)
     return base_lr * max(frac, 1.0 / max(total_updates, 1))
+
+
+def normalize_values(x: np.ndarray, mean: float, var: float, eps: float = 1e-5) -> np.ndarray:
+    """Value normalization (MAPPO's ValueNorm): (x - mean) / sqrt(var + eps), with the running statistics of the
+    returns. The critic learns normalized targets, so its output scale stays near 1 whatever the rewards' scale."""
+    return ((x - mean) / np.sqrt(var + eps)).astype(np.float32)
+
+
+def denormalize_values(y: np.ndarray, mean: float, var: float, eps: float = 1e-5) -> np.ndarray:
+    """The inverse of ``normalize_values``: y * sqrt(var + eps) + mean, the critic's output in return units."""
+    return (y * np.sqrt(var + eps) + mean).astype(np.float32)

@@ -63,6 +63,15 @@ def gaussian_logp_entropy(
     return logp, entropy
 
 
+# A masked logit: exp() of it is exactly 0 in float32, and 0 * it stays finite in the entropy (an -inf would not).
+MASKED_LOGIT = -1e9
+
+
+def masked_logits(logits: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """logits where ``mask`` is True, MASKED_LOGIT where it is False: a masked action gets probability exactly 0."""
+    return logits if mask is None else torch.where(mask, logits, torch.full_like(logits, MASKED_LOGIT))
+
+
 def categorical_logp_entropy(logits: torch.Tensor, actions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """log softmax(logits)[a] and the entropy -sum(p log p) of each row."""
     log_probs = torch.log_softmax(logits, dim=-1)
@@ -91,7 +100,11 @@ def _mlp(in_dim: int, hidden: list[int], out_dim: int, activation: str, out_gain
 
 
 class ActorCritic(nn.Module):
-    """Separate actor and critic MLPs; a categorical head or a Gaussian with state-independent log std."""
+    """Separate actor and critic MLPs; a categorical head or a Gaussian with state-independent log std.
+
+    ``critic_dim``: the critic's input size when it sees something other than the observation (a centralized
+    critic on the global state, MAPPO); None: the observation.
+    """
 
     def __init__(
         self,
@@ -100,26 +113,34 @@ class ActorCritic(nn.Module):
         hidden_sizes: list[int],
         activation: str = "tanh",
         init_log_std: float = 0.0,
+        critic_dim: int | None = None,
     ) -> None:
         super().__init__()
         self.action = action
         self.activation = activation
         self.actor = _mlp(obs_dim, hidden_sizes, action.n, activation, out_gain=0.01)
-        self.critic = _mlp(obs_dim, hidden_sizes, 1, activation, out_gain=1.0)
+        self.critic = _mlp(critic_dim or obs_dim, hidden_sizes, 1, activation, out_gain=1.0)
         if action.kind == "continuous":
             self.log_std = nn.Parameter(torch.full((action.n,), float(init_log_std)))
 
     def value(self, obs: torch.Tensor) -> torch.Tensor:
         return self.critic(obs).squeeze(-1)
 
-    def evaluate(self, obs: torch.Tensor, actions: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """(log pi(a|s), entropy, V(s)) for a batch; Gaussian terms are summed over action dims."""
+    def evaluate(
+        self,
+        obs: torch.Tensor,
+        actions: torch.Tensor,
+        mask: torch.Tensor | None = None,
+        critic_obs: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, ...]:
+        """(log pi(a|s), entropy, V) for a batch; Gaussian terms are summed over action dims. ``mask`` (bool
+        [B, n]): the legal actions, the others get probability 0; V is of ``critic_obs`` when given, else of obs."""
         out = self.actor(obs)
         if self.action.kind == "discrete":
-            logp, entropy = categorical_logp_entropy(out, actions)
+            logp, entropy = categorical_logp_entropy(masked_logits(out, mask), actions)
         else:
             logp, entropy = gaussian_logp_entropy(out, self.log_std, actions)
-        return logp, entropy, self.value(obs)
+        return logp, entropy, self.value(obs if critic_obs is None else critic_obs)
 
     def actor_arrays(self) -> dict:
         """The actor's parameters as numpy arrays, the form runners receive."""
@@ -161,14 +182,19 @@ class NumpyPolicy:
             return rng.gumbel(size=(*shape, n)).astype(np.float32)
         return rng.standard_normal((*shape, n), dtype=np.float32)
 
-    def act_with_noise(self, obs: np.ndarray, noise: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def act_with_noise(
+        self, obs: np.ndarray, noise: np.ndarray, mask: np.ndarray | None = None
+    ) -> tuple[np.ndarray, np.ndarray]:
         """Actions and their log-probabilities for a batch, given pre-drawn noise (zeros: the greedy action).
 
-        Discrete: a = argmax(log_softmax(logits) + gumbel) (the Gumbel-max trick samples the softmax).
+        Discrete: a = argmax(log_softmax(logits) + gumbel) (the Gumbel-max trick samples the softmax); with a
+        ``mask`` (bool [B, n], the legal actions), masked logits are MASKED_LOGIT first, so they are never chosen.
         Gaussian: a = mean + std * eps, and log pi(a) = sum(-eps^2 / 2 - log std - log(2 pi) / 2).
         """
         out = self.forward(obs)
         if self.action.kind == "discrete":
+            if mask is not None:
+                out = np.where(mask, out, np.float32(MASKED_LOGIT))
             logits = out - out.max(axis=-1, keepdims=True)
             log_probs = logits - np.log(np.exp(logits).sum(axis=-1, keepdims=True))
             actions = (log_probs + noise).argmax(axis=-1)
@@ -178,7 +204,10 @@ class NumpyPolicy:
         logp = (-0.5 * noise**2).sum(axis=-1) + self.logp_offset
         return actions.astype(np.float32), logp.astype(np.float32)
 
-    def act(self, obs: np.ndarray, rng: np.random.Generator, deterministic: bool = False) -> tuple:
-        """Sample actions for a batch of observations; returns (actions, log-probabilities)."""
+    def act(
+        self, obs: np.ndarray, rng: np.random.Generator, deterministic: bool = False, mask: np.ndarray | None = None
+    ) -> tuple:
+        """Sample actions for a batch of observations (only legal ones under ``mask``); returns (actions,
+        log-probabilities)."""
         noise = np.zeros((len(obs), self.action.n), np.float32) if deterministic else self.noise(rng, (len(obs),))
-        return self.act_with_noise(obs, noise)
+        return self.act_with_noise(obs, noise, mask)

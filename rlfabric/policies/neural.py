@@ -40,10 +40,11 @@ class NeuralNetPolicy:
         float64 first, so a small spread on a large offset keeps its digits), or as is."""
         return np.asarray(raw, np.float32) if self.normalizer is None else self.normalizer(raw)
 
-    def act(self, observations: np.ndarray, greedy: bool = False) -> PolicyOutput:
-        """Sampled actions (the mean or the most likely one when ``greedy``) and their log-probabilities."""
+    def act(self, observations: np.ndarray, greedy: bool = False, mask: np.ndarray | None = None) -> PolicyOutput:
+        """Sampled actions (the mean or the most likely one when ``greedy``) and their log-probabilities; with a
+        ``mask`` (bool [N, n]), only legal actions."""
         if self.net is None:
             raise RuntimeError("NeuralNetPolicy.act called before set_weights: no policy version installed yet")
         seen = self.inputs(np.asarray(observations))
-        actions, logp = self.net.act(seen, self.rng, deterministic=greedy)
+        actions, logp = self.net.act(seen, self.rng, deterministic=greedy, mask=mask)
         return PolicyOutput(actions, logp, np.full(len(seen), self.version, np.int64), {"inputs": seen})

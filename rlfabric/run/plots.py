@@ -37,6 +37,42 @@ def plot_learning_curve(run_dir: Path, title: str) -> Path | None:
     return path
 
 
+def plot_self_play(run_dir: Path, title: str) -> Path | None:
+    """A self-play run: the learner's Elo against its opponent pool (left axis) and its win rates against the
+    evaluation baselines (right axis) by iteration, as ``self_play.png``; None when there is nothing to plot."""
+    rows = [r for r in read_metrics(run_dir) if r.get("learner_elo") is not None]
+    if not rows:
+        return None
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
+    ax.plot([r["iteration"] for r in rows], [r["learner_elo"] for r in rows], color="tab:blue", label="Elo vs pool")
+    ax.set_xlabel("iteration")
+    ax.set_ylabel("Elo (learner, against its pool)")
+    rates = sorted({k for r in rows for k in r if k.startswith("win_rate_vs_")})
+    right = ax.twinx()
+    for i, key in enumerate(rates):
+        points = [r for r in rows if r.get(key) is not None]
+        right.plot(
+            [r["iteration"] for r in points],
+            [r[key] for r in points],
+            "o-",
+            color=f"C{i + 1}",
+            lw=1.2,
+            label=key.replace("_", " "),
+        )
+    right.set_ylabel("win rate (greedy games)")
+    right.set_ylim(-0.02, 1.02)
+    handles = ax.get_legend_handles_labels()[0] + right.get_legend_handles_labels()[0]
+    ax.legend(handles, [h.get_label() for h in handles], loc="lower right")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    path = run_dir / "self_play.png"
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
 def plot_llm_curves(run_dir: Path, title: str) -> Path | None:
     """Train reward / accuracy per step and held-out accuracy at each evaluation, as one PNG."""
     rows = read_metrics(run_dir)

@@ -1,0 +1,464 @@
+"""GameRunner: several copies of a multi-agent game (PettingZoo) plus a local copy of every policy that plays it.
+
+Each tick, the agents that must act in every copy are batched by the policy that plays them (one numpy call per
+policy), so many copies cost one forward pass per policy, not one per agent. A fragment is one trajectory record
+per trainable policy (rlfabric.trajectory): one row per agent and copy, holding that agent's own steps, with its
+``agent_id`` and ``policy_id``, action masks and, for a centralized critic, ``critic_obs``. The runner returns them
+as separate objects, so each learner fetches only its own policy's data.
+
+Self-play: the runner holds frozen snapshots of the learning policy (``set_opponents``) and draws one per episode
+with the driver's probabilities; the games' outcomes against each snapshot come back in the metadata.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import os
+import time
+from typing import Any
+
+import numpy as np
+import ray
+
+from rlfabric import registry, shipping
+from rlfabric.multiagent.config import MultiAgentConfig, PolicySpec, policy_specs, trainable_policies
+from rlfabric.multiagent.games import CriticInput, EpisodeEnd, GameCopy, Request, has_state
+from rlfabric.multiagent.selfplay import game_score
+from rlfabric.multiagent.spaces import AgentSpaces, agent_spaces
+from rlfabric.normalization import RunningStats
+from rlfabric.policies.neural import NeuralNetPolicy
+from rlfabric.trajectory import NO_GROUP, Trajectories
+
+SNAPSHOT = "snapshot:"  # actor name prefix of an opponent-pool snapshot
+
+
+def map_agents(agents: list[str], mapping: dict[str, str], policies: list[str]) -> dict[str, str]:
+    """agent -> policy: the first ``mapping`` pattern (fnmatch) that matches the agent; with no mapping, the one
+    policy. An agent no pattern matches is a ValueError naming it and the patterns."""
+    if not mapping:
+        return dict.fromkeys(agents, policies[0])
+    out = {}
+    for agent in agents:
+        policy = next((p for pattern, p in mapping.items() if fnmatch.fnmatchcase(agent, pattern)), None)
+        if policy is None:
+            raise ValueError(
+                f"multi_agent.policy_mapping: agent {agent!r} matches none of {sorted(mapping)}; add a pattern for it"
+            )
+        out[agent] = policy
+    return out
+
+
+def scripted_rule(rule: str) -> Any:
+    """A shipped rule by name, or ``package.module:function``."""
+    if rule == "tictactoe":
+        from rlfabric.multiagent.baselines import tictactoe_scripted
+
+        return lambda obs, masks: [tictactoe_scripted(o, m) for o, m in zip(obs, masks, strict=True)]
+    fn = shipping.import_callable(rule)
+    if fn is None:
+        raise ValueError(f"scripted rule {rule!r}: not 'tictactoe' and not an importable 'package.module:function'")
+    return fn
+
+
+class FixedPolicy:
+    """A policy that does not learn: uniform over the legal actions, or a scripted rule; log-probability 0."""
+
+    def __init__(self, spec: PolicySpec, spaces: AgentSpaces, seed: int) -> None:
+        self.rng = np.random.default_rng(seed)
+        self.spaces = spaces
+        self.rule = scripted_rule(spec.rule) if spec.kind == "scripted" else None
+        self.version = 0
+
+    def act(self, obs: np.ndarray, masks: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
+        n = len(obs)
+        if self.rule is not None:
+            actions = np.asarray(self.rule(obs, masks if masks is not None else [None] * n))
+        elif self.spaces.action.kind == "discrete":
+            legal = masks if masks is not None else np.ones((n, self.spaces.action.n), bool)
+            actions = np.array([self.rng.choice(np.flatnonzero(row)) for row in legal], np.int64)
+        else:
+            low, high = np.asarray(self.spaces.action.low), np.asarray(self.spaces.action.high)
+            actions = self.rng.uniform(low, high, (n, self.spaces.action.n)).astype(np.float32)
+        return actions, np.zeros(n, np.float32)
+
+
+class GameRunnerCore:
+    """The runner's logic without Ray, so it can be used and tested in-process."""
+
+    def __init__(
+        self,
+        env_id: str,
+        env_kwargs: dict[str, Any],
+        num_envs: int,
+        fragment_length: int,
+        seed: int,
+        multi_agent: MultiAgentConfig,
+        obs_clip: float,
+        registry_blob: bytes | None = None,
+    ) -> None:
+        if registry_blob is not None:
+            registry.load_snapshot(registry_blob)
+        self.env_id, self.env_kwargs, self.cfg = env_id, env_kwargs, multi_agent
+        self.fragment_length = fragment_length
+        self.rng = np.random.default_rng(seed)
+        self.specs = policy_specs(multi_agent)
+        self.trainable = trainable_policies(multi_agent)
+        first = registry.make_multi_agent_env(env_id, env_kwargs)
+        self.agents = list(first.possible_agents)
+        self.spaces = {a: agent_spaces(first.observation_space(a), first.action_space(a), a) for a in self.agents}
+        self.mapping = map_agents(self.agents, multi_agent.policy_mapping, list(self.specs))
+        self.policy_spaces = self._policy_spaces()
+        self.obs_clip = obs_clip
+        self.policies: dict[str, Any] = {}
+        for i, (name, spec) in enumerate(self.specs.items()):
+            if name not in self.policy_spaces:
+                continue  # a policy no agent is mapped to
+            if spec.kind == "neural":
+                self.policies[name] = NeuralNetPolicy(obs_clip, seed + 101 * i)
+            else:
+                self.policies[name] = FixedPolicy(spec, self.policy_spaces[name], seed + 101 * i)
+        self.snapshots: dict[int, NeuralNetPolicy] = {}
+        self.snapshot_ids: list[int] = []
+        self.snapshot_probs = np.zeros(0)
+        envs = [first] + [registry.make_multi_agent_env(env_id, env_kwargs) for _ in range(num_envs - 1)]
+        centralized = multi_agent.critic == "centralized"
+        self.copies = []
+        for i, env in enumerate(envs):
+            env_seed = seed * 1000 + i
+            if i == 0 or centralized:
+                env.reset(seed=env_seed)  # the critic input's size needs a reset env
+            critic = CriticInput(env, self.spaces) if centralized else None
+            self.copies.append(GameCopy(i, env, self.spaces, critic, self._assign, self._records))
+        self.critic_dim = self.copies[0].critic_input.dim if centralized else None
+        self.has_state = has_state(first)
+        for i, copy in enumerate(self.copies):
+            copy.reset(seed * 1000 + i)
+        self.pending_ends: list[EpisodeEnd] = []
+        self.rows_made = 0
+
+    def _policy_spaces(self) -> dict[str, AgentSpaces]:
+        out: dict[str, AgentSpaces] = {}
+        for agent, policy in self.mapping.items():
+            spaces = self.spaces[agent]
+            if policy in out and not out[policy].same_as(spaces):
+                raise ValueError(
+                    f"multi_agent.policy_mapping: policy {policy!r} plays agents with different spaces ({agent!r}: "
+                    f"{spaces.obs_dim} observations, {spaces.action}; another: {out[policy].obs_dim}, "
+                    f"{out[policy].action}); map them to different policies"
+                )
+            out.setdefault(policy, spaces)
+        missing = [p for p in self.trainable if p not in out]
+        if missing:
+            raise ValueError(
+                f"multi_agent.policy_mapping: trainable policy {missing[0]!r} plays no agent of {self.agents}; "
+                "map an agent to it or make it kind: random/scripted"
+            )
+        return out
+
+    # -- who plays whom ---------------------------------------------------------------------------------------
+
+    def _assign(self, copy_index: int) -> dict[str, str]:
+        """This episode's actor per agent: its mapped policy; under self-play, one agent of the learning policy
+        plays it and the policy's other agents play a snapshot drawn from the pool (while the pool is empty,
+        the learning policy plays every seat)."""
+        actors = dict(self.mapping)
+        sp = self.cfg.self_play
+        if not sp.enabled or not self.snapshot_ids:
+            return actors
+        seats = [a for a, p in self.mapping.items() if p == sp.policy]
+        learner_seat = seats[int(self.rng.integers(len(seats)))]
+        opponent = SNAPSHOT + str(
+            self.snapshot_ids[int(self.rng.choice(len(self.snapshot_ids), p=self.snapshot_probs))]
+        )
+        for agent in seats:
+            if agent != learner_seat:
+                actors[agent] = opponent
+        return actors
+
+    def _records(self, actor: str) -> bool:
+        return actor in self.trainable
+
+    # -- weights ------------------------------------------------------------------------------------------------
+
+    def spaces_info(self) -> dict[str, dict[str, Any]]:
+        """What each trainable policy's learner needs: observation size, action head, critic input size."""
+        return {
+            p: {
+                "obs_dim": self.policy_spaces[p].obs_dim,
+                "action": self.policy_spaces[p].action,
+                "critic_dim": self.critic_dim,
+            }
+            for p in self.trainable
+        }
+
+    @property
+    def version(self) -> int:
+        return min(self.policies[p].version for p in self.trainable)
+
+    def set_weights(self, *weights: dict[str, Any]) -> int:
+        """Install one published version per trainable policy, in ``trainable`` order."""
+        for name, w in zip(self.trainable, weights, strict=True):
+            self.policies[name].set_weights(w)
+        return self.version
+
+    def set_opponents(self, probabilities: dict[int, float], weights: dict[int, Any]) -> None:
+        """The opponent pool: snapshot id -> weights (a published version, or a ref to one) and the probability of
+        drawing it for an episode."""
+        for sid, w in weights.items():
+            if sid not in self.snapshots:
+                policy = NeuralNetPolicy(self.obs_clip, int(self.rng.integers(2**31)))
+                policy.set_weights(ray.get(w) if isinstance(w, ray.ObjectRef) else w)
+                self.snapshots[sid] = policy
+        playing = {actor for c in self.copies for actor in c.actors.values()}
+        # a snapshot that left the pool stays until the episodes playing it end
+        self.snapshots = {
+            sid: p for sid, p in self.snapshots.items() if sid in probabilities or SNAPSHOT + str(sid) in playing
+        }
+        self.snapshot_ids = sorted(probabilities)
+        probs = np.array([probabilities[s] for s in self.snapshot_ids], np.float64)
+        self.snapshot_probs = probs / probs.sum() if len(probs) else probs
+
+    def _policy(self, actor: str) -> Any:
+        return self.snapshots[int(actor[len(SNAPSHOT) :])] if actor.startswith(SNAPSHOT) else self.policies[actor]
+
+    # -- sampling -----------------------------------------------------------------------------------------------
+
+    def _act(self, requests: list[Request], greedy: bool = False) -> dict[int, list[tuple[Request, Any, float, int]]]:
+        """One call per actor over all its requests; the results grouped back by env copy."""
+        by_actor: dict[str, list[Request]] = {}
+        for r in requests:
+            by_actor.setdefault(r.actor, []).append(r)
+        out: dict[int, list[tuple[Request, Any, float, int]]] = {}
+        for actor, reqs in by_actor.items():
+            policy = self._policy(actor)
+            obs = np.stack([r.obs for r in reqs])
+            masks = None if reqs[0].mask is None else np.stack([r.mask for r in reqs])
+            if isinstance(policy, NeuralNetPolicy):
+                acted = policy.act(obs, greedy=greedy, mask=masks)
+                actions, logps = acted.actions, acted.logprobs
+                obs_seen = acted.info["inputs"]
+            else:
+                actions, logps = policy.act(obs, masks)
+                obs_seen = obs
+            for i, r in enumerate(reqs):
+                r.obs = obs_seen[i]  # what the net saw (normalized when normalizing), which the learner trains on
+                out.setdefault(r.copy, []).append((r, actions[i], float(logps[i]), policy.version))
+        return out
+
+    def _tick(self, copies: list[GameCopy], greedy: bool = False) -> list[EpisodeEnd]:
+        requests = [r for c in copies for r in c.requests()]
+        acted = self._act(requests, greedy)
+        ends: list[EpisodeEnd] = []
+        for c in copies:
+            ends += c.apply(acted[c.index])
+        return ends
+
+    def sample(self) -> tuple[Any, ...]:
+        """Step every copy ``fragment_length`` times; return (small metadata, then one trajectory record per
+        trainable policy, in ``trainable`` order)."""
+        if self.version < 0:
+            raise RuntimeError("GameRunner.sample called before set_weights")
+        start = time.perf_counter()
+        ends: list[EpisodeEnd] = []
+        for _ in range(self.fragment_length):
+            ends += self._tick(self.copies)
+        rows: dict[str, list[tuple[str, Any]]] = {p: [] for p in self.trainable}
+        for c in self.copies:
+            for agent, actor, stream in c.take_rows():
+                rows[actor].append((agent, stream))
+        fragments = [self._fragment(p, rows[p]) for p in self.trainable]
+        meta = {
+            "version": self.version,
+            "env_steps": self.fragment_length * len(self.copies),
+            "agent_steps": {p: int(f.length.sum()) for p, f in zip(self.trainable, fragments, strict=True)},
+            "episode_returns": [self._trained_return(e) for e in ends],
+            "episode_lengths": [e.length for e in ends],
+            "policy_returns": self._policy_returns(ends),
+            "games": self._games(ends),
+            "sample_time_s": time.perf_counter() - start,
+        }
+        return (meta, *fragments)
+
+    def _trained_return(self, end: EpisodeEnd) -> float:
+        """An episode's return: the mean over the agents a trainable policy played (all agents if none did)."""
+        mine = [r for a, r in end.returns.items() if end.actors.get(a) in self.trainable] or list(end.returns.values())
+        return float(np.mean(mine)) if mine else 0.0
+
+    def _policy_returns(self, ends: list[EpisodeEnd]) -> dict[str, list[float]]:
+        out: dict[str, list[float]] = {}
+        for e in ends:
+            for agent, ret in e.returns.items():
+                actor = e.actors.get(agent, "")
+                if not actor.startswith(SNAPSHOT):
+                    out.setdefault(actor, []).append(ret)
+        return out
+
+    def _games(self, ends: list[EpisodeEnd]) -> list[tuple[int, float]]:
+        """Self-play results: (snapshot id, the learner's score: 1 win, 0.5 draw, 0 loss) per finished game
+        played against a snapshot."""
+        sp = self.cfg.self_play
+        out = []
+        for e in ends:
+            learner = [r for a, r in e.returns.items() if e.actors.get(a) == sp.policy]
+            opponents = [(a, r) for a, r in e.returns.items() if e.actors.get(a, "").startswith(SNAPSHOT)]
+            if not sp.enabled or not learner or not opponents:
+                continue
+            sid = int(e.actors[opponents[0][0]][len(SNAPSHOT) :])
+            out.append((sid, game_score(max(learner), max(r for _, r in opponents))))
+        return out
+
+    def _fragment(self, policy: str, rows: list[tuple[str, Any]]) -> Trajectories:
+        return game_fragment(
+            policy, rows, self.policy_spaces[policy], self.critic_dim, self.rows_made, self.policies[policy]
+        )
+
+    # -- evaluation ---------------------------------------------------------------------------------------------
+
+    def evaluate(self, episodes: int, seed: int, opponent: str | None = None) -> dict[str, Any]:
+        """``episodes`` episodes of the trainable policies acting greedily on fresh env copies.
+
+        With ``opponent`` ("random" or "scripted:<rule>"), the self-play policy plays one seat (alternating) and
+        the opponent the others: returns wins/draws/losses. Without, every agent plays its mapped policy: returns
+        the episode returns."""
+        env = registry.make_multi_agent_env(self.env_id, self.env_kwargs)
+        spec = None
+        if opponent is not None:
+            kind, _, rule = opponent.partition(":")
+            spec = PolicySpec(kind="random" if kind == "random" else "scripted", rule=rule or None)
+        sp_policy = self.cfg.self_play.policy if self.cfg.self_play.policy in self.trainable else self.trainable[0]
+        seats = [a for a, p in self.mapping.items() if p == sp_policy]
+        counter = {"n": 0}
+        baseline = FixedPolicy(spec, self.policy_spaces[sp_policy], seed) if spec else None
+
+        def assign(_: int) -> dict[str, str]:
+            actors = dict(self.mapping)
+            if baseline is not None:
+                learner_seat = seats[counter["n"] % len(seats)]
+                counter["n"] += 1
+                for agent in seats:
+                    if agent != learner_seat:
+                        actors[agent] = "baseline"
+            return actors
+
+        self.policies["baseline"] = baseline
+        try:
+            copy = GameCopy(0, env, self.spaces, None, assign, lambda _: False)
+            ends = copy.reset(seed)
+            while len(ends) < episodes:
+                ends += self._tick([copy], greedy=True)
+        finally:
+            self.policies.pop("baseline", None)
+            env.close()
+        ends = ends[:episodes]
+        if baseline is None:
+            return {"returns": [self._trained_return(e) for e in ends]}
+        scores = []
+        for e in ends:
+            mine = max(r for a, r in e.returns.items() if e.actors[a] == sp_policy)
+            theirs = max(r for a, r in e.returns.items() if e.actors[a] == "baseline")
+            scores.append(game_score(mine, theirs))
+        return {
+            "wins": sum(s == 1.0 for s in scores),
+            "draws": sum(s == 0.5 for s in scores),
+            "losses": sum(s == 0.0 for s in scores),
+            "games": len(scores),
+        }
+
+
+def game_fragment(
+    policy: str,
+    rows: list[tuple[str, Any]],
+    spaces: AgentSpaces,
+    critic_dim: int | None,
+    first_episode_id: int,
+    acting: NeuralNetPolicy,
+) -> Trajectories:
+    """One trajectory record of ``rows`` [(agent, AgentStream)]: row i = that agent's closed steps, right-padded."""
+    n = len(rows)
+    width = max((s.closed for _, s in rows), default=0)
+    d, a = spaces.obs_dim, spaces.action
+    lengths = np.array([s.closed for _, s in rows], np.int32)
+    obs = np.zeros((n, width, d), np.float32)
+    discrete = a.kind == "discrete"
+    actions = np.zeros((n, width) if discrete else (n, width, a.n), np.int64 if discrete else np.float32)
+    logp = np.zeros((n, width), np.float32)
+    versions = np.full((n, width), -1, np.int32)
+    rewards = np.zeros((n, width), np.float32)
+    terminated = np.zeros((n, width), bool)
+    truncated = np.zeros((n, width), bool)
+    loss_mask = np.zeros((n, width), np.float32)
+    masks = np.ones((n, width, a.n), bool) if spaces.mask_key is not None else None
+    critic = np.zeros((n, width, critic_dim), np.float32) if critic_dim else None
+    boot = np.zeros((n, d), np.float32)
+    boot_critic = np.zeros((n, critic_dim), np.float32) if critic_dim else None
+    trunc_index, trunc_obs, trunc_critic = [], [], []
+    for i, (_, s) in enumerate(rows):
+        k = s.closed
+        obs[i, :k] = np.stack(s.obs)
+        actions[i, :k] = np.asarray(s.actions)
+        logp[i, :k] = s.logprobs
+        versions[i, :k] = s.versions
+        rewards[i, :k] = s.rewards
+        terminated[i, :k] = s.terminated
+        truncated[i, :k] = s.truncated
+        loss_mask[i, :k] = 1.0
+        if masks is not None:
+            masks[i, :k] = np.stack(s.masks)
+        if critic is not None:
+            critic[i, :k] = np.stack(s.critic)
+            boot_critic[i] = s.next_critic
+        boot[i] = acting.inputs(s.next_obs[None])[0]
+        for pos, final_obs, final_critic in s.truncations:
+            trunc_index.append((i, pos))
+            trunc_obs.append(acting.inputs(final_obs[None])[0])
+            trunc_critic.append(final_critic)
+    raw = obs.reshape(-1, d)[loss_mask.reshape(-1) > 0]
+    return Trajectories(
+        episode_id=np.arange(first_episode_id, first_episode_id + n, dtype=np.int64),
+        group_id=np.full(n, NO_GROUP, np.int64),
+        agent_id=np.array([agent for agent, _ in rows], dtype=object),
+        policy_id=np.full(n, policy, dtype=object),
+        length=lengths,
+        loss_mask=loss_mask,
+        policy_version=versions,
+        logprobs=logp,
+        terminated=terminated,
+        truncated=truncated,
+        obs=obs,
+        actions=actions,
+        bootstrap_obs=boot,
+        truncation_index=np.asarray(trunc_index, np.int64).reshape(-1, 2),
+        truncation_obs=np.asarray(trunc_obs, np.float32).reshape(-1, d),
+        action_mask=masks,
+        critic_obs=critic,
+        bootstrap_critic_obs=boot_critic,
+        truncation_critic_obs=None
+        if critic_dim is None
+        else np.asarray(trunc_critic, np.float32).reshape(-1, critic_dim),
+        rewards={"env": rewards},
+        extras={
+            # games run without observation or reward normalization (refused at config time); the learner merges
+            # these all the same
+            "obs_stats": RunningStats.of(raw).to_dict(),
+            "return_stats": RunningStats.empty((1,)).to_dict(),
+        },
+    )
+
+
+@ray.remote
+class GameRunner(GameRunnerCore):
+    """The Ray actor. ``sample`` returns 1 + (trainable policies) objects; ask with
+    ``.options(num_returns=...)``."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
+        super().__init__(*args, **kwargs)
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def node_id(self) -> str:
+        return ray.get_runtime_context().get_node_id()
+
+    def spaces(self) -> dict[str, Any]:
+        return self.spaces_info()

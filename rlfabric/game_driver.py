@@ -1,0 +1,262 @@
+"""PPO on multi-agent games (PettingZoo): the PPO driver with one learner per trainable policy, and self-play.
+
+The loop is the PPO driver's (``rlfabric.driver.Trainer``): runners sample fragments, the driver checks versions
+and hands refs to the learners. Here a runner's sample is one fragment per trainable policy, and each policy's
+learner gets only its own fragments' refs; every policy has its own optimizer, statistics and versions (they
+advance together, one update each per iteration). With ``multi_agent.self_play``, the driver keeps the opponent
+pool (rlfabric.multiagent.selfplay): snapshots are the learner's published weights refs, the game results the
+runners report update win rates and Elo, and each change of the pool goes to every runner.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import ray
+
+from rlfabric.actors.game_runner import GameRunner
+from rlfabric.actors.learner import Learner
+from rlfabric.config import Config, ConfigError
+from rlfabric.driver import Trainer
+from rlfabric.multiagent.config import trainable_policies
+from rlfabric.multiagent.selfplay import OpponentPool
+from rlfabric.run.plots import plot_self_play
+from rlfabric.runner_pool import Completed, error_summary
+
+
+def check_game_config(cfg: Config) -> None:
+    """What PPO on a game does not do yet, refused before any actor starts."""
+    p = cfg.ppo
+    for name, value in (("ppo.normalize_obs", p.normalize_obs), ("ppo.normalize_reward", p.normalize_reward)):
+        if value:
+            raise ConfigError(f"{name} = true is not valid for a multi-agent env (not supported yet); set it false")
+    if cfg.ray.placement_strategy is not None and len(trainable_policies(cfg.multi_agent)) > 1:
+        raise ConfigError(
+            "ray.placement_strategy is not valid with several trainable policies yet (one learner bundle is reserved);"
+            " set it null"
+        )
+
+
+class GameTrainer(Trainer):
+    """Runs one PPO training job on a multi-agent env (see the module docstring)."""
+
+    def __init__(self, cfg: Config, run_dir: str | Path, resume: bool = False, quiet: bool = False) -> None:
+        check_game_config(cfg)
+        super().__init__(cfg, run_dir, resume=resume, quiet=quiet)
+        self.trainable = trainable_policies(cfg.multi_agent)
+        self.learners: dict[str, Any] = {}
+        sp = cfg.multi_agent.self_play
+        self.opponents: OpponentPool | None = None
+        if sp.enabled:
+            self.opponents = OpponentPool(
+                snapshot_every=sp.snapshot_every,
+                win_rate_threshold=sp.win_rate_threshold,
+                win_rate_window=sp.win_rate_window,
+                min_games=sp.min_games,
+                max_size=sp.max_size,
+                sampling=sp.sampling,
+                pfsp_power=sp.pfsp_power,
+                elo_k=sp.elo_k,
+            )
+        self.policy_returns: dict[str, list[float]] = {}
+        self.weights_refs: dict[str, ray.ObjectRef] = {}
+        self.last_eval: dict[str, float] = {}
+
+    # -- actors -------------------------------------------------------------------------------------------------
+
+    def _make_runner(self, index: int, generation: int) -> Any:
+        r, t = self.cfg.runners, self.cfg.training
+        seed = t.seed + 10_007 * index + 1_000_003 * generation + 7_919 * self.progress.iteration
+        return GameRunner.options(**self._actor_options(r.num_cpus, 0, r.resources, bundle=1 + index)).remote(
+            self.cfg.env.id,
+            self.cfg.env.kwargs,
+            r.envs_per_runner,
+            self.cfg.fragment_length,
+            seed,
+            self.cfg.multi_agent,
+            self.cfg.ppo.obs_clip,
+            self.registry_blob,
+        )
+
+    def _fragments_per_sample(self) -> int:
+        return len(self.trainable)
+
+    def _make_learners(self, spaces: dict[str, Any]) -> None:
+        lc = self.cfg.learner
+        options = self._actor_options(lc.num_cpus, lc.num_gpus, lc.resources, bundle=0)
+        for i, policy in enumerate(self.trainable):
+            s = spaces[policy]
+            self.learners[policy] = Learner.options(**options).remote(
+                self.cfg.to_dict(), s["obs_dim"], s["action"], s["critic_dim"], 1_000 * i
+            )
+
+    def _learners(self) -> list[Any]:
+        return list(self.learners.values())
+
+    # -- checkpoints --------------------------------------------------------------------------------------------
+
+    def _checkpoint_state(self) -> dict[str, Any]:
+        states = ray.get([self.learners[p].state.remote() for p in self.trainable])
+        state: dict[str, Any] = {"learners": dict(zip(self.trainable, states, strict=True))}
+        if self.opponents is not None:
+            pool = self.opponents.state_dict()
+            # snapshots are refs to published weights: saved as the weights themselves
+            for snap in pool["snapshots"]:
+                snap["weights"] = ray.get(snap["weights"])
+            state["opponent_pool"] = pool
+        return state
+
+    def _load_learner_state(self, checkpoint: dict[str, Any]) -> None:
+        ray.get([self.learners[p].load_state.remote(checkpoint["learners"][p]) for p in self.trainable])
+        if self.opponents is not None and "opponent_pool" in checkpoint:
+            pool = checkpoint["opponent_pool"]
+            for snap in pool["snapshots"]:
+                snap["weights"] = ray.put(snap["weights"])
+            self.opponents = OpponentPool.from_state_dict(pool, **self.opponents.settings())
+
+    # -- updates and weights ------------------------------------------------------------------------------------
+
+    def _start_update(self, batch: list[Completed]) -> list[ray.ObjectRef]:
+        return [
+            self.learners[p].update_from_refs.remote([c.data_refs[i] for c in batch])
+            for i, p in enumerate(self.trainable)
+        ]
+
+    def _update_stats(self, results: list[dict[str, float]]) -> dict[str, float]:
+        if len(results) == 1:
+            return results[0]
+        return {
+            f"{key}/{policy}": value
+            for policy, stats in zip(self.trainable, results, strict=True)
+            for key, value in stats.items()
+        }
+
+    def _publish(self) -> None:
+        published = ray.get([self.learners[p].publish.remote() for p in self.trainable])
+        self.weights_refs = {p: ref for p, (ref, _) in zip(self.trainable, published, strict=True)}
+        self.version = published[0][1]
+        self.pool.broadcast(*self.weights_refs.values())
+        if self.opponents is not None:
+            changed = False
+            if self.opponents.should_add(self.version):
+                self.opponents.add(self.weights_refs[self.cfg.multi_agent.self_play.policy], self.version)
+                changed = True
+            if changed or "set_opponents" not in self.pool.state_calls:
+                self._send_opponents()
+
+    def _send_opponents(self) -> None:
+        assert self.opponents is not None
+        weights = {sid: self.opponents.weights(sid) for sid in self.opponents.ids}
+        self.pool.broadcast_call("set_opponents", self.opponents.probabilities(), weights)
+
+    def _accept(self, done: Completed, buffer: list[Completed]) -> None:
+        meta = done.meta
+        for policy, returns in meta["policy_returns"].items():
+            self.policy_returns[policy] = (self.policy_returns.get(policy, []) + returns)[-100:]
+        if self.opponents is not None:
+            for sid, score in meta["games"]:
+                self.opponents.record(sid, score)
+            if self.cfg.multi_agent.self_play.sampling == "pfsp" and meta["games"]:
+                self._send_opponents()  # pfsp's probabilities follow the win rates
+        super()._accept(done, buffer)
+
+    # -- metrics and evaluation ---------------------------------------------------------------------------------
+
+    def _iteration_metrics(self, batch: list[dict[str, Any]]) -> dict[str, Any]:
+        row: dict[str, Any] = {
+            f"return_mean/{p}": float(np.mean(r)) for p, r in sorted(self.policy_returns.items()) if r
+        }
+        row["agent_steps"] = sum(sum(m["agent_steps"].values()) for m in batch)
+        if self.opponents is not None:
+            row.update(
+                {
+                    k: (None if isinstance(v, float) and math.isnan(v) else v)
+                    for k, v in self.opponents.metrics().items()
+                }
+            )
+            every = self.cfg.multi_agent.eval_every
+            if every and (self.progress.iteration + 1) % every == 0:
+                row.update(self._baseline_eval(self.cfg.multi_agent.eval_games, seed_offset=self.progress.iteration))
+        return row
+
+    def _baseline_eval(self, games: int, seed_offset: int = 0) -> dict[str, Any]:
+        """Greedy games of the self-play policy against each ``eval_opponents`` baseline on runner 0:
+        ``win_rate_vs_<name>`` (draws are not wins) and the counts."""
+        out: dict[str, Any] = {}
+        for opponent in self.cfg.multi_agent.eval_opponents:
+            name = opponent.replace(":", "_")
+            try:
+                result = self.pool.call(
+                    0,
+                    "evaluate",
+                    games,
+                    self.cfg.training.seed + 54_321 + seed_offset,
+                    opponent,
+                    timeout=self.cfg.runners.sample_timeout_s,
+                )
+            except ray.exceptions.RayError as exc:
+                self.log.note(f"evaluation against {opponent} skipped: {error_summary(exc)}")
+                continue
+            out[f"win_rate_vs_{name}"] = result["wins"] / max(result["games"], 1)
+            out[f"draw_rate_vs_{name}"] = result["draws"] / max(result["games"], 1)
+            out[f"loss_rate_vs_{name}"] = result["losses"] / max(result["games"], 1)
+        self.last_eval = out
+        return out
+
+    def _evaluate(self) -> list[float]:
+        t = self.cfg.training
+        if not t.eval_episodes:
+            return []
+        try:
+            result = self.pool.call(
+                0, "evaluate", t.eval_episodes, t.seed + 12345, timeout=self.cfg.runners.sample_timeout_s
+            )
+        except ray.exceptions.RayError as exc:
+            self.log.note(f"evaluation skipped: {exc.__class__.__name__}: {error_summary(exc)}")
+            return []
+        return result["returns"]
+
+    def _summary_extras(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "policies": self.trainable,
+            "return_mean_by_policy": {p: float(np.mean(r)) for p, r in self.policy_returns.items() if r},
+        }
+        if self.opponents is not None:
+            final = self._baseline_eval(self.cfg.multi_agent.eval_games, seed_offset=10**6)
+            out["eval_games"] = self.cfg.multi_agent.eval_games
+            out.update({f"eval_{k}": v for k, v in final.items()})
+            out["learner_elo"] = self.opponents.learner_elo
+            out["opponent_pool_size"] = len(self.opponents)
+            out["self_play_plot"] = str(plot_self_play(self.run_dir, f"Self-play on {self.cfg.env.id}"))
+        return out
+
+
+def is_game_config(cfg: Config) -> bool:
+    """Whether a PPO config trains a multi-agent env (its env spec builds a PettingZoo env)."""
+    from rlfabric import registry
+
+    return registry.is_multi_agent(cfg.env.id, cfg.env.kwargs)
+
+
+def ppo_trainer(cfg: Config, run_dir: str | Path, quiet: bool = False) -> Trainer:
+    """The trainer for a PPO config: ``GameTrainer`` on a multi-agent env, else the single-agent ``Trainer``."""
+    return (GameTrainer if is_game_config(cfg) else Trainer)(cfg, run_dir, quiet=quiet)
+
+
+def ppo_trainer_from_run_dir(run_dir: str | Path, overrides: list[str] | None = None, quiet: bool = False) -> Trainer:
+    """The trainer that continues the PPO run saved in ``run_dir`` (see ``Trainer.from_run_dir``)."""
+    trainer = Trainer.from_run_dir(run_dir, overrides, quiet=quiet)
+    return GameTrainer.from_run_dir(run_dir, overrides, quiet=quiet) if is_game_config(trainer.cfg) else trainer
+
+
+def train(cfg: Config, run_dir: str | Path, quiet: bool = False) -> dict[str, Any]:
+    """Train a PPO config into ``run_dir`` from Python (the CLI's ``rlfabric train``), on a Gymnasium env or a
+    game; returns the run summary."""
+    trainer = ppo_trainer(cfg, run_dir, quiet=quiet)
+    try:
+        return trainer.train()
+    finally:
+        trainer.close()

@@ -1,0 +1,1 @@
+"""Multi-agent games: PettingZoo envs, per-agent spaces, policy mapping, self-play."""

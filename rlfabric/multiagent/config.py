@@ -1,0 +1,142 @@
+"""The ``multi_agent`` section of a PPO config: which policies act in a game, which agent each one plays, the
+critic (MAPPO or IPPO) and self-play. Validated with the rest of the config, before any actor starts."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from rlfabric.config_base import require
+
+POLICY_KINDS = ("neural", "random", "scripted")
+
+
+@dataclass
+class PolicySpec:
+    # neural: a trainable MLP policy with its own learner, optimizer and versions. random: uniform over the legal
+    # actions. scripted: a fixed rule, ``rule`` = a shipped one ("tictactoe") or "package.module:function" taking
+    # (flat observations [B, D], action masks [B, A] or None) and returning B actions.
+    kind: Literal["neural", "random", "scripted"] = "neural"
+    rule: str | None = None
+
+
+@dataclass
+class SelfPlayConfig:
+    # Off: every agent plays the policy it is mapped to. On: in each episode one agent mapped to ``policy`` (chosen
+    # at random) plays the learning policy and its other agents play a frozen snapshot drawn from the opponent pool.
+    enabled: bool = False
+    policy: str = "main"
+    # A snapshot of the learning policy joins the pool every this many versions (null: never on a schedule) ...
+    snapshot_every: int | None = 10
+    # ... or when its win rate against the pool over the last win_rate_window games reaches this (null: never).
+    win_rate_threshold: float | None = None
+    win_rate_window: int = 100
+    min_games: int = 50  # games since the last snapshot before the win-rate trigger may fire
+    max_size: int = 20  # snapshots kept (the oldest leave first)
+    # How an episode's opponent is drawn: uniform, recency (newer more often), pfsp (prioritized fictitious
+    # self-play: snapshots the learner beats less often are drawn more often).
+    sampling: Literal["uniform", "recency", "pfsp"] = "uniform"
+    pfsp_power: float = 2.0
+    elo_k: float = 16.0
+
+
+@dataclass
+class MultiAgentConfig:
+    # Policies by name; {} means one trainable neural policy, "shared", that every agent plays (shared parameters).
+    policies: dict[str, PolicySpec] = field(default_factory=dict)
+    # Agent id pattern (fnmatch, e.g. "adversary_*") -> policy name, first match wins; {} maps every agent to the
+    # one policy. "<agent>" alone maps one agent.
+    policy_mapping: dict[str, str] = field(default_factory=dict)
+    # independent: each policy's critic sees the agent's observation (IPPO). centralized: it sees the env's global
+    # state() (or every agent's observation concatenated) and a one-hot of the agent (MAPPO).
+    critic: Literal["independent", "centralized"] = "independent"
+    self_play: SelfPlayConfig = field(default_factory=SelfPlayConfig)
+    # Baselines the final policy is evaluated against in a game with self-play: "random", "scripted:<rule>".
+    eval_opponents: list[str] = field(default_factory=lambda: ["random"])
+    # With self-play: every this many iterations, eval_games greedy games against each eval opponent are logged
+    # (win_rate_vs_<opponent>); the final evaluation plays eval_games too (0: no periodic evaluation).
+    eval_every: int = 10
+    eval_games: int = 100
+
+
+DEFAULT_POLICY = "shared"
+
+
+def policy_specs(cfg: MultiAgentConfig) -> dict[str, PolicySpec]:
+    """The policies of a game: those configured, or the one shared trainable policy."""
+    return dict(cfg.policies) or {DEFAULT_POLICY: PolicySpec()}
+
+
+def trainable_policies(cfg: MultiAgentConfig) -> list[str]:
+    """Names of the neural (trainable) policies, in config order: one learner each."""
+    return [name for name, spec in policy_specs(cfg).items() if spec.kind == "neural"]
+
+
+def validate_multi_agent(cfg: MultiAgentConfig) -> None:
+    specs = policy_specs(cfg)
+    for name, spec in specs.items():
+        require(
+            spec.kind != "scripted" or bool(spec.rule),
+            f"multi_agent.policies.{name}.rule",
+            spec.rule,
+            "a scripted policy needs a rule: 'tictactoe' or 'package.module:function'",
+        )
+    require(
+        bool(trainable_policies(cfg)),
+        "multi_agent.policies",
+        sorted(specs),
+        "at least one policy must be kind: neural (something has to train)",
+    )
+    for pattern, policy in cfg.policy_mapping.items():
+        require(
+            policy in specs,
+            f"multi_agent.policy_mapping.{pattern}",
+            policy,
+            f"must name a policy of multi_agent.policies ({', '.join(sorted(specs))})",
+        )
+    require(
+        bool(cfg.policy_mapping) or len(specs) == 1,
+        "multi_agent.policy_mapping",
+        cfg.policy_mapping,
+        "with several policies, map agents to them (e.g. {'player_1': main, 'player_2': opponent})",
+    )
+    sp = cfg.self_play
+    if sp.enabled:
+        require(
+            sp.policy in specs and specs[sp.policy].kind == "neural",
+            "multi_agent.self_play.policy",
+            sp.policy,
+            f"must name a neural policy of multi_agent.policies ({', '.join(trainable_policies(cfg))})",
+        )
+        require(
+            sp.snapshot_every is None or sp.snapshot_every >= 1,
+            "multi_agent.self_play.snapshot_every",
+            sp.snapshot_every,
+            "must be >= 1 or null",
+        )
+        require(
+            sp.win_rate_threshold is None or 0 < sp.win_rate_threshold <= 1,
+            "multi_agent.self_play.win_rate_threshold",
+            sp.win_rate_threshold,
+            "must be in (0, 1] or null",
+        )
+        require(
+            sp.snapshot_every is not None or sp.win_rate_threshold is not None,
+            "multi_agent.self_play.snapshot_every",
+            sp.snapshot_every,
+            "set it or win_rate_threshold: otherwise no snapshot ever joins the pool",
+        )
+        require(sp.win_rate_window >= 1, "multi_agent.self_play.win_rate_window", sp.win_rate_window, "must be >= 1")
+        require(sp.min_games >= 0, "multi_agent.self_play.min_games", sp.min_games, "must be >= 0")
+        require(sp.max_size >= 1, "multi_agent.self_play.max_size", sp.max_size, "must be >= 1")
+        require(sp.pfsp_power > 0, "multi_agent.self_play.pfsp_power", sp.pfsp_power, "must be > 0")
+        require(sp.elo_k > 0, "multi_agent.self_play.elo_k", sp.elo_k, "must be > 0")
+    require(cfg.eval_every >= 0, "multi_agent.eval_every", cfg.eval_every, "must be >= 0 (0: only at the end)")
+    require(cfg.eval_games >= 1, "multi_agent.eval_games", cfg.eval_games, "must be >= 1")
+    for name in cfg.eval_opponents:
+        require(
+            name == "random" or (name.startswith("scripted:") and len(name) > len("scripted:")),
+            "multi_agent.eval_opponents",
+            name,
+            "each must be 'random' or 'scripted:<rule>' (e.g. scripted:tictactoe)",
+        )

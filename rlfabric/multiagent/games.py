@@ -1,0 +1,284 @@
+"""One copy of a PettingZoo game, stepped for a rollout worker: who must act now, what each agent's steps were.
+
+Parallel and AEC envs look the same from outside. ``requests()`` lists the agents that must act now (every live
+agent of a Parallel env; the selected agent of an AEC env), ``apply(actions)`` steps the env with their actions.
+Each agent's own steps accumulate in an ``AgentStream``: a step opens when the agent acts and closes when its reward
+is known — at once in a Parallel env, at the agent's next turn (or the game's end) in an AEC env, where
+``last()`` gives the reward gathered since the agent last acted. So a turn-based game's rewards that arrive on the
+opponent's move (a loss) land on the step that earned them. ``take_rows()`` hands over each stream's closed steps at
+the end of a fragment; a step still open carries over into the next fragment.
+
+Agents that finish early simply stop being asked; agents that join late start a stream when first asked. A game
+whose agents are all done is reset with the next seed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+from pettingzoo.utils.env import AECEnv, ParallelEnv
+
+from rlfabric.multiagent.spaces import AgentSpaces
+
+
+def is_parallel(env: Any) -> bool:
+    return isinstance(env, ParallelEnv)
+
+
+def is_game(env: Any) -> bool:
+    return isinstance(env, (AECEnv, ParallelEnv))
+
+
+class CriticInput:
+    """What a centralized critic sees: the env's global ``state()`` when it has one, else every possible agent's
+    flat observation concatenated (zeros for an agent that has none now); then a one-hot of the agent among
+    ``possible_agents``, so one shared critic can tell the agents apart (MAPPO's agent-specific global state)."""
+
+    def __init__(self, env: Any, spaces: dict[str, AgentSpaces]) -> None:
+        self.agents = list(env.possible_agents)
+        self.spaces = spaces
+        self.uses_state = has_state(env)
+        state_dim = (
+            int(np.asarray(env.state()).size) if self.uses_state else sum(spaces[a].obs_dim for a in self.agents)
+        )
+        self.dim = state_dim + len(self.agents)
+
+    def __call__(self, env: Any, agent: str, latest_obs: dict[str, np.ndarray]) -> np.ndarray:
+        if self.uses_state:
+            state = np.asarray(env.state(), np.float32).reshape(-1)
+        else:
+            state = np.concatenate(
+                [latest_obs.get(a, np.zeros(self.spaces[a].obs_dim, np.float32)) for a in self.agents]
+            )
+        one_hot = np.zeros(len(self.agents), np.float32)
+        one_hot[self.agents.index(agent)] = 1.0
+        return np.concatenate([state, one_hot])
+
+
+def has_state(env: Any) -> bool:
+    """Whether the env has a working global ``state()`` (PettingZoo's optional method); the env must be reset."""
+    try:
+        np.asarray(env.state())
+    except (NotImplementedError, AttributeError):
+        return False
+    return True
+
+
+@dataclass
+class AgentStream:
+    """One agent's own steps in one env copy under one actor (policy or snapshot), since the last ``take``."""
+
+    record: bool  # False: an opponent's steps, counted but not kept (nothing trains on them)
+    obs: list[np.ndarray] = field(default_factory=list)
+    critic: list[np.ndarray] = field(default_factory=list)
+    masks: list[np.ndarray] = field(default_factory=list)
+    actions: list[Any] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    rewards: list[float] = field(default_factory=list)
+    terminated: list[bool] = field(default_factory=list)
+    truncated: list[bool] = field(default_factory=list)
+    truncations: list[tuple[int, np.ndarray, np.ndarray | None]] = field(default_factory=list)
+    next_obs: np.ndarray | None = None  # what the agent observed after its last closed step (the bootstrap)
+    next_critic: np.ndarray | None = None
+    pending: dict[str, Any] | None = None  # the open step, awaiting its reward
+
+    @property
+    def closed(self) -> int:
+        return len(self.rewards)
+
+    def open(
+        self,
+        obs: np.ndarray,
+        critic: np.ndarray | None,
+        mask: np.ndarray | None,
+        action: Any,
+        logp: float,
+        version: int,
+    ) -> None:
+        self.pending = {"obs": obs, "critic": critic, "mask": mask, "action": action, "logp": logp, "version": version}
+
+    def close(
+        self, reward: float, terminated: bool, truncated: bool, next_obs: np.ndarray, next_critic: np.ndarray | None
+    ) -> None:
+        step, self.pending = self.pending, None
+        if step is None or not self.record:
+            return
+        self.obs.append(step["obs"])
+        self.critic.append(step["critic"])
+        self.masks.append(step["mask"])
+        self.actions.append(step["action"])
+        self.logprobs.append(step["logp"])
+        self.versions.append(step["version"])
+        self.rewards.append(float(reward))
+        self.terminated.append(bool(terminated))
+        self.truncated.append(bool(truncated) and not terminated)
+        if truncated and not terminated:
+            self.truncations.append((self.closed - 1, next_obs, next_critic))
+        self.next_obs, self.next_critic = next_obs, next_critic
+
+    def take(self) -> AgentStream:
+        """The closed steps so far, as a stream of their own; this one keeps only its open step."""
+        taken = AgentStream(
+            self.record,
+            self.obs,
+            self.critic,
+            self.masks,
+            self.actions,
+            self.logprobs,
+            self.versions,
+            self.rewards,
+            self.terminated,
+            self.truncated,
+            self.truncations,
+            self.next_obs,
+            self.next_critic,
+        )
+        pending = self.pending
+        self.__init__(self.record)  # type: ignore[misc]
+        self.pending, self.next_obs, self.next_critic = pending, taken.next_obs, taken.next_critic
+        return taken
+
+
+@dataclass
+class Request:
+    """An agent that must act now, with what its policy sees."""
+
+    copy: int
+    agent: str
+    actor: str  # the policy (or opponent snapshot) that plays this agent in this episode
+    obs: np.ndarray
+    mask: np.ndarray | None
+    critic: np.ndarray | None
+
+
+@dataclass
+class EpisodeEnd:
+    """A finished episode of one env copy: each agent's return, who played it, and the env steps it took."""
+
+    returns: dict[str, float]
+    actors: dict[str, str]
+    length: int
+
+
+class GameCopy:
+    """One env copy (see the module docstring). ``assign(copy_index) -> {agent: actor}`` is asked at each reset
+    for who plays which agent this episode; ``records(actor)`` says whether that actor's steps are kept."""
+
+    def __init__(
+        self,
+        index: int,
+        env: Any,
+        spaces: dict[str, AgentSpaces],
+        critic: CriticInput | None,
+        assign: Callable[[int], dict[str, str]],
+        records: Callable[[str], bool],
+    ) -> None:
+        self.index, self.env, self.spaces, self.critic_input = index, env, spaces, critic
+        self.assign, self.records = assign, records
+        self.parallel = is_parallel(env)
+        self.streams: dict[tuple[str, str], AgentStream] = {}
+        self.actors: dict[str, str] = {}
+        self.returns: dict[str, float] = {}
+        self.length = 0
+        self.latest: dict[str, np.ndarray] = {}  # each agent's latest flat observation (for the critic's fallback)
+        self.parallel_obs: dict[str, Any] = {}
+        self.seed = 0
+
+    # -- episodes -------------------------------------------------------------------------------------------
+
+    def reset(self, seed: int) -> list[EpisodeEnd]:
+        self.seed = seed
+        self.actors = self.assign(self.index)
+        self.returns = {}
+        self.length = 0
+        self.latest = {}
+        if self.parallel:
+            self.parallel_obs, _ = self.env.reset(seed=seed)
+            for agent, raw in self.parallel_obs.items():
+                self.latest[agent] = self.spaces[agent].encode(raw)[0]
+            return []
+        self.env.reset(seed=seed)
+        return self._advance_aec()
+
+    def _stream(self, agent: str) -> AgentStream:
+        actor = self.actors[agent]
+        key = (agent, actor)
+        if key not in self.streams:
+            self.streams[key] = AgentStream(self.records(actor))
+        return self.streams[key]
+
+    def _critic(self, agent: str) -> np.ndarray | None:
+        return None if self.critic_input is None else self.critic_input(self.env, agent, self.latest)
+
+    def _close(self, agent: str, raw_obs: Any, reward: float, terminated: bool, truncated: bool) -> None:
+        flat = self.spaces[agent].encode(raw_obs)[0]
+        self.latest[agent] = flat
+        self.returns[agent] = self.returns.get(agent, 0.0) + float(reward)
+        stream = self._stream(agent)
+        if stream.pending is not None:
+            stream.close(reward, terminated, truncated, flat, self._critic(agent))
+
+    def _episode_over(self) -> list[EpisodeEnd]:
+        end = EpisodeEnd(dict(self.returns), dict(self.actors), self.length)
+        return [end, *self.reset(self.seed + 1)]
+
+    def _advance_aec(self) -> list[EpisodeEnd]:
+        """Step past agents that are done (AEC: they must step with None) until a live agent is selected, closing
+        each visited agent's open step with the reward ``last()`` gathered for it; reset when the game is over."""
+        env = self.env
+        while env.agents:
+            agent = env.agent_selection
+            raw, reward, terminated, truncated, _ = env.last()
+            self._close(agent, raw, reward, terminated, truncated)
+            if not (terminated or truncated):
+                return []
+            env.step(None)
+        return self._episode_over()
+
+    # -- acting ---------------------------------------------------------------------------------------------
+
+    def requests(self) -> list[Request]:
+        if self.parallel:
+            agents = [(a, self.parallel_obs[a]) for a in self.env.agents]
+        else:
+            agent = self.env.agent_selection
+            agents = [(agent, self.env.observe(agent))]
+        out = []
+        for agent, raw in agents:
+            flat, mask = self.spaces[agent].encode(raw)
+            self.latest[agent] = flat
+            out.append(Request(self.index, agent, self.actors[agent], flat, mask, None))
+        if self.critic_input is not None:
+            for r in out:
+                r.critic = self._critic(r.agent)
+        return out
+
+    def apply(self, acted: list[tuple[Request, Any, float, int]]) -> list[EpisodeEnd]:
+        """Step the env with (request, action, logprob, version) for each request; return finished episodes."""
+        for request, action, logp, version in acted:
+            self._stream(request.agent).open(request.obs, request.critic, request.mask, action, logp, version)
+        self.length += 1
+        if self.parallel:
+            obs, rewards, terminations, truncations, _ = self.env.step({r.agent: a for r, a, _, _ in acted})
+            self.parallel_obs = obs
+            for request, *_ in acted:
+                a = request.agent
+                self._close(a, obs[a], rewards.get(a, 0.0), terminations.get(a, False), truncations.get(a, False))
+            return self._episode_over() if not self.env.agents else []
+        (request, action, _, _) = acted[0]
+        self.env.step(action)
+        return self._advance_aec()
+
+    def take_rows(self) -> list[tuple[str, str, AgentStream]]:
+        """(agent, actor, closed steps) for every recorded stream with steps since the last take."""
+        out = []
+        for (agent, actor), stream in self.streams.items():
+            if stream.record and stream.closed:
+                out.append((agent, actor, stream.take()))
+        # Streams of actors no longer playing (self-play seats change per episode) are dropped once empty.
+        self.streams = {k: s for k, s in self.streams.items() if s.pending is not None or self.actors.get(k[0]) == k[1]}
+        return out

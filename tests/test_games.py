@@ -1,0 +1,167 @@
+"""Multi-agent games: per-agent steps and rewards, action masks, policy mapping, the learner's ragged rows."""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import pettingzoo
+import pytest
+import torch
+
+from rlfabric.actors.game_runner import GameRunnerCore, map_agents
+from rlfabric.algorithms import ppo
+from rlfabric.config import load_config
+from rlfabric.models import ActorCritic, NumpyPolicy
+from rlfabric.multiagent.games import GameCopy
+from rlfabric.multiagent.spaces import agent_spaces
+
+warnings.filterwarnings("ignore", category=DeprecationWarning)
+
+
+def tictactoe():
+    return pettingzoo.make("aec", "classic/tictactoe-v3")
+
+
+def scripted_copy(moves: list[int]) -> tuple[GameCopy, list]:
+    """A tic-tac-toe copy whose agents play ``moves`` in turn; returns it and the finished episodes."""
+    env = tictactoe()
+    env.reset(seed=0)
+    spaces = {a: agent_spaces(env.observation_space(a), env.action_space(a), a) for a in env.possible_agents}
+    copy = GameCopy(0, env, spaces, None, lambda _: {a: "main" for a in env.possible_agents}, lambda _: True)
+    ends = copy.reset(0)
+    for move in moves:
+        (request,) = copy.requests()
+        ends += copy.apply([(request, move, -0.5, 3)])
+    return copy, ends
+
+
+def rows_by_agent(copy: GameCopy) -> dict[str, object]:
+    return {agent: stream for agent, _, stream in copy.take_rows()}
+
+
+def test_a_turn_based_win_puts_each_players_outcome_on_its_own_last_move():
+    # player_1 takes the top row (cells 0, 3, 6 in PettingZoo's column-major board), player_2 plays 1 and 4
+    copy, ends = scripted_copy([0, 1, 3, 4, 6])
+    assert len(ends) == 1 and ends[0].returns == {"player_1": 1.0, "player_2": -1.0}
+    rows = rows_by_agent(copy)
+    assert rows["player_1"].actions == [0, 3, 6] and rows["player_2"].actions == [1, 4]
+    assert rows["player_1"].rewards == [0.0, 0.0, 1.0]
+    assert rows["player_2"].rewards == [0.0, -1.0]  # the loss lands on player_2's last move, not on player_1's
+    assert rows["player_1"].terminated == [False, False, True]
+    assert rows["player_2"].terminated == [False, True]
+    assert rows["player_1"].logprobs == [-0.5] * 3 and rows["player_1"].versions == [3] * 3
+
+
+def test_an_open_step_carries_over_into_the_next_fragment():
+    copy, _ = scripted_copy([4, 0, 8])  # player_1 moved last: its step waits for player_2's reply
+    first = rows_by_agent(copy)
+    assert first["player_1"].actions == [4] and first["player_2"].actions == [0]
+    (request,) = copy.requests()
+    copy.apply([(request, 2, 0.0, 0)])  # player_2 replies: player_1's move 8 closes, player_2's 2 is now open
+    assert {a: s.actions for a, s in rows_by_agent(copy).items()} == {"player_1": [8]}
+    (request,) = copy.requests()
+    copy.apply([(request, 1, 0.0, 0)])
+    assert {a: s.actions for a, s in rows_by_agent(copy).items()} == {"player_2": [2]}
+
+
+def test_masks_reach_the_record_and_masked_actions_are_never_sampled():
+    env = tictactoe()
+    env.reset(seed=0)
+    spaces = agent_spaces(env.observation_space("player_1"), env.action_space("player_1"))
+    model = ActorCritic(spaces.obs_dim, spaces.action, [16])
+    with torch.no_grad():
+        model.actor[-1].bias[:] = torch.tensor([9.0, 9.0, 0, 0, 0, 0, 0, 0, 0])  # the net prefers 0 and 1
+    mask = np.zeros((4000, 9), bool)
+    mask[:, 5] = mask[:, 7] = True
+    obs = np.zeros((4000, spaces.obs_dim), np.float32)
+    actions, logp = NumpyPolicy(model.actor_arrays()).act(obs, np.random.default_rng(0), mask=mask)
+    assert set(actions.tolist()) == {5, 7}
+    new_logp, _, _ = model.evaluate(torch.as_tensor(obs[:2]), torch.as_tensor(actions[:2]), torch.as_tensor(mask[:2]))
+    np.testing.assert_allclose(new_logp.detach().numpy(), logp[:2], atol=1e-5)
+    np.testing.assert_allclose(np.exp(logp[:2]), [0.5, 0.5], atol=1e-5)  # equal logits on the two legal cells
+
+
+def test_a_whole_sample_sends_no_illegal_move_and_keeps_the_masks():
+    cfg = load_config(None, ["algo=ppo", "env.id=pettingzoo:classic.tictactoe_v3", "multi_agent.policies={main: {}}"])
+    runner = GameRunnerCore(cfg.env.id, {}, 4, 64, 0, cfg.multi_agent, 10.0)
+    info = runner.spaces_info()["main"]
+    runner.set_weights(
+        {"actor": ActorCritic(info["obs_dim"], info["action"], [8]).actor_arrays(), "version": 0, "obs_stats": None}
+    )
+    meta, frag = runner.sample()  # tictactoe_v3 raises on an illegal move
+    assert meta["episode_returns"] and frag.action_mask is not None
+    steps = frag.loss_mask > 0
+    chosen = np.take_along_axis(frag.action_mask, frag.actions[..., None], axis=-1)[..., 0]
+    assert chosen[steps].all()  # each recorded action was legal under its recorded mask
+    assert (~frag.action_mask[steps]).any()  # and the masks are real: some moves were illegal
+    assert set(frag.agent_id) == {"player_1", "player_2"} and set(frag.policy_id) == {"main"}
+
+
+def test_policy_mapping_gives_each_policy_only_its_agents_rows():
+    cfg = load_config(
+        None,
+        [
+            "algo=ppo",
+            "env.id=pettingzoo:classic.tictactoe_v3",
+            "multi_agent.policies={first: {}, second: {}}",
+            "multi_agent.policy_mapping={player_1: first, player_2: second}",
+        ],
+    )
+    runner = GameRunnerCore(cfg.env.id, {}, 2, 32, 0, cfg.multi_agent, 10.0)
+    info = runner.spaces_info()
+    weights = [
+        {
+            "actor": ActorCritic(info[p]["obs_dim"], info[p]["action"], [8]).actor_arrays(),
+            "version": 0,
+            "obs_stats": None,
+        }
+        for p in ("first", "second")
+    ]
+    runner.set_weights(*weights)
+    _, first, second = runner.sample()
+    assert set(first.agent_id) == {"player_1"} and set(first.policy_id) == {"first"}
+    assert set(second.agent_id) == {"player_2"} and set(second.policy_id) == {"second"}
+
+
+def test_map_agents_by_pattern_and_an_unmapped_agent_is_named():
+    agents = ["adversary_0", "agent_0", "agent_1"]
+    assert map_agents(agents, {"adversary_*": "red", "agent_*": "blue"}, ["red", "blue"]) == {
+        "adversary_0": "red",
+        "agent_0": "blue",
+        "agent_1": "blue",
+    }
+    with pytest.raises(ValueError, match="'agent_0' matches none"):
+        map_agents(agents, {"adversary_*": "red"}, ["red"])
+
+
+def test_row_next_values_by_hand():
+    values = np.array([[1.0, 2.0, 3.0], [4.0, 5.0, 0.0]], np.float32)
+    got = ppo.row_next_values(
+        values,
+        np.array([3, 2]),
+        np.array([10.0, 20.0], np.float32),
+        np.array([[0, 0]]),  # row 0 was truncated after its first step
+        np.array([7.0], np.float32),
+    )
+    np.testing.assert_array_equal(got, [[7.0, 3.0, 10.0], [5.0, 20.0, 0.0]])
+
+
+def test_value_normalization_round_trip_by_hand():
+    np.testing.assert_allclose(ppo.normalize_values(np.array([3.0, 5.0]), 4.0, 4.0, eps=0.0), [-0.5, 0.5])
+    np.testing.assert_allclose(ppo.denormalize_values(np.array([-0.5, 0.5]), 4.0, 4.0, eps=0.0), [3.0, 5.0])
+
+
+def test_centralized_critic_sees_the_global_state_and_the_agent():
+    cfg = load_config(None, ["algo=ppo", "env.id=mpe2:simple_spread_v3", "multi_agent.critic=centralized"])
+    runner = GameRunnerCore(cfg.env.id, {}, 2, 5, 0, cfg.multi_agent, 10.0)
+    info = runner.spaces_info()["shared"]
+    assert info["critic_dim"] == 54 + 3  # state() of 3 agents' 18 observations, then the agent's one-hot
+    runner.set_weights(
+        {"actor": ActorCritic(info["obs_dim"], info["action"], [8]).actor_arrays(), "version": 0, "obs_stats": None}
+    )
+    _, frag = runner.sample()
+    assert frag.critic_obs.shape == (6, 5, 57) and frag.bootstrap_critic_obs.shape == (6, 57)
+    for row, agent in enumerate(frag.agent_id):
+        one_hot = frag.critic_obs[row, :, 54:]
+        assert (one_hot == np.eye(3)[["agent_0", "agent_1", "agent_2"].index(agent)]).all()
