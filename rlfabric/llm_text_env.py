@@ -117,8 +117,9 @@ def episode_totals(scored: list[dict[str, Any]], samples: int) -> dict[str, floa
 
 
 def tool_server_commands(tool_servers: list[str] | dict[str, str]) -> dict[str, str]:
-    """``env.tool_servers`` as {name: command line with ``{port}``}: a shipped task server's name alone stands for
-    its HTTP command (``python -m rlfabric.envs.<name>_server --http {port} --host {host}``)."""
+    """``env.tool_servers`` as {name: command line}: a shipped task server's name alone stands for its HTTP command
+    (``python -m rlfabric.envs.<name>_server --http {port} --host {host}``). A command with ``{port}`` serves
+    streamable HTTP on it; one without is a stdio server, run behind the stdio gateway (a process per session)."""
     from rlfabric.envs.task_library import TASK_SERVERS
 
     named = tool_servers if isinstance(tool_servers, dict) else dict.fromkeys(tool_servers, "")
@@ -128,7 +129,8 @@ def tool_server_commands(tool_servers: list[str] | dict[str, str]) -> dict[str, 
             if name not in TASK_SERVERS:
                 raise ConfigError(
                     f"env.tool_servers: {name!r} is not a shipped task server ({', '.join(TASK_SERVERS)}); give its "
-                    "command line with {port}, e.g. {mine: 'my-mcp-server --port {port}'}"
+                    "command line, stdio ({mine: 'my-mcp-server'}) or streamable HTTP on {port} "
+                    "({mine: 'my-mcp-server --port {port}'})"
                 )
             command = TASK_SERVERS[name].http_command
         commands[name] = command

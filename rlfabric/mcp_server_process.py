@@ -7,6 +7,11 @@ launches the process in a process group of its own (killed with its parent on Li
 whoever started it) and keeps the probe session it opened, whose ``ping()`` is a health check; ``await stop()``
 ends the probe and the whole process group. The supervised ``ToolServer`` actor restarts one of these;
 ``rlfabric tools check`` runs one.
+
+A command without ``{port}`` is a stdio server (``is_stdio_command``): ``StdioGatewayProcess(command, host)`` runs
+it behind the stdio gateway (``rlfabric.mcp_stdio_gateway``: streamable HTTP in front, a child process of the
+command per session), with ``state()`` (the gateway's sessions, their children's pids, the last child's failure)
+and ``reprobe()`` (a fresh probe session, so a fresh child: the command still starts) for its health checks.
 """
 
 from __future__ import annotations
@@ -21,8 +26,9 @@ import socket
 import sys
 import tempfile
 import time
+from typing import Any
 
-from rlfabric.mcp_tools import McpSession, server_command
+from rlfabric.mcp_tools import McpSession, McpStartError, server_command
 
 PORT_FIELD = "{port}"
 HOST_FIELD = "{host}"
@@ -38,6 +44,17 @@ def http_command(command: str | list[str], port: int, host: str = "127.0.0.1") -
             f"HTTP on the port it is given, e.g. 'python -m rlfabric.envs.notes_server --http {PORT_FIELD}'"
         )
     return [part.replace(PORT_FIELD, str(port)).replace(HOST_FIELD, host) for part in argv]
+
+
+def is_stdio_command(command: str | list[str]) -> bool:
+    """Whether a tool server's command line serves stdio, having no ``{port}`` to serve HTTP on."""
+    return not any(PORT_FIELD in part for part in server_command(command))
+
+
+def gateway_command(command: str | list[str]) -> list[str]:
+    """The stdio gateway's command line (with ``{port}`` and ``{host}``) serving the stdio server ``command``."""
+    gateway = [sys.executable, "-m", "rlfabric.mcp_stdio_gateway", "--port", PORT_FIELD, "--host", HOST_FIELD]
+    return [*gateway, "--", *server_command(command)]
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -72,15 +89,7 @@ class HttpServerProcess:
     async def start(self, timeout_s: float = 30.0) -> str:
         """Launch the server and wait until an MCP session opens on it; its URL. Raises RuntimeError naming the
         server, its command, why, and the tail of its log when it does not come up within ``timeout_s``."""
-        self._log.seek(0)
-        self._log.truncate()
-        self.process = await asyncio.create_subprocess_exec(
-            *self.argv,
-            stdin=asyncio.subprocess.DEVNULL,
-            stdout=self._log,
-            stderr=self._log,
-            preexec_fn=_die_with_parent,
-        )
+        await self._launch()
         deadline = time.monotonic() + timeout_s
         reason = "no answer"
         while time.monotonic() < deadline:
@@ -98,6 +107,17 @@ class HttpServerProcess:
         raise RuntimeError(
             f"tool server {self.name!r} ({shlex.join(self.argv)}) did not start within {timeout_s:g}s: {reason}; "
             f"log: {self.log_tail()}"
+        )
+
+    async def _launch(self) -> None:
+        self._log.seek(0)
+        self._log.truncate()
+        self.process = await asyncio.create_subprocess_exec(
+            *self.argv,
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=self._log,
+            stderr=self._log,
+            preexec_fn=_die_with_parent,
         )
 
     async def ping(self, timeout_s: float) -> None:
@@ -128,3 +148,78 @@ class HttpServerProcess:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(process.pid, signal.SIGKILL)
             await process.wait()
+
+
+class StdioGatewayProcess(HttpServerProcess):
+    """The stdio gateway serving the stdio server ``command`` (see the module docstring); its probe session holds
+    a child of the command."""
+
+    def __init__(self, name: str, command: str | list[str], host: str = "127.0.0.1") -> None:
+        self.stdio_argv = server_command(command)
+        super().__init__(name, gateway_command(self.stdio_argv), host)
+        self.health_url = self.url.removesuffix("/mcp") + "/health"
+        self._http: Any = None
+
+    async def start(self, timeout_s: float = 30.0) -> str:
+        """Launch the gateway, wait until it answers, and open the probe session (the first child of the command);
+        its URL. Raises RuntimeError naming the server and the command: the gateway's log when the gateway does not
+        come up within ``timeout_s``, else why the command's child did not start (its exit status and stderr)."""
+        await self._launch()
+        deadline = time.monotonic() + timeout_s
+        reason = "no answer"
+        while True:
+            assert self.process is not None
+            if self.process.returncode is not None:
+                reason = f"the gateway exited with status {self.process.returncode}"
+                break
+            if time.monotonic() >= deadline:
+                break
+            try:
+                await self.state(max(min(1.0, deadline - time.monotonic()), 0.1))
+            except Exception as exc:  # noqa: BLE001 - not listening yet; tried again until the deadline
+                reason = f"{type(exc).__name__}: {exc}"
+                await asyncio.sleep(0.1)
+                continue
+            try:
+                await self.reprobe(max(deadline - time.monotonic(), 0.1))
+            except RuntimeError as exc:
+                await self.stop()
+                raise RuntimeError(
+                    f"tool server {self.name!r} ({shlex.join(self.stdio_argv)}) did not start: {exc}"
+                ) from None
+            return self.url
+        await self.stop()
+        raise RuntimeError(
+            f"tool server {self.name!r} ({shlex.join(self.stdio_argv)}) did not start within {timeout_s:g}s: {reason}; "
+            f"log: {self.log_tail()}"
+        )
+
+    async def state(self, timeout_s: float) -> dict[str, Any]:
+        """The gateway's ``/health`` within ``timeout_s``: ``sessions``, ``pids`` (their children), ``last_error``."""
+        import httpx2
+
+        if self._http is None:
+            self._http = httpx2.AsyncClient(verify=False)  # plain HTTP on this node or the cluster's network
+        response = await asyncio.wait_for(self._http.get(self.health_url, timeout=timeout_s), timeout_s)
+        response.raise_for_status()
+        return dict(response.json())
+
+    async def reprobe(self, timeout_s: float) -> None:
+        """Replace the probe session with a fresh one, which starts a fresh child of the command. RuntimeError with
+        the gateway's reason (the child's exit status and stderr) when it does not open within ``timeout_s``."""
+        old, self.probe = self.probe, None
+        if old is not None:
+            with contextlib.suppress(Exception):
+                await old.close(timeout_s=2.0)
+        try:
+            self.probe = await McpSession.open(self.url, timeout_s)
+        except McpStartError as exc:
+            reason = str(exc).split("MCPError: ", 1)[-1]  # the gateway's own words, which name the command: once
+            raise RuntimeError(reason.replace(f" ({shlex.join(self.stdio_argv)})", "")) from None
+
+    async def stop(self) -> None:
+        await super().stop()
+        http, self._http = self._http, None
+        if http is not None:
+            with contextlib.suppress(Exception):
+                await http.aclose()

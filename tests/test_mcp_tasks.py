@@ -129,7 +129,8 @@ def test_the_cli_lists_the_task_servers_and_checks_one_with_its_scripted_solver(
 @pytest.mark.parametrize(
     ("tool_servers", "says"),
     [
-        ({"mine": "my-mcp-server"}, r"env.tool_servers = .*command lines with \{port\}"),
+        ({"mine": 3}, r"env.tool_servers = \{'mine': 3\} is not valid"),
+        ({"": "my-mcp-server"}, r"env.tool_servers = \{'': 'my-mcp-server'\} is not valid"),
         ("notes", r"env.tool_servers = 'notes' is not valid"),
     ],
 )
