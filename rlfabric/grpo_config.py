@@ -90,9 +90,9 @@ class LLMEnvConfig:
     # shows the error to the agent as its observation.
     on_env_error: Literal["fail", "observe"] = "fail"
     # MCP servers the run starts and supervises, one Ray actor each (health checks, restarts; docs/agents.md): a
-    # list of shipped task servers' names ([notes, bank]), or a mapping of names to command lines that serve
-    # streamable HTTP on {port} ({mine: "my-mcp-server --port {port}"}). The env's factory gets them as
-    # tool_servers={name: actor}.
+    # list of shipped task servers' names ([notes, bank]), or a mapping of names to command lines: one that serves
+    # streamable HTTP on {port} ({mine: "my-mcp-server --port {port}"}), or a stdio server ({mine: "my-mcp-server"}),
+    # run behind the stdio gateway, a process per session. The env's factory gets them as tool_servers={name: actor}.
     tool_servers: list[str] | dict[str, str] = field(default_factory=list)
 
 
@@ -422,10 +422,10 @@ def _validate_env(cfg: LLMConfig) -> None:
     entries = servers.items() if isinstance(servers, dict) else [(name, "") for name in servers]
     require(
         isinstance(servers, (list, dict))
-        and all(isinstance(n, str) and n and isinstance(c, str) and (not c or "{port}" in c) for n, c in entries),
+        and all(isinstance(n, str) and n and isinstance(c, str) for n, c in entries),
         "env.tool_servers",
         servers,
-        "must be a list of task server names, or a mapping of names to command lines with {port}",
+        "must be a list of task server names, or a mapping of names to command lines (stdio, or HTTP on {port})",
     )
 
 

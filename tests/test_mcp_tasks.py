@@ -140,6 +140,12 @@ def test_a_bad_tool_servers_value_is_one_error_naming_the_field(tool_servers, sa
         config_from_dict({**config, "rewards": {"functions": []}})
 
 
+def test_a_stdio_command_is_a_valid_tool_server():
+    servers = {"notes": "python -m rlfabric.envs.notes_server", "web": "my-server --port {port}"}
+    config = {"algo": "grpo", "env": {"id": "rlfabric/McpTasks-v0", "tool_servers": servers}, "sft": {"steps": 0}}
+    assert config_from_dict({**config, "rewards": {"functions": []}}).env.tool_servers == servers
+
+
 def test_an_unknown_shipped_server_name_is_one_error_listing_them():
     assert tool_server_commands(["notes"]) == {"notes": TASK_SERVERS["notes"].http_command}
     with pytest.raises(ConfigError, match=r"'atm' is not a shipped task server \(notes, bank"):
