@@ -159,11 +159,11 @@ class GameRunnerCore:
 
     def _assign(self, copy_index: int) -> dict[str, str]:
         """This episode's actor per agent: its mapped policy; under self-play, one agent of the learning policy
-        plays it and the policy's other agents play a snapshot drawn from the pool (while the pool is empty,
-        the learning policy plays every seat)."""
+        plays it and the policy's other agents play a snapshot drawn from the pool, except in a share
+        ``latest_prob`` of episodes (and while the pool is empty), where the learning policy plays every seat."""
         actors = dict(self.mapping)
         sp = self.cfg.self_play
-        if not sp.enabled or not self.snapshot_ids:
+        if not sp.enabled or not self.snapshot_ids or self.rng.random() < sp.latest_prob:
             return actors
         seats = [a for a, p in self.mapping.items() if p == sp.policy]
         learner_seat = seats[int(self.rng.integers(len(seats)))]
@@ -240,10 +240,25 @@ class GameRunnerCore:
             else:
                 actions, logps = policy.act(obs, masks)
                 obs_seen = obs
+            if actor.startswith(SNAPSHOT) and self.cfg.self_play.opponent_epsilon > 0:
+                actions = self._explore(actions, masks, policy)
             for i, r in enumerate(reqs):
                 r.obs = obs_seen[i]  # what the net saw (normalized when normalizing), which the learner trains on
                 out.setdefault(r.copy, []).append((r, actions[i], float(logps[i]), policy.version))
         return out
+
+    def _explore(self, actions: np.ndarray, masks: np.ndarray | None, policy: NeuralNetPolicy) -> np.ndarray:
+        """A snapshot's actions, each replaced by a uniformly random legal one with probability opponent_epsilon
+        (its logprobs are not used: nothing trains on an opponent's steps)."""
+        actions = np.array(actions)
+        swap = self.rng.random(len(actions)) < self.cfg.self_play.opponent_epsilon
+        spaces = next(iter(self.policy_spaces.values())) if masks is None else None
+        for i in np.flatnonzero(swap):
+            if masks is not None:
+                actions[i] = self.rng.choice(np.flatnonzero(masks[i]))
+            elif spaces is not None and spaces.action.kind == "discrete":
+                actions[i] = self.rng.integers(spaces.action.n)
+        return actions
 
     def _tick(self, copies: list[GameCopy], greedy: bool = False) -> list[EpisodeEnd]:
         requests = [r for c in copies for r in c.requests()]

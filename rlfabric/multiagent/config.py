@@ -38,6 +38,12 @@ class SelfPlayConfig:
     sampling: Literal["uniform", "recency", "pfsp"] = "uniform"
     pfsp_power: float = 2.0
     elo_k: float = 16.0
+    # The share of episodes in which every seat plays the current learning policy (each seat's steps train it);
+    # the rest are played against the pool. OpenAI Five played 80% against itself, 20% against past selves.
+    latest_prob: float = 0.5
+    # Each move of a snapshot opponent is a uniformly random legal move with this probability: it takes the
+    # learner into positions its own past selves never reach (self-play alone converges to narrow lines of play).
+    opponent_epsilon: float = 0.0
 
 
 @dataclass
@@ -131,6 +137,9 @@ def validate_multi_agent(cfg: MultiAgentConfig) -> None:
         require(sp.max_size >= 1, "multi_agent.self_play.max_size", sp.max_size, "must be >= 1")
         require(sp.pfsp_power > 0, "multi_agent.self_play.pfsp_power", sp.pfsp_power, "must be > 0")
         require(sp.elo_k > 0, "multi_agent.self_play.elo_k", sp.elo_k, "must be > 0")
+        require(0 <= sp.opponent_epsilon <= 1, "multi_agent.self_play.opponent_epsilon", sp.opponent_epsilon,
+                "must be in [0, 1]")
+        require(0 <= sp.latest_prob < 1, "multi_agent.self_play.latest_prob", sp.latest_prob, "must be in [0, 1)")
     require(cfg.eval_every >= 0, "multi_agent.eval_every", cfg.eval_every, "must be >= 0 (0: only at the end)")
     require(cfg.eval_games >= 1, "multi_agent.eval_games", cfg.eval_games, "must be >= 1")
     for name in cfg.eval_opponents:
