@@ -421,8 +421,7 @@ def _validate_env(cfg: LLMConfig) -> None:
     servers = e.tool_servers
     entries = servers.items() if isinstance(servers, dict) else [(name, "") for name in servers]
     require(
-        isinstance(servers, (list, dict))
-        and all(isinstance(n, str) and n and isinstance(c, str) for n, c in entries),
+        isinstance(servers, (list, dict)) and all(isinstance(n, str) and n and isinstance(c, str) for n, c in entries),
         "env.tool_servers",
         servers,
         "must be a list of task server names, or a mapping of names to command lines (stdio, or HTTP on {port})",

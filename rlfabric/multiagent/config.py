@@ -137,8 +137,12 @@ def validate_multi_agent(cfg: MultiAgentConfig) -> None:
         require(sp.max_size >= 1, "multi_agent.self_play.max_size", sp.max_size, "must be >= 1")
         require(sp.pfsp_power > 0, "multi_agent.self_play.pfsp_power", sp.pfsp_power, "must be > 0")
         require(sp.elo_k > 0, "multi_agent.self_play.elo_k", sp.elo_k, "must be > 0")
-        require(0 <= sp.opponent_epsilon <= 1, "multi_agent.self_play.opponent_epsilon", sp.opponent_epsilon,
-                "must be in [0, 1]")
+        require(
+            0 <= sp.opponent_epsilon <= 1,
+            "multi_agent.self_play.opponent_epsilon",
+            sp.opponent_epsilon,
+            "must be in [0, 1]",
+        )
         require(0 <= sp.latest_prob < 1, "multi_agent.self_play.latest_prob", sp.latest_prob, "must be in [0, 1)")
     require(cfg.eval_every >= 0, "multi_agent.eval_every", cfg.eval_every, "must be >= 0 (0: only at the end)")
     require(cfg.eval_games >= 1, "multi_agent.eval_games", cfg.eval_games, "must be >= 1")
