@@ -12,7 +12,6 @@ with the driver's probabilities; the games' outcomes against each snapshot come 
 
 from __future__ import annotations
 
-import fnmatch
 import os
 import time
 from typing import Any
@@ -20,44 +19,18 @@ from typing import Any
 import numpy as np
 import ray
 
-from rlfabric import registry, shipping
+from rlfabric import registry
+from rlfabric.multiagent.baselines import scripted_rule
 from rlfabric.multiagent.config import MultiAgentConfig, PolicySpec, policy_specs, trainable_policies
 from rlfabric.multiagent.games import CriticInput, EpisodeEnd, GameCopy, Request, has_state
+from rlfabric.multiagent.mapping import plan_game
 from rlfabric.multiagent.selfplay import game_score
-from rlfabric.multiagent.spaces import AgentSpaces, agent_spaces
+from rlfabric.multiagent.spaces import AgentSpaces
 from rlfabric.normalization import RunningStats
 from rlfabric.policies.neural import NeuralNetPolicy
 from rlfabric.trajectory import NO_GROUP, Trajectories
 
 SNAPSHOT = "snapshot:"  # actor name prefix of an opponent-pool snapshot
-
-
-def map_agents(agents: list[str], mapping: dict[str, str], policies: list[str]) -> dict[str, str]:
-    """agent -> policy: the first ``mapping`` pattern (fnmatch) that matches the agent; with no mapping, the one
-    policy. An agent no pattern matches is a ValueError naming it and the patterns."""
-    if not mapping:
-        return dict.fromkeys(agents, policies[0])
-    out = {}
-    for agent in agents:
-        policy = next((p for pattern, p in mapping.items() if fnmatch.fnmatchcase(agent, pattern)), None)
-        if policy is None:
-            raise ValueError(
-                f"multi_agent.policy_mapping: agent {agent!r} matches none of {sorted(mapping)}; add a pattern for it"
-            )
-        out[agent] = policy
-    return out
-
-
-def scripted_rule(rule: str) -> Any:
-    """A shipped rule by name, or ``package.module:function``."""
-    if rule == "tictactoe":
-        from rlfabric.multiagent.baselines import tictactoe_scripted
-
-        return lambda obs, masks: [tictactoe_scripted(o, m) for o, m in zip(obs, masks, strict=True)]
-    fn = shipping.import_callable(rule)
-    if fn is None:
-        raise ValueError(f"scripted rule {rule!r}: not 'tictactoe' and not an importable 'package.module:function'")
-    return fn
 
 
 class FixedPolicy:
@@ -104,10 +77,9 @@ class GameRunnerCore:
         self.specs = policy_specs(multi_agent)
         self.trainable = trainable_policies(multi_agent)
         first = registry.make_multi_agent_env(env_id, env_kwargs)
-        self.agents = list(first.possible_agents)
-        self.spaces = {a: agent_spaces(first.observation_space(a), first.action_space(a), a) for a in self.agents}
-        self.mapping = map_agents(self.agents, multi_agent.policy_mapping, list(self.specs))
-        self.policy_spaces = self._policy_spaces()
+        plan = plan_game(first, multi_agent)
+        self.agents, self.spaces, self.mapping = plan.agents, plan.spaces, plan.mapping
+        self.policy_spaces = plan.policy_spaces
         self.obs_clip = obs_clip
         self.policies: dict[str, Any] = {}
         for i, (name, spec) in enumerate(self.specs.items()):
@@ -135,25 +107,6 @@ class GameRunnerCore:
             copy.reset(seed * 1000 + i)
         self.pending_ends: list[EpisodeEnd] = []
         self.rows_made = 0
-
-    def _policy_spaces(self) -> dict[str, AgentSpaces]:
-        out: dict[str, AgentSpaces] = {}
-        for agent, policy in self.mapping.items():
-            spaces = self.spaces[agent]
-            if policy in out and not out[policy].same_as(spaces):
-                raise ValueError(
-                    f"multi_agent.policy_mapping: policy {policy!r} plays agents with different spaces ({agent!r}: "
-                    f"{spaces.obs_dim} observations, {spaces.action}; another: {out[policy].obs_dim}, "
-                    f"{out[policy].action}); map them to different policies"
-                )
-            out.setdefault(policy, spaces)
-        missing = [p for p in self.trainable if p not in out]
-        if missing:
-            raise ValueError(
-                f"multi_agent.policy_mapping: trainable policy {missing[0]!r} plays no agent of {self.agents}; "
-                "map an agent to it or make it kind: random/scripted"
-            )
-        return out
 
     # -- who plays whom ---------------------------------------------------------------------------------------
 

@@ -21,14 +21,33 @@ from rlfabric.actors.game_runner import GameRunner
 from rlfabric.actors.learner import Learner
 from rlfabric.config import Config, ConfigError
 from rlfabric.driver import Trainer
-from rlfabric.multiagent.config import trainable_policies
+from rlfabric.multiagent.baselines import scripted_rule
+from rlfabric.multiagent.config import policy_specs, trainable_policies
+from rlfabric.multiagent.mapping import plan_game
 from rlfabric.multiagent.selfplay import OpponentPool
 from rlfabric.run.plots import plot_self_play
 from rlfabric.runner_pool import Completed, error_summary
 
 
 def check_game_config(cfg: Config) -> None:
-    """What PPO on a game does not do yet, refused before any actor starts."""
+    """A game config checked against one copy of its env before any actor starts: the mapping of agents to
+    policies, their spaces, scripted rules, and what PPO on a game does not do yet. One ConfigError line."""
+    from rlfabric import registry
+
+    env = registry.make_multi_agent_env(cfg.env.id, cfg.env.kwargs)
+    try:
+        plan_game(env, cfg.multi_agent)
+    except ValueError as exc:
+        raise ConfigError(f"env.id = {cfg.env.id!r}: {exc}") from None
+    finally:
+        env.close()
+    rules = [(f"multi_agent.policies.{n}.rule", s.rule) for n, s in policy_specs(cfg.multi_agent).items() if s.rule]
+    rules += [("multi_agent.eval_opponents", o.partition(":")[2]) for o in cfg.multi_agent.eval_opponents if ":" in o]
+    for field, rule in rules:
+        try:
+            scripted_rule(rule)
+        except ValueError as exc:
+            raise ConfigError(f"{field} = {rule!r} is not valid: {exc}") from None
     p = cfg.ppo
     for name, value in (("ppo.normalize_obs", p.normalize_obs), ("ppo.normalize_reward", p.normalize_reward)):
         if value:

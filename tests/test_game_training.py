@@ -14,7 +14,9 @@ import numpy as np
 import pytest
 import ray
 import torch
+from game_envs import guarded_tictactoe
 
+import rlfabric
 from rlfabric.config import load_config
 from rlfabric.game_driver import GameTrainer, ppo_trainer_from_run_dir, train
 
@@ -45,8 +47,10 @@ def random_spread_return(episodes: int = 100) -> float:
 
 @pytest.mark.slow
 def test_tictactoe_self_play_beats_a_random_player(local_ray, tmp_path):
-    cfg = load_config(ROOT / "examples" / "tictactoe_selfplay.yaml")  # 600k moves, about 2.5 minutes
+    rlfabric.register_env("guarded-tictactoe", guarded_tictactoe)  # raises on a move its mask forbids
+    cfg = load_config(ROOT / "examples" / "tictactoe_selfplay.yaml", ["env.id=guarded-tictactoe"])  # ~2.5 min
     summary = train(cfg, tmp_path / "run", quiet=True)
+    assert summary["runner_restarts"] == 0  # no illegal move in 600k moves (nor any other runner failure)
     assert summary["eval_games"] == 200
     assert summary["eval_win_rate_vs_random"] >= 0.9, summary  # draws are not wins
     elo = [r["learner_elo"] for r in metrics(tmp_path / "run")]

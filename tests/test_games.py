@@ -8,12 +8,14 @@ import numpy as np
 import pettingzoo
 import pytest
 import torch
+from game_envs import guarded_tictactoe  # noqa: F401  (named by the env spec below)
 
-from rlfabric.actors.game_runner import GameRunnerCore, map_agents
+from rlfabric.actors.game_runner import GameRunnerCore
 from rlfabric.algorithms import ppo
 from rlfabric.config import load_config
 from rlfabric.models import ActorCritic, NumpyPolicy
 from rlfabric.multiagent.games import GameCopy
+from rlfabric.multiagent.mapping import map_agents
 from rlfabric.multiagent.spaces import agent_spaces
 
 warnings.filterwarnings("ignore", category=DeprecationWarning)
@@ -165,3 +167,41 @@ def test_centralized_critic_sees_the_global_state_and_the_agent():
     for row, agent in enumerate(frag.agent_id):
         one_hot = frag.critic_obs[row, :, 54:]
         assert (one_hot == np.eye(3)[["agent_0", "agent_1", "agent_2"].index(agent)]).all()
+
+
+@pytest.mark.parametrize(
+    ("overrides", "says"),
+    [
+        (
+            ["multi_agent.policies={main: {}, opp: {}}", "multi_agent.policy_mapping={player_1: main}"],
+            r"agent 'player_2' matches none of \['player_1'\]",
+        ),
+        (
+            ["multi_agent.policies={main: {}, opp: {}}", "multi_agent.policy_mapping={'player_*': main}"],
+            r"trainable policy 'opp' plays no agent",
+        ),
+        (
+            [
+                "multi_agent.policies={main: {}, opp: {kind: scripted, rule: 'nowhere.module:rule'}}",
+                "multi_agent.policy_mapping={player_1: main, player_2: opp}",
+            ],
+            r"multi_agent.policies.opp.rule = 'nowhere.module:rule' is not valid",
+        ),
+        (
+            [
+                "multi_agent.policies={main: {}, opp: {kind: random}}",
+                "multi_agent.self_play.enabled=true",
+                "multi_agent.policy_mapping={player_1: main, player_2: opp}",
+            ],
+            r"self-play needs it mapped to at least two",
+        ),
+    ],
+)
+def test_a_bad_game_config_is_one_error_before_any_actor_starts(tmp_path, overrides, says):
+    from rlfabric.config import ConfigError
+    from rlfabric.game_driver import GameTrainer
+
+    cfg = load_config(None, ["algo=ppo", "env.id=pettingzoo:classic.tictactoe_v3", *overrides])
+    with pytest.raises(ConfigError, match=says):
+        GameTrainer(cfg, tmp_path / "run")
+    assert not (tmp_path / "run").exists()

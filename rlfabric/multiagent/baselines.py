@@ -13,7 +13,11 @@ Gymnasium flattens it) has cell ``k`` at positions ``2k`` (own) and ``2k + 1`` (
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
+
+from rlfabric import shipping
 
 # The eight lines of three cells in action-index space (pettingzoo.classic.tictactoe.board.Board.winning_combinations).
 TICTACTOE_LINES: tuple[tuple[int, int, int], ...] = (
@@ -91,3 +95,14 @@ def tictactoe_scripted_batch(observations: np.ndarray, masks: np.ndarray) -> np.
     """``tictactoe_scripted`` for each row of ``observations`` [B, 3, 3, 2] or [B, 18] and ``masks`` [B, 9]."""
     obs = np.asarray(observations)
     return np.array([tictactoe_scripted(o, m) for o, m in zip(obs, np.asarray(masks), strict=True)], dtype=np.int64)
+
+
+def scripted_rule(rule: str) -> Any:
+    """A scripted policy's rule, ``rule(observations [B, D], masks [B, A] or Nones) -> B actions``: a shipped one
+    by name ("tictactoe"), or ``package.module:function``."""
+    if rule == "tictactoe":
+        return tictactoe_scripted_batch
+    fn = shipping.import_callable(rule)
+    if fn is None:
+        raise ValueError(f"scripted rule {rule!r}: not 'tictactoe' and not an importable 'package.module:function'")
+    return fn
