@@ -20,17 +20,28 @@ import numpy as np
 import ray
 
 from rlfabric import registry
-from rlfabric.multiagent.baselines import scripted_rule
+from rlfabric.multiagent.baselines import scripted_rule, text_renderer
 from rlfabric.multiagent.config import MultiAgentConfig, PolicySpec, policy_specs, trainable_policies
 from rlfabric.multiagent.games import CriticInput, EpisodeEnd, GameCopy, Request, has_state
 from rlfabric.multiagent.mapping import plan_game
 from rlfabric.multiagent.selfplay import game_score
 from rlfabric.multiagent.spaces import AgentSpaces
 from rlfabric.normalization import RunningStats
+from rlfabric.policies.game_llm import LLMPlayer
 from rlfabric.policies.neural import NeuralNetPolicy
+from rlfabric.policies.served import ServedLLMPolicy
 from rlfabric.trajectory import NO_GROUP, Trajectories
 
 SNAPSHOT = "snapshot:"  # actor name prefix of an opponent-pool snapshot
+
+
+def llm_player(spec: PolicySpec, served_by: tuple[str, Any], spaces: AgentSpaces, seed: int) -> LLMPlayer:
+    """An llm policy's player in this runner, calling its generator actor."""
+    model_dir, generator = served_by
+    params = {"temperature": spec.temperature, "max_new_tokens": spec.max_new_tokens}
+    served = ServedLLMPolicy([(0, 0, generator)], params, timeout_s=60.0)
+    assert spec.render is not None
+    return LLMPlayer(served, model_dir, text_renderer(spec.render), spaces.action.n, seed)
 
 
 class FixedPolicy:
@@ -68,7 +79,9 @@ class GameRunnerCore:
         multi_agent: MultiAgentConfig,
         obs_clip: float,
         registry_blob: bytes | None = None,
+        llm_generators: dict[str, tuple[str, Any]] | None = None,
     ) -> None:
+        """``llm_generators``: for each llm policy, (its model folder, the generator actor serving it)."""
         if registry_blob is not None:
             registry.load_snapshot(registry_blob)
         self.env_id, self.env_kwargs, self.cfg = env_id, env_kwargs, multi_agent
@@ -87,6 +100,8 @@ class GameRunnerCore:
                 continue  # a policy no agent is mapped to
             if spec.kind == "neural":
                 self.policies[name] = NeuralNetPolicy(obs_clip, seed + 101 * i)
+            elif spec.kind == "llm":
+                self.policies[name] = llm_player(spec, (llm_generators or {})[name], self.policy_spaces[name], seed + i)
             else:
                 self.policies[name] = FixedPolicy(spec, self.policy_spaces[name], seed + 101 * i)
         self.snapshots: dict[int, NeuralNetPolicy] = {}
@@ -243,9 +258,19 @@ class GameRunnerCore:
             "episode_lengths": [e.length for e in ends],
             "policy_returns": self._policy_returns(ends),
             "games": self._games(ends),
+            "llm_moves": self._llm_moves(),
             "sample_time_s": time.perf_counter() - start,
         }
         return (meta, *fragments)
+
+    def _llm_moves(self) -> dict[str, tuple[int, int]]:
+        """(moves, invalid moves) of each llm policy since the last fragment."""
+        out = {}
+        for name, policy in self.policies.items():
+            if isinstance(policy, LLMPlayer):
+                out[name] = (policy.moves, policy.invalid)
+                policy.moves = policy.invalid = 0
+        return out
 
     def _trained_return(self, end: EpisodeEnd) -> float:
         """An episode's return: the mean over the agents a trainable policy played (all agents if none did)."""

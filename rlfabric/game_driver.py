@@ -20,8 +20,9 @@ import ray
 from rlfabric.actors.game_runner import GameRunner
 from rlfabric.actors.learner import Learner
 from rlfabric.config import Config, ConfigError
-from rlfabric.driver import Trainer
-from rlfabric.multiagent.baselines import scripted_rule
+from rlfabric.driver import Trainer, ensure_ray
+from rlfabric.models.hf import check_model_source
+from rlfabric.multiagent.baselines import scripted_rule, text_renderer
 from rlfabric.multiagent.config import policy_specs, trainable_policies
 from rlfabric.multiagent.mapping import plan_game
 from rlfabric.multiagent.selfplay import OpponentPool
@@ -41,7 +42,16 @@ def check_game_config(cfg: Config) -> None:
         raise ConfigError(f"env.id = {cfg.env.id!r}: {exc}") from None
     finally:
         env.close()
-    rules = [(f"multi_agent.policies.{n}.rule", s.rule) for n, s in policy_specs(cfg.multi_agent).items() if s.rule]
+    specs = policy_specs(cfg.multi_agent)
+    for name, spec in specs.items():
+        if spec.kind != "llm":
+            continue
+        check_model_source(spec.model, f"multi_agent.policies.{name}.model")
+        try:
+            text_renderer(spec.render or "")
+        except ValueError as exc:
+            raise ConfigError(f"multi_agent.policies.{name}.render = {spec.render!r} is not valid: {exc}") from None
+    rules = [(f"multi_agent.policies.{n}.rule", s.rule) for n, s in specs.items() if s.rule]
     rules += [("multi_agent.eval_opponents", o.partition(":")[2]) for o in cfg.multi_agent.eval_opponents if ":" in o]
     for field, rule in rules:
         try:
@@ -83,6 +93,8 @@ class GameTrainer(Trainer):
         self.policy_returns: dict[str, list[float]] = {}
         self.weights_refs: dict[str, ray.ObjectRef] = {}
         self.last_eval: dict[str, float] = {}
+        self.llm_generators: dict[str, tuple[str, Any]] = {}
+        self.llm_moves: dict[str, list[int]] = {}
 
     # -- actors -------------------------------------------------------------------------------------------------
 
@@ -98,7 +110,32 @@ class GameTrainer(Trainer):
             self.cfg.multi_agent,
             self.cfg.ppo.obs_clip,
             self.registry_blob,
+            self.llm_generators,
         )
+
+    def setup(self) -> None:
+        r = self.cfg.runners
+        llm = [n for n, s in policy_specs(self.cfg.multi_agent).items() if s.kind == "llm"]
+        ensure_ray(self.cfg.ray, r.num_runners * r.num_cpus + self.cfg.learner.num_cpus + len(llm))
+        self._start_llm_players(llm)
+        super().setup()
+
+    def _start_llm_players(self, names: list[str]) -> None:
+        """One generator actor (torch engine, 1 CPU) per llm policy, serving its model; "builtin" builds the small
+        character-level model into the run directory first."""
+        from rlfabric.actors.generator import Generator
+        from rlfabric.models.hf import BUILTIN, build_small_model_dir
+
+        specs = policy_specs(self.cfg.multi_agent)
+        for i, name in enumerate(names):
+            model_dir = specs[name].model
+            if model_dir == BUILTIN:
+                model_dir = str(self.run_dir / "llm_players" / name)
+                if not (Path(model_dir) / "config.json").is_file():
+                    build_small_model_dir(model_dir, seed=self.cfg.training.seed + i)
+            options = {"max_batch_size": 64, "device": "cpu", "seed": self.cfg.training.seed + i}
+            generator = Generator.options(num_cpus=1).remote("torch", model_dir, options, num_threads=1)
+            self.llm_generators[name] = (model_dir, generator)
 
     def _fragments_per_sample(self) -> int:
         return len(self.trainable)
@@ -114,6 +151,11 @@ class GameTrainer(Trainer):
 
     def _learners(self) -> list[Any]:
         return list(self.learners.values())
+
+    def close(self) -> None:
+        super().close()
+        for _, generator in self.llm_generators.values():
+            ray.kill(generator)
 
     # -- checkpoints --------------------------------------------------------------------------------------------
 
@@ -173,6 +215,10 @@ class GameTrainer(Trainer):
 
     def _accept(self, done: Completed, buffer: list[Completed]) -> None:
         meta = done.meta
+        for policy, (moves, invalid) in meta["llm_moves"].items():
+            counts = self.llm_moves.setdefault(policy, [0, 0])
+            counts[0] += moves
+            counts[1] += invalid
         for policy, returns in meta["policy_returns"].items():
             self.policy_returns[policy] = (self.policy_returns.get(policy, []) + returns)[-100:]
         if self.opponents is not None:
@@ -189,6 +235,9 @@ class GameTrainer(Trainer):
             f"return_mean/{p}": float(np.mean(r)) for p, r in sorted(self.policy_returns.items()) if r
         }
         row["agent_steps"] = sum(sum(m["agent_steps"].values()) for m in batch)
+        for policy, (moves, invalid) in self.llm_moves.items():
+            row[f"llm_moves/{policy}"] = moves
+            row[f"llm_invalid_moves/{policy}"] = invalid
         if self.opponents is not None:
             row.update(
                 {
@@ -243,6 +292,8 @@ class GameTrainer(Trainer):
             "policies": self.trainable,
             "return_mean_by_policy": {p: float(np.mean(r)) for p, r in self.policy_returns.items() if r},
         }
+        if self.llm_moves:
+            out["llm_moves"] = {p: {"moves": m, "invalid": i} for p, (m, i) in self.llm_moves.items()}
         if self.opponents is not None:
             final = self._baseline_eval(self.cfg.multi_agent.eval_games, seed_offset=10**6)
             out["eval_games"] = self.cfg.multi_agent.eval_games

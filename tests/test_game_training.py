@@ -122,3 +122,15 @@ def test_a_killed_runner_costs_nothing_and_resume_restores_the_opponent_pool(loc
     finally:
         resumed.close()
     assert metrics(run_dir)[-1]["pool_size"] >= len(saved["snapshots"])
+
+
+@pytest.mark.slow
+def test_a_language_model_and_a_neural_net_play_one_game(local_ray, tmp_path):
+    rlfabric.register_env("guarded-tictactoe", guarded_tictactoe)
+    overrides = ["env.id=guarded-tictactoe", "training.total_env_steps=6144", "training.eval_episodes=20"]
+    summary = train(load_config(ROOT / "examples" / "mixed_llm_nn.yaml", overrides), tmp_path / "run", quiet=True)
+    assert summary["runner_restarts"] == 0  # no illegal move reached the env, whatever the model answered
+    llm = summary["llm_moves"]["llm"]
+    assert llm["moves"] > 1000 and 0 <= llm["invalid"] <= llm["moves"]  # every other move of ~3,000 is the model's
+    assert summary["policies"] == ["net"] and set(summary["return_mean_by_policy"]) == {"llm", "net"}
+    assert (tmp_path / "run" / "llm_players" / "llm" / "config.json").is_file()  # the model it built and served

@@ -205,3 +205,26 @@ def test_a_bad_game_config_is_one_error_before_any_actor_starts(tmp_path, overri
     with pytest.raises(ConfigError, match=says):
         GameTrainer(cfg, tmp_path / "run")
     assert not (tmp_path / "run").exists()
+
+
+def test_a_language_models_reply_becomes_a_move_only_when_legal():
+    from rlfabric.policies.game_llm import parse_move
+
+    mask = np.array([True, False, True])
+    assert parse_move("move: 2", 3, mask) == 2
+    assert parse_move("12", 3, mask) is None  # not an action
+    assert parse_move("1", 3, mask) is None  # masked
+    assert parse_move("no number", 3, None) is None
+    assert parse_move(" 1x", 3, None) == 1
+
+
+def test_tictactoe_as_text_shows_the_board_from_the_movers_side():
+    from rlfabric.multiagent.baselines import tictactoe_text
+
+    env = tictactoe()
+    env.reset(seed=0)
+    env.step(4)  # player_1 takes the centre
+    env.step(0)  # player_2 takes cell 0
+    obs = env.observe("player_1")
+    text = tictactoe_text(obs["observation"], obs["action_mask"])
+    assert text == "o..\n.x.\n...\nlegal: 1 2 3 5 6 7 8\nmove:"

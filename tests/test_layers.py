@@ -67,6 +67,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "rlfabric.actor_slots",
             "rlfabric.reward_pool",
             "rlfabric.policies.served",  # the LLM policy: calls generator actors
+            "rlfabric.policies.game_llm",  # a language model playing an agent of a game, through generator actors
         ),
     ),
     (

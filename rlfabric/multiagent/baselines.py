@@ -106,3 +106,25 @@ def scripted_rule(rule: str) -> Any:
     if fn is None:
         raise ValueError(f"scripted rule {rule!r}: not 'tictactoe' and not an importable 'package.module:function'")
     return fn
+
+
+def tictactoe_text(observation: np.ndarray, mask: np.ndarray | None) -> str:
+    """A tic-tac-toe observation as text for a language model: the board row by row from the mover's side
+    (``x`` its marks, ``o`` the opponent's, ``.`` empty; cell k is row k // 3, column k % 3), then the legal
+    cells, then ``move:``."""
+    mine, theirs = _tictactoe_cells(observation)
+    cells = ["x" if mine[k] else "o" if theirs[k] else "." for k in range(9)]
+    rows = "\n".join("".join(cells[3 * r : 3 * r + 3]) for r in range(3))
+    legal = " ".join(str(k) for k in range(9) if mask is None or mask[k])
+    return f"{rows}\nlegal: {legal}\nmove:"
+
+
+def text_renderer(render: str) -> Any:
+    """An llm policy's renderer, ``render(observation, mask) -> str``: a shipped one by name ("tictactoe"), or
+    ``package.module:function``."""
+    if render == "tictactoe":
+        return tictactoe_text
+    fn = shipping.import_callable(render)
+    if fn is None:
+        raise ValueError(f"renderer {render!r}: not 'tictactoe' and not an importable 'package.module:function'")
+    return fn

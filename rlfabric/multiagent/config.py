@@ -8,16 +8,24 @@ from typing import Literal
 
 from rlfabric.config_base import require
 
-POLICY_KINDS = ("neural", "random", "scripted")
+POLICY_KINDS = ("neural", "random", "scripted", "llm")
 
 
 @dataclass
 class PolicySpec:
     # neural: a trainable MLP policy with its own learner, optimizer and versions. random: uniform over the legal
     # actions. scripted: a fixed rule, ``rule`` = a shipped one ("tictactoe") or "package.module:function" taking
-    # (flat observations [B, D], action masks [B, A] or None) and returning B actions.
-    kind: Literal["neural", "random", "scripted"] = "neural"
+    # (flat observations [B, D], action masks [B, A] or None) and returning B actions. llm: a language model served
+    # by generator actors (frozen), acting on ``render``'s text of its observation; the first digits of its reply
+    # are the move.
+    kind: Literal["neural", "random", "scripted", "llm"] = "neural"
     rule: str | None = None
+    # llm: a Hugging Face model folder, or "builtin" (the small character-level model the project builds)
+    model: str = "builtin"
+    # llm: the observation as text: a shipped renderer ("tictactoe") or "package.module:function(obs, mask) -> str"
+    render: str | None = None
+    temperature: float = 1.0
+    max_new_tokens: int = 2
 
 
 @dataclass
@@ -81,6 +89,16 @@ def trainable_policies(cfg: MultiAgentConfig) -> list[str]:
 def validate_multi_agent(cfg: MultiAgentConfig) -> None:
     specs = policy_specs(cfg)
     for name, spec in specs.items():
+        require(
+            spec.kind != "llm" or bool(spec.render),
+            f"multi_agent.policies.{name}.render",
+            spec.render,
+            "an llm policy needs a renderer of its observation: 'tictactoe' or 'package.module:function'",
+        )
+        require(spec.temperature >= 0, f"multi_agent.policies.{name}.temperature", spec.temperature, "must be >= 0")
+        require(
+            spec.max_new_tokens >= 1, f"multi_agent.policies.{name}.max_new_tokens", spec.max_new_tokens, "must be >= 1"
+        )
         require(
             spec.kind != "scripted" or bool(spec.rule),
             f"multi_agent.policies.{name}.rule",

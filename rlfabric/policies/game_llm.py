@@ -1,0 +1,69 @@
+"""A language model playing an agent of a game: its observation rendered as text, a completion from the generator
+actors (``ServedLLMPolicy``), the reply parsed to a move.
+
+The move is the first number in the reply. A reply without one, or naming a move the action mask forbids, becomes a
+uniformly random legal move and is counted (``invalid``), so an illegal move never reaches the env and a weak model
+costs only the quality of its play. The model is frozen here: its moves are not trained on.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from rlfabric.models.hf import load_tokenizer
+from rlfabric.policies.served import ServedLLMPolicy
+
+NUMBER = re.compile(r"\d+")
+
+
+def parse_move(text: str, num_actions: int, mask: np.ndarray | None) -> int | None:
+    """The first number in ``text`` when it is a legal action (below ``num_actions`` and allowed by ``mask``),
+    else None."""
+    found = NUMBER.search(text)
+    if found is None:
+        return None
+    move = int(found.group())
+    if move >= num_actions or (mask is not None and not mask[move]):
+        return None
+    return move
+
+
+class LLMPlayer:
+    """Acts like the runner's other policies: ``act(observations, masks) -> (actions, logprobs)``."""
+
+    def __init__(
+        self,
+        served: ServedLLMPolicy,
+        model_dir: str,
+        render: Callable[[np.ndarray, np.ndarray | None], str],
+        num_actions: int,
+        seed: int,
+    ) -> None:
+        self.served = served
+        self.tokenizer = load_tokenizer(model_dir)
+        self.render = render
+        self.num_actions = num_actions
+        self.rng = np.random.default_rng(seed)
+        self.version = 0
+        self.moves = 0
+        self.invalid = 0
+
+    def act(self, observations: np.ndarray, masks: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
+        n = len(observations)
+        row_masks: list[Any] = [None] * n if masks is None else list(masks)
+        prompts = [self.tokenizer.encode(self.render(o, m)) for o, m in zip(observations, row_masks, strict=True)]
+        texts = self.served.act(prompts).info["text"]
+        actions = np.empty(n, np.int64)
+        for i, (text, mask) in enumerate(zip(texts, row_masks, strict=True)):
+            move = parse_move(text, self.num_actions, mask)
+            if move is None:
+                self.invalid += 1
+                legal = np.flatnonzero(mask) if mask is not None else np.arange(self.num_actions)
+                move = int(self.rng.choice(legal))
+            actions[i] = move
+        self.moves += n
+        return actions, np.zeros(n, np.float32)
