@@ -117,8 +117,8 @@ def build_config(args: argparse.Namespace) -> PPOConfig:
     )
 
 
-def _sample_round(algo: Algorithm, train_batch: int) -> int:
-    """One PPO-style collection round without learning; returns env steps returned."""
+def sample_episodes(algo: Algorithm, train_batch: int) -> list[Any]:
+    """One PPO-style collection round without learning (the call RLlib's PPO makes): the episodes returned."""
     episodes, _metrics = synchronous_parallel_sample(
         worker_set=algo.env_runner_group,
         max_env_steps=train_batch,
@@ -126,7 +126,12 @@ def _sample_round(algo: Algorithm, train_batch: int) -> int:
         _uses_new_env_runners=True,
         _return_metrics=True,
     )
-    return sum(ep.env_steps() for ep in episodes)
+    return episodes
+
+
+def _sample_round(algo: Algorithm, train_batch: int) -> int:
+    """One collection round; env steps returned."""
+    return sum(ep.env_steps() for ep in sample_episodes(algo, train_batch))
 
 
 def _runner_sample_steps(runner: Any) -> int:

@@ -28,8 +28,6 @@ import time
 import warnings
 from pathlib import Path
 
-import numpy as np
-
 HERE = Path(__file__).resolve().parent
 EXAMPLES = HERE.parent / "examples"
 MAPPO_PAPER_SPREAD = -120.0  # team return summed over 3 agents, the paper's own MPE code
@@ -40,18 +38,9 @@ def random_spread_return(episodes: int = 200) -> float:
     warnings.simplefilter("ignore", DeprecationWarning)
     from mpe2 import simple_spread_v3
 
-    env = simple_spread_v3.parallel_env()
-    rng = np.random.default_rng(0)
-    returns = []
-    for episode in range(episodes):
-        env.reset(seed=episode)
-        total = dict.fromkeys(env.agents, 0.0)
-        while env.agents:
-            _, rewards, _, _, _ = env.step({a: int(rng.integers(5)) for a in env.agents})
-            for agent, reward in rewards.items():
-                total[agent] += reward
-        returns.append(np.mean(list(total.values())))
-    return float(np.mean(returns))
+    from rlfabric.multiagent.baselines import random_policy_return
+
+    return random_policy_return(simple_spread_v3.parallel_env(), episodes)
 
 
 def train(config: Path, steps: int, name: str) -> tuple[Path, float]:

@@ -93,22 +93,13 @@ def rlfabric_overrides(args: argparse.Namespace, envs: int, total_env_steps: int
 
 def rlfabric_sampling(trainer: Any, args: argparse.Namespace) -> dict[str, float]:
     """Sampling-only rounds with the initial weights (see the module docstring); one warm-up round."""
-    import ray
 
     pool = trainer.pool
     env_steps = agent_steps = 0
     seconds = 0.0
     for round_index in range(args.sample_rounds + 1):
         start = time.perf_counter()
-        for i in range(len(pool)):
-            pool.submit(i)
-        done: list = []
-        while pool.in_flight:
-            ready, _ = ray.wait(pool.pending_refs(), num_returns=len(pool.in_flight))
-            completed, failed = pool.collect(ready)
-            if failed:
-                raise RuntimeError(f"a runner failed during the benchmark: {pool.failures[-1]}")
-            done += completed
+        done = pool.sample_round()
         elapsed = time.perf_counter() - start
         n = sum(c.meta["env_steps"] for c in done)
         if round_index > 0:  # round 0 warms up
@@ -206,15 +197,9 @@ def rllib_config(args: argparse.Namespace, envs: int) -> Any:
 
 def _rllib_sample_round(algo: Any, train_batch: int) -> tuple[int, int]:
     """One PPO-style collection round without learning; returns (env steps, agent steps) returned."""
-    from ray.rllib.execution.rollout_ops import synchronous_parallel_sample
+    from anchor_rllib import sample_episodes
 
-    episodes, _metrics = synchronous_parallel_sample(
-        worker_set=algo.env_runner_group,
-        max_env_steps=train_batch,
-        sample_timeout_s=algo.config.sample_timeout_s,
-        _uses_new_env_runners=True,
-        _return_metrics=True,
-    )
+    episodes = sample_episodes(algo, train_batch)
     return sum(ep.env_steps() for ep in episodes), sum(ep.agent_steps() for ep in episodes)
 
 

@@ -62,15 +62,7 @@ def sampling_only(args: argparse.Namespace) -> float:
         steps, seconds = 0, 0.0
         for round_index in range(args.sample_rounds + 1):
             start = time.perf_counter()
-            for i in range(len(pool)):
-                pool.submit(i)
-            done: list = []
-            while pool.in_flight:
-                ready, _ = ray.wait(pool.pending_refs(), num_returns=len(pool.in_flight))
-                completed, failed = pool.collect(ready)
-                if failed:
-                    raise RuntimeError(f"a runner failed during the benchmark: {pool.failures[-1]}")
-                done += completed
+            done = pool.sample_round()
             elapsed = time.perf_counter() - start
             if round_index > 0:  # round 0 warms up
                 steps += sum(c.meta["env_steps"] for c in done)

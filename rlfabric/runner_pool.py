@@ -94,6 +94,20 @@ class RunnerPool:
         deadline = time.monotonic() + self.sample_timeout_s
         self.in_flight[meta_ref] = InFlight(index, self.slots.generations[index], meta_ref, data_refs, deadline)
 
+    def sample_round(self) -> list[Completed]:
+        """One fragment from every runner, waited for (benchmarks and checks; the driver's loop is asynchronous).
+        A runner that fails is a RuntimeError naming it."""
+        for i in range(len(self)):
+            self.submit(i)
+        done: list[Completed] = []
+        while self.in_flight:
+            ready, _ = ray.wait(self.pending_refs(), num_returns=len(self.in_flight))
+            completed, failed = self.collect(ready)
+            if failed:
+                raise RuntimeError(f"a runner failed: {self.failures[-1]}")
+            done += completed
+        return done
+
     def pending_refs(self) -> list[ray.ObjectRef]:
         return list(self.in_flight)
 

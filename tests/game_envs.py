@@ -1,8 +1,11 @@
-"""Games for the tests: tic-tac-toe that raises on a move its action mask forbids."""
+"""Games for the tests: tic-tac-toe that raises on a move its action mask forbids; a game whose agents come and go."""
 
 from __future__ import annotations
 
+import gymnasium
+import numpy as np
 import pettingzoo
+from pettingzoo import ParallelEnv
 
 
 class IllegalMoveGuard(pettingzoo.utils.BaseWrapper):
@@ -17,3 +20,45 @@ class IllegalMoveGuard(pettingzoo.utils.BaseWrapper):
 
 def guarded_tictactoe():
     return IllegalMoveGuard(pettingzoo.make("aec", "classic/tictactoe-v3"))
+
+
+class Relay(ParallelEnv):
+    """A Parallel game whose agents come and go: ``early`` finishes after 2 steps, ``late`` joins at step 3, and
+    ``stay`` plays all 6; each agent is rewarded 1 per step it acts, 10 on its last one."""
+
+    metadata = {"name": "relay_v0", "is_parallelizable": True}
+    possible_agents = ["early", "stay", "late"]
+    spans = {"early": (0, 2), "stay": (0, 6), "late": (3, 6)}  # steps [start, end) each agent acts
+
+    observation = gymnasium.spaces.Box(0.0, 10.0, (1,), np.float32)
+    action = gymnasium.spaces.Discrete(2)
+
+    def observation_space(self, agent):
+        return self.observation
+
+    def action_space(self, agent):
+        return self.action
+
+    def _obs(self, agent):
+        return np.array([self.t], np.float32)
+
+    def reset(self, seed=None, options=None):
+        self.t = 0
+        self.agents = [a for a in self.possible_agents if self.spans[a][0] == 0]
+        return {a: self._obs(a) for a in self.agents}, {a: {} for a in self.agents}
+
+    def step(self, actions):
+        assert set(actions) == set(self.agents), (sorted(actions), self.agents)
+        self.t += 1
+        done = {a: self.spans[a][1] == self.t for a in self.agents}
+        rewards = {a: 10.0 if done[a] else 1.0 for a in self.agents}
+        joining = [a for a in self.possible_agents if self.spans[a][0] == self.t]
+        for agent in joining:  # a late agent's first observation comes with the step it joins on
+            done[agent], rewards[agent] = False, 0.0
+        self.agents = [a for a in self.agents if not done[a]] + joining
+        obs = {a: self._obs(a) for a in done}
+        return obs, rewards, done, dict.fromkeys(done, False), {a: {} for a in done}
+
+
+def relay():
+    return Relay()

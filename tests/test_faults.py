@@ -4,14 +4,12 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import threading
 import time
 from pathlib import Path
 
 import gymnasium as gym
 import pytest
-import ray
+from runner_faults import kill_runner_after
 
 import rlfabric
 from rlfabric.config import ppo_config_from_dict as config_from_dict
@@ -85,20 +83,9 @@ def test_killed_runner_is_replaced_and_its_fragment_recollected(local_ray, tmp_p
     )
     run_dir = tmp_path / "run"
     trainer = Trainer(cfg, run_dir, quiet=True)
-    killed: list[int] = []
-
-    def kill_a_runner() -> None:
-        metrics = run_dir / "metrics.jsonl"
-        while not (metrics.exists() and metrics.read_text().count("\n") >= 2):
-            time.sleep(0.05)
-        pid = ray.get(trainer.pool.runners[1].pid.remote())
-        os.kill(pid, signal.SIGKILL)
-        killed.append(pid)
-
     try:
         trainer.setup()
-        killer = threading.Thread(target=kill_a_runner, daemon=True)
-        killer.start()
+        killer, killed = kill_runner_after(trainer, run_dir, rows=2)
         summary = trainer.train()
         killer.join(timeout=5)
     finally:

@@ -3,46 +3,24 @@
 from __future__ import annotations
 
 import json
-import os
-import signal
-import threading
-import time
 import warnings
 from pathlib import Path
 
-import numpy as np
 import pytest
-import ray
 import torch
 from game_envs import guarded_tictactoe
+from runner_faults import kill_runner_after
 
 import rlfabric
 from rlfabric.config import load_config
 from rlfabric.game_driver import GameTrainer, ppo_trainer_from_run_dir, train
+from rlfabric.multiagent.baselines import random_policy_return
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-
-def random_spread_return(episodes: int = 100) -> float:
-    """simple_spread_v3's per-agent episode return under uniformly random actions, played here on the real env."""
-    from mpe2 import simple_spread_v3
-
-    env = simple_spread_v3.parallel_env()
-    rng = np.random.default_rng(123)
-    returns = []
-    for episode in range(episodes):
-        env.reset(seed=episode)
-        total = dict.fromkeys(env.agents, 0.0)
-        while env.agents:
-            _, rewards, _, _, _ = env.step({a: int(rng.integers(5)) for a in env.agents})
-            for agent, reward in rewards.items():
-                total[agent] += reward
-        returns.append(np.mean(list(total.values())))
-    return float(np.mean(returns))
 
 
 @pytest.mark.slow
@@ -63,7 +41,9 @@ def test_mappo_on_simple_spread_moves_clearly_past_random(local_ray, tmp_path):
     warnings.simplefilter("ignore", DeprecationWarning)
     cfg = load_config(ROOT / "examples" / "spread_mappo.yaml", ["training.total_env_steps=240000"])
     summary = train(cfg, tmp_path / "run", quiet=True)
-    random_return = random_spread_return()
+    from mpe2 import simple_spread_v3
+
+    random_return = random_policy_return(simple_spread_v3.parallel_env(), episodes=100)
     assert random_return < -25  # about -28 per agent per 25-step episode
     # measured at 240k steps: about -21 (last 100 training episodes) and -18 (greedy evaluation)
     assert summary["episode_return_mean"] > random_return + 4, (summary["episode_return_mean"], random_return)
@@ -86,20 +66,9 @@ def test_a_killed_runner_costs_nothing_and_resume_restores_the_opponent_pool(loc
     )
     run_dir = tmp_path / "run"
     trainer = GameTrainer(cfg, run_dir, quiet=True)
-    killed: list[int] = []
-
-    def kill_a_runner() -> None:
-        path = run_dir / "metrics.jsonl"
-        while not (path.exists() and path.read_text().count("\n") >= 3):
-            time.sleep(0.05)
-        pid = ray.get(trainer.pool.runners[1].pid.remote())
-        os.kill(pid, signal.SIGKILL)
-        killed.append(pid)
-
     try:
         trainer.setup()
-        killer = threading.Thread(target=kill_a_runner, daemon=True)
-        killer.start()
+        killer, killed = kill_runner_after(trainer, run_dir, rows=3)
         summary = trainer.train()
         killer.join(timeout=5)
     finally:

@@ -228,3 +228,22 @@ def test_tictactoe_as_text_shows_the_board_from_the_movers_side():
     obs = env.observe("player_1")
     text = tictactoe_text(obs["observation"], obs["action_mask"])
     assert text == "o..\n.x.\n...\nlegal: 1 2 3 5 6 7 8\nmove:"
+
+
+def test_agents_that_finish_early_or_join_late_have_only_their_own_steps():
+    cfg = load_config(None, ["algo=ppo", "env.id=game_envs:relay", "multi_agent.critic=centralized"])
+    runner = GameRunnerCore(cfg.env.id, {}, 1, 6, 0, cfg.multi_agent, 10.0)  # 6 ticks: one whole episode
+    info = runner.spaces_info()["shared"]
+    assert info["critic_dim"] == 3 + 3  # no state(): the 3 agents' observations, then the one-hot
+    runner.set_weights(
+        {"actor": ActorCritic(info["obs_dim"], info["action"], [8]).actor_arrays(), "version": 0, "obs_stats": None}
+    )
+    meta, frag = runner.sample()
+    rows = {agent: i for i, agent in enumerate(frag.agent_id)}
+    assert frag.length[rows["early"]] == 2 and frag.length[rows["stay"]] == 6 and frag.length[rows["late"]] == 3
+    late = rows["late"]
+    assert frag.obs[late, :3, 0].tolist() == [3.0, 4.0, 5.0]  # asked first on the step it joined
+    assert frag.rewards["env"][late, :3].tolist() == [1.0, 1.0, 10.0]
+    assert frag.terminated[rows["early"], :2].tolist() == [False, True]
+    assert frag.loss_mask[rows["early"]].tolist() == [1, 1, 0, 0, 0, 0]  # padding past its end
+    assert meta["episode_returns"] == [pytest.approx((11 + 15 + 12) / 3)]

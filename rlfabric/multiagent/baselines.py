@@ -128,3 +128,21 @@ def text_renderer(render: str) -> Any:
     if fn is None:
         raise ValueError(f"renderer {render!r}: not 'tictactoe' and not an importable 'package.module:function'")
     return fn
+
+
+def random_policy_return(env: Any, episodes: int, seed: int = 0) -> float:
+    """The mean, over ``episodes`` seeded episodes of a PettingZoo Parallel ``env``, of the per-agent return when
+    every agent acts uniformly at random (each agent's action space sampled): the baseline a learning curve is read
+    against."""
+    for agent in env.possible_agents:
+        env.action_space(agent).seed(seed + env.possible_agents.index(agent))
+    returns = []
+    for episode in range(episodes):
+        env.reset(seed=seed + episode)
+        total = dict.fromkeys(env.agents, 0.0)
+        while env.agents:
+            _, rewards, _, _, _ = env.step({a: env.action_space(a).sample() for a in env.agents})
+            for agent, reward in rewards.items():
+                total[agent] = total.get(agent, 0.0) + float(reward)
+        returns.append(float(np.mean(list(total.values()))))
+    return float(np.mean(returns))
