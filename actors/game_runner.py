@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import ray
 
-from rlfabric import registry
+from rlfabric import registry, shipping
 from rlfabric.multiagent.baselines import scripted_rule, text_renderer
 from rlfabric.multiagent.config import MultiAgentConfig, PolicySpec, policy_specs, trainable_policies
 from rlfabric.multiagent.games import CriticInput, EpisodeEnd, GameCopy, Request, has_state
@@ -35,22 +35,23 @@ from rlfabric.trajectory import NO_GROUP, Trajectories
 SNAPSHOT = "snapshot:"  # actor name prefix of an opponent-pool snapshot
 
 
-def llm_player(spec: PolicySpec, served_by: tuple[str, Any], spaces: AgentSpaces, seed: int) -> LLMPlayer:
-    """An llm policy's player in this runner, calling its generator actor."""
+def llm_player(spec: PolicySpec, served_by: tuple[str, Any], spaces: AgentSpaces, seed: int, render: Any) -> LLMPlayer:
+    """An llm policy's player in this runner, calling its generator actor; ``render`` its observation renderer."""
     model_dir, generator = served_by
     params = {"temperature": spec.temperature, "max_new_tokens": spec.max_new_tokens}
     served = ServedLLMPolicy([(0, 0, generator)], params, timeout_s=60.0)
     assert spec.render is not None
-    return LLMPlayer(served, model_dir, text_renderer(spec.render), spaces.action.n, seed)
+    return LLMPlayer(served, model_dir, render, spaces.action.n, seed)
 
 
 class FixedPolicy:
     """A policy that does not learn: uniform over the legal actions, or a scripted rule; log-probability 0."""
 
-    def __init__(self, spec: PolicySpec, spaces: AgentSpaces, seed: int) -> None:
+    def __init__(self, spec: PolicySpec, spaces: AgentSpaces, seed: int, rule: Any = None) -> None:
+        """``rule``: the scripted policy's rule, resolved (else resolved here from ``spec.rule``)."""
         self.rng = np.random.default_rng(seed)
         self.spaces = spaces
-        self.rule = scripted_rule(spec.rule) if spec.kind == "scripted" else None
+        self.rule = (rule or scripted_rule(spec.rule or "")) if spec.kind == "scripted" else None
         self.version = 0
 
     def act(self, obs: np.ndarray, masks: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
@@ -80,17 +81,22 @@ class GameRunnerCore:
         obs_clip: float,
         registry_blob: bytes | None = None,
         llm_generators: dict[str, tuple[str, Any]] | None = None,
+        agent_policies: dict[str, str] | None = None,
+        callables_blob: bytes | None = None,
     ) -> None:
-        """``llm_generators``: for each llm policy, (its model folder, the generator actor serving it)."""
+        """``llm_generators``: for each llm policy, (its model folder, the generator actor serving it).
+        ``agent_policies``: agent -> policy as the driver resolved it (else the config's mapping is resolved here).
+        ``callables_blob``: the config's scripted rules and renderers, shipped by the driver (``user_callables``)."""
         if registry_blob is not None:
             registry.load_snapshot(registry_blob)
+        self.callables = shipping.loads(callables_blob) if callables_blob else {}
         self.env_id, self.env_kwargs, self.cfg = env_id, env_kwargs, multi_agent
         self.fragment_length = fragment_length
         self.rng = np.random.default_rng(seed)
         self.specs = policy_specs(multi_agent)
         self.trainable = trainable_policies(multi_agent)
         first = registry.make_multi_agent_env(env_id, env_kwargs)
-        plan = plan_game(first, multi_agent)
+        plan = plan_game(first, multi_agent, agent_policies)  # the driver's mapping: a mapping function ran there
         self.agents, self.spaces, self.mapping = plan.agents, plan.spaces, plan.mapping
         self.policy_spaces = plan.policy_spaces
         self.obs_clip = obs_clip
@@ -98,12 +104,16 @@ class GameRunnerCore:
         for i, (name, spec) in enumerate(self.specs.items()):
             if name not in self.policy_spaces:
                 continue  # a policy no agent is mapped to
-            if spec.kind == "neural":
+            if spec.kind in ("neural", "frozen"):  # a frozen one gets its weights once, from set_frozen
                 self.policies[name] = NeuralNetPolicy(obs_clip, seed + 101 * i)
             elif spec.kind == "llm":
-                self.policies[name] = llm_player(spec, (llm_generators or {})[name], self.policy_spaces[name], seed + i)
+                render = self._callable(spec.render or "", text_renderer)
+                self.policies[name] = llm_player(
+                    spec, (llm_generators or {})[name], self.policy_spaces[name], seed + i, render
+                )
             else:
-                self.policies[name] = FixedPolicy(spec, self.policy_spaces[name], seed + 101 * i)
+                rule = self._callable(spec.rule, scripted_rule) if spec.rule else None
+                self.policies[name] = FixedPolicy(spec, self.policy_spaces[name], seed + 101 * i, rule)
         self.snapshots: dict[int, NeuralNetPolicy] = {}
         self.snapshot_ids: list[int] = []
         self.snapshot_probs = np.zeros(0)
@@ -122,6 +132,10 @@ class GameRunnerCore:
             copy.reset(seed * 1000 + i)
         self.pending_ends: list[EpisodeEnd] = []
         self.rows_made = 0
+
+    def _callable(self, name: str, resolve: Any) -> Any:
+        """A rule or renderer the driver shipped, or else resolved here by name."""
+        return self.callables[name] if name in self.callables else resolve(name)
 
     # -- who plays whom ---------------------------------------------------------------------------------------
 
@@ -168,6 +182,12 @@ class GameRunnerCore:
         for name, w in zip(self.trainable, weights, strict=True):
             self.policies[name].set_weights(w)
         return self.version
+
+    def set_frozen(self, weights: dict[str, dict[str, Any]]) -> None:
+        """Install the saved weights of each frozen policy (``rlfabric.game_driver.frozen_weights``)."""
+        for name, w in weights.items():
+            if name in self.policies:
+                self.policies[name].set_weights(w)
 
     def set_opponents(self, probabilities: dict[int, float], weights: dict[int, Any]) -> None:
         """The opponent pool: snapshot id -> weights (a published version, or a ref to one) and the probability of
@@ -321,7 +341,8 @@ class GameRunnerCore:
         sp_policy = self.cfg.self_play.policy if self.cfg.self_play.policy in self.trainable else self.trainable[0]
         seats = [a for a, p in self.mapping.items() if p == sp_policy]
         counter = {"n": 0}
-        baseline = FixedPolicy(spec, self.policy_spaces[sp_policy], seed) if spec else None
+        rule = self._callable(spec.rule, scripted_rule) if spec and spec.rule else None
+        baseline = FixedPolicy(spec, self.policy_spaces[sp_policy], seed, rule) if spec else None
 
         def assign(_: int) -> dict[str, str]:
             actors = dict(self.mapping)

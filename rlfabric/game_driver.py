@@ -16,11 +16,14 @@ from typing import Any
 
 import numpy as np
 import ray
+import torch
 
+from rlfabric import shipping
 from rlfabric.actors.game_runner import GameRunner
 from rlfabric.actors.learner import Learner
-from rlfabric.config import Config, ConfigError
-from rlfabric.driver import Trainer, ensure_ray
+from rlfabric.config import Config, ConfigError, config_from_dict
+from rlfabric.driver import Trainer, ensure_ray, latest_checkpoint
+from rlfabric.models import ActionSpec, ActorCritic
 from rlfabric.models.hf import check_model_source
 from rlfabric.multiagent.baselines import scripted_rule, text_renderer
 from rlfabric.multiagent.config import policy_specs, trainable_policies
@@ -30,19 +33,61 @@ from rlfabric.run.plots import plot_self_play
 from rlfabric.runner_pool import Completed, error_summary
 
 
-def check_game_config(cfg: Config) -> None:
+def frozen_weights(checkpoint: str, from_policy: str | None, field: str) -> dict[str, Any]:
+    """The actor of a policy saved by an earlier PPO run (a run directory's latest checkpoint, or a checkpoint file),
+    as a runner installs it: ``{"actor": arrays, "version": saved version, "obs_stats": ... or None}``. A one-line
+    ConfigError naming ``field`` when it cannot be read."""
+    path = Path(checkpoint)
+    file = latest_checkpoint(path) if path.is_dir() else path
+    if file is None or not file.is_file():
+        raise ConfigError(f"{field} = {checkpoint!r} is not valid: no run directory with a checkpoint, or file, there")
+    state = torch.load(file, weights_only=False)
+    learners = state.get("learners") or {"default": state["learner"]}
+    name = from_policy or (next(iter(learners)) if len(learners) == 1 else None)
+    if name not in learners:
+        raise ConfigError(
+            f"{field.rpartition('.')[0]}.from_policy = {from_policy!r} is not valid: {str(file)!r} holds the "
+            f"policies {', '.join(learners)}"
+        )
+    saved_cfg = config_from_dict(state["config"])
+    model_state = learners[name]["model"]
+    obs_dim = model_state["actor.0.weight"].shape[1]
+    critic_dim = model_state["critic.0.weight"].shape[1]
+    last = max(int(k.split(".")[1]) for k in model_state if k.startswith("actor.") and k.endswith(".weight"))
+    n = model_state[f"actor.{last}.weight"].shape[0]
+    action = ActionSpec("continuous", n) if "log_std" in model_state else ActionSpec("discrete", n)
+    m = saved_cfg.model
+    model = ActorCritic(obs_dim, action, m.hidden_sizes, m.activation, m.init_log_std, critic_dim)
+    model.load_state_dict(model_state)
+    stats = learners[name]["obs_stats"] if saved_cfg.ppo.normalize_obs else None
+    return {"actor": model.actor_arrays(), "version": int(learners[name]["version"]), "obs_stats": stats}
+
+
+def check_game_config(cfg: Config) -> dict[str, str]:
     """A game config checked against one copy of its env before any actor starts: the mapping of agents to
-    policies, their spaces, scripted rules, and what PPO on a game does not do yet. One ConfigError line."""
+    policies, their spaces, scripted rules, and what PPO on a game does not do yet. One ConfigError line.
+    Returns agent -> policy, which the runners get as it is (a mapping function runs here only)."""
     from rlfabric import registry
 
     env = registry.make_multi_agent_env(cfg.env.id, cfg.env.kwargs)
     try:
-        plan_game(env, cfg.multi_agent)
+        plan = plan_game(env, cfg.multi_agent)
     except ValueError as exc:
         raise ConfigError(f"env.id = {cfg.env.id!r}: {exc}") from None
     finally:
         env.close()
     specs = policy_specs(cfg.multi_agent)
+    for name, spec in specs.items():
+        if spec.kind == "frozen" and name in plan.policy_spaces:
+            field = f"multi_agent.policies.{name}.checkpoint"
+            actor = frozen_weights(spec.checkpoint or "", spec.from_policy, field)["actor"]
+            spaces = plan.policy_spaces[name]
+            saved = (actor["weights"][0].shape[0], actor["action"].n)
+            if saved != (spaces.obs_dim, spaces.action.n):
+                raise ConfigError(
+                    f"{field} = {spec.checkpoint!r} is not valid: its policy sees {saved[0]} values and has {saved[1]} "
+                    f"actions; the agents mapped to {name!r} see {spaces.obs_dim} and have {spaces.action.n}"
+                )
     for name, spec in specs.items():
         if spec.kind != "llm":
             continue
@@ -58,6 +103,27 @@ def check_game_config(cfg: Config) -> None:
             scripted_rule(rule)
         except ValueError as exc:
             raise ConfigError(f"{field} = {rule!r} is not valid: {exc}") from None
+    _refuse_unsupported(cfg)
+    return plan.mapping
+
+
+def user_callables(cfg: Config) -> bytes:
+    """The scripted rules and text renderers a game config names, resolved here and serialized by value when their
+    module is not installed (a script, a test file), so runners on any node have them without importing it."""
+    found: dict[str, Any] = {}
+    for spec in policy_specs(cfg.multi_agent).values():
+        if spec.kind == "scripted" and spec.rule:
+            found[spec.rule] = scripted_rule(spec.rule)
+        if spec.kind == "llm" and spec.render:
+            found[spec.render] = text_renderer(spec.render)
+    for opponent in cfg.multi_agent.eval_opponents:
+        if opponent.startswith("scripted:"):
+            rule = opponent.partition(":")[2]
+            found[rule] = scripted_rule(rule)
+    return shipping.dumps_with_user_code(found)
+
+
+def _refuse_unsupported(cfg: Config) -> None:
     p = cfg.ppo
     for name, value in (("ppo.normalize_obs", p.normalize_obs), ("ppo.normalize_reward", p.normalize_reward)):
         if value:
@@ -73,7 +139,8 @@ class GameTrainer(Trainer):
     """Runs one PPO training job on a multi-agent env (see the module docstring)."""
 
     def __init__(self, cfg: Config, run_dir: str | Path, resume: bool = False, quiet: bool = False) -> None:
-        check_game_config(cfg)
+        self.agent_policies = check_game_config(cfg)
+        self.callables_blob = user_callables(cfg)
         super().__init__(cfg, run_dir, resume=resume, quiet=quiet)
         self.trainable = trainable_policies(cfg.multi_agent)
         self.learners: dict[str, Any] = {}
@@ -111,6 +178,8 @@ class GameTrainer(Trainer):
             self.cfg.ppo.obs_clip,
             self.registry_blob,
             self.llm_generators,
+            self.agent_policies,
+            self.callables_blob,
         )
 
     def setup(self) -> None:
@@ -200,6 +269,13 @@ class GameTrainer(Trainer):
         self.weights_refs = {p: ref for p, (ref, _) in zip(self.trainable, published, strict=True)}
         self.version = published[0][1]
         self.pool.broadcast(*self.weights_refs.values())
+        if "set_frozen" not in self.pool.state_calls:
+            frozen = {
+                name: frozen_weights(spec.checkpoint or "", spec.from_policy, f"multi_agent.policies.{name}.checkpoint")
+                for name, spec in policy_specs(self.cfg.multi_agent).items()
+                if spec.kind == "frozen"
+            }
+            self.pool.broadcast_call("set_frozen", frozen)
         if self.opponents is not None:
             changed = False
             if self.opponents.should_add(self.version):

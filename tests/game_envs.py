@@ -62,3 +62,18 @@ class Relay(ParallelEnv):
 
 def relay():
     return Relay()
+
+
+def by_seat(agent: str) -> str:
+    """A policy mapping function: player_1 -> first, every other agent -> second."""
+    return "first" if agent == "player_1" else "second"
+
+
+def by_seat_old_net(agent: str) -> str:
+    """player_1 plays the frozen policy "old", player_2 the learning "net"."""
+    return "old" if agent == "player_1" else "net"
+
+
+def first_legal(observations, masks):
+    """A scripted rule: the lowest legal cell."""
+    return [int(np.flatnonzero(mask)[0]) for mask in masks]

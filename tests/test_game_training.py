@@ -6,6 +6,7 @@ import json
 import warnings
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from game_envs import guarded_tictactoe
@@ -103,3 +104,51 @@ def test_a_language_model_and_a_neural_net_play_one_game(local_ray, tmp_path):
     assert llm["moves"] > 1000 and 0 <= llm["invalid"] <= llm["moves"]  # every other move of ~3,000 is the model's
     assert summary["policies"] == ["net"] and set(summary["return_mean_by_policy"]) == {"llm", "net"}
     assert (tmp_path / "run" / "llm_players" / "llm" / "config.json").is_file()  # the model it built and served
+
+
+def test_a_frozen_policy_from_an_earlier_run_plays_and_never_changes(local_ray, tmp_path):
+    base = ["algo=ppo", "env.id=pettingzoo:classic.tictactoe_v3", "runners.envs_per_runner=4"]
+    small = ["ppo.train_batch_size=512", "ppo.num_epochs=1", "training.eval_episodes=0"]
+    first = load_config(None, [*base, *small, "multi_agent.policies={main: {}}", "training.total_env_steps=1024"])
+    train(first, tmp_path / "first", quiet=True)
+    saved = torch.load(sorted((tmp_path / "first" / "checkpoints").glob("*.pt"))[-1], weights_only=False)
+    second = load_config(
+        None,
+        [
+            *base,
+            *small,
+            "multi_agent.policies={net: {}, old: {kind: frozen, checkpoint: " + str(tmp_path / "first") + "}}",
+            "multi_agent.policy_mapping=game_envs:by_seat_old_net",
+            "training.total_env_steps=2048",
+        ],
+    )
+    summary = train(second, tmp_path / "second", quiet=True)
+    assert summary["policies"] == ["net"] and "old" in summary["return_mean_by_policy"]
+
+    # what the runners installed acts as the saved torch model does: same greedy moves
+    from rlfabric.game_driver import frozen_weights
+    from rlfabric.models import ActionSpec, ActorCritic, NumpyPolicy
+
+    model = ActorCritic(18, ActionSpec("discrete", 9), [64, 64])
+    model.load_state_dict(saved["learners"]["main"]["model"])
+    obs = np.random.default_rng(0).integers(0, 2, (32, 18)).astype(np.float32)
+    expected = model.actor(torch.as_tensor(obs)).argmax(-1).numpy()
+    actor = frozen_weights(str(tmp_path / "first"), None, "x")["actor"]
+    got, _ = NumpyPolicy(actor).act(obs, np.random.default_rng(0), deterministic=True)
+    assert (got == expected).all()
+
+
+def test_a_scripted_rule_from_a_module_runners_cannot_import_reaches_them(local_ray, tmp_path):
+    overrides = [
+        "algo=ppo",
+        "env.id=pettingzoo:classic.tictactoe_v3",
+        "runners.envs_per_runner=4",
+        "ppo.train_batch_size=512",
+        "ppo.num_epochs=1",
+        "training.eval_episodes=0",
+        "training.total_env_steps=1024",
+        "multi_agent.policies={net: {}, opp: {kind: scripted, rule: 'game_envs:first_legal'}}",
+        "multi_agent.policy_mapping={player_1: net, player_2: opp}",
+    ]
+    summary = train(load_config(None, overrides), tmp_path / "run", quiet=True)  # tests/ is not on the workers' path
+    assert summary["runner_restarts"] == 0 and "opp" in summary["return_mean_by_policy"]

@@ -247,3 +247,26 @@ def test_agents_that_finish_early_or_join_late_have_only_their_own_steps():
     assert frag.terminated[rows["early"], :2].tolist() == [False, True]
     assert frag.loss_mask[rows["early"]].tolist() == [1, 1, 0, 0, 0, 0]  # padding past its end
     assert meta["episode_returns"] == [pytest.approx((11 + 15 + 12) / 3)]
+
+
+def test_a_mapping_function_maps_agents_and_a_wrong_answer_is_named():
+    assert map_agents(["player_1", "player_2"], "game_envs:by_seat", ["first", "second"]) == {
+        "player_1": "first",
+        "player_2": "second",
+    }
+    with pytest.raises(ValueError, match=r"maps agent 'player_1' to 'first', not a policy"):
+        map_agents(["player_1"], "game_envs:by_seat", ["second"])
+
+
+def test_a_frozen_policy_without_a_checkpoint_is_one_error(tmp_path):
+    from rlfabric.config import ConfigError
+    from rlfabric.game_driver import GameTrainer
+
+    overrides = [
+        "algo=ppo",
+        "env.id=pettingzoo:classic.tictactoe_v3",
+        "multi_agent.policies={net: {}, old: {kind: frozen, checkpoint: " + str(tmp_path / "nothing") + "}}",
+        "multi_agent.policy_mapping={player_1: old, player_2: net}",
+    ]
+    with pytest.raises(ConfigError, match=r"multi_agent.policies.old.checkpoint = .* no run directory"):
+        GameTrainer(load_config(None, overrides), tmp_path / "run")

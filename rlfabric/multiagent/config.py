@@ -8,7 +8,7 @@ from typing import Literal
 
 from rlfabric.config_base import require
 
-POLICY_KINDS = ("neural", "random", "scripted", "llm")
+POLICY_KINDS = ("neural", "random", "scripted", "llm", "frozen")
 
 
 @dataclass
@@ -17,8 +17,8 @@ class PolicySpec:
     # actions. scripted: a fixed rule, ``rule`` = a shipped one ("tictactoe") or "package.module:function" taking
     # (flat observations [B, D], action masks [B, A] or None) and returning B actions. llm: a language model served
     # by generator actors (frozen), acting on ``render``'s text of its observation; the first digits of its reply
-    # are the move.
-    kind: Literal["neural", "random", "scripted", "llm"] = "neural"
+    # are the move. frozen: a neural policy trained before, loaded from ``checkpoint`` and never updated.
+    kind: Literal["neural", "random", "scripted", "llm", "frozen"] = "neural"
     rule: str | None = None
     # llm: a Hugging Face model folder, or "builtin" (the small character-level model the project builds)
     model: str = "builtin"
@@ -26,6 +26,10 @@ class PolicySpec:
     render: str | None = None
     temperature: float = 1.0
     max_new_tokens: int = 2
+    # frozen: a PPO run directory (its latest checkpoint) or a checkpoint file, and the policy in it to load
+    # (null: the run's only trainable policy)
+    checkpoint: str | None = None
+    from_policy: str | None = None
 
 
 @dataclass
@@ -59,8 +63,8 @@ class MultiAgentConfig:
     # Policies by name; {} means one trainable neural policy, "shared", that every agent plays (shared parameters).
     policies: dict[str, PolicySpec] = field(default_factory=dict)
     # Agent id pattern (fnmatch, e.g. "adversary_*") -> policy name, first match wins; {} maps every agent to the
-    # one policy. "<agent>" alone maps one agent.
-    policy_mapping: dict[str, str] = field(default_factory=dict)
+    # one policy. "<agent>" alone maps one agent. Or "package.module:function": function(agent_id) -> policy name.
+    policy_mapping: dict[str, str] | str = field(default_factory=dict)
     # independent: each policy's critic sees the agent's observation (IPPO). centralized: it sees the env's global
     # state() (or every agent's observation concatenated) and a one-hot of the agent (MAPPO).
     critic: Literal["independent", "centralized"] = "independent"
@@ -111,7 +115,20 @@ def validate_multi_agent(cfg: MultiAgentConfig) -> None:
         sorted(specs),
         "at least one policy must be kind: neural (something has to train)",
     )
-    for pattern, policy in cfg.policy_mapping.items():
+    for name, spec in specs.items():
+        require(
+            spec.kind != "frozen" or bool(spec.checkpoint),
+            f"multi_agent.policies.{name}.checkpoint",
+            spec.checkpoint,
+            "a frozen policy needs the run directory or checkpoint file to load it from",
+        )
+    require(
+        not isinstance(cfg.policy_mapping, str) or ":" in cfg.policy_mapping,
+        "multi_agent.policy_mapping",
+        cfg.policy_mapping,
+        "must be a mapping of agent patterns to policies, or 'package.module:function'",
+    )
+    for pattern, policy in cfg.policy_mapping.items() if isinstance(cfg.policy_mapping, dict) else []:
         require(
             policy in specs,
             f"multi_agent.policy_mapping.{pattern}",

@@ -10,15 +10,30 @@ import fnmatch
 from dataclasses import dataclass
 from typing import Any
 
+from rlfabric import shipping
 from rlfabric.multiagent.config import MultiAgentConfig, policy_specs, trainable_policies
 from rlfabric.multiagent.spaces import AgentSpaces, agent_spaces
 
 
-def map_agents(agents: list[str], mapping: dict[str, str], policies: list[str]) -> dict[str, str]:
-    """agent -> policy: the first ``mapping`` pattern (fnmatch) that matches the agent; with no mapping, the one
-    policy. An agent no pattern matches is a ValueError naming it and the patterns."""
+def map_agents(agents: list[str], mapping: dict[str, str] | str, policies: list[str]) -> dict[str, str]:
+    """agent -> policy: the first ``mapping`` pattern (fnmatch) that matches the agent, or what the function
+    ``mapping`` names ("package.module:function", called with the agent id) returns; with no mapping, the one
+    policy. An agent no pattern matches, or mapped to no policy of ``policies``, is a ValueError naming it."""
     if not mapping:
         return dict.fromkeys(agents, policies[0])
+    if isinstance(mapping, str):
+        function = shipping.import_callable(mapping)
+        if function is None:
+            raise ValueError(f"multi_agent.policy_mapping = {mapping!r}: not an importable 'package.module:function'")
+        out = {agent: function(agent) for agent in agents}
+        wrong = {a: p for a, p in out.items() if p not in policies}
+        if wrong:
+            agent, policy = next(iter(wrong.items()))
+            raise ValueError(
+                f"multi_agent.policy_mapping = {mapping!r} maps agent {agent!r} to {policy!r}, not a policy of "
+                f"multi_agent.policies ({', '.join(policies)})"
+            )
+        return out
     out = {}
     for agent in agents:
         policy = next((p for pattern, p in mapping.items() if fnmatch.fnmatchcase(agent, pattern)), None)
@@ -40,12 +55,14 @@ class GamePlan:
     policy_spaces: dict[str, AgentSpaces]
 
 
-def plan_game(env: Any, cfg: MultiAgentConfig) -> GamePlan:
+def plan_game(env: Any, cfg: MultiAgentConfig, mapping: dict[str, str] | None = None) -> GamePlan:
     """The plan for ``env`` (a PettingZoo env) under ``cfg``, or a ValueError (UnsupportedSpaceError is one) naming
-    the config field or agent at fault."""
+    the config field or agent at fault. ``mapping``: agent -> policy already resolved (by the driver), else
+    ``cfg.policy_mapping`` is resolved here."""
     agents = list(env.possible_agents)
     spaces = {a: agent_spaces(env.observation_space(a), env.action_space(a), a) for a in agents}
-    mapping = map_agents(agents, cfg.policy_mapping, list(policy_specs(cfg)))
+    if mapping is None:
+        mapping = map_agents(agents, cfg.policy_mapping, list(policy_specs(cfg)))
     policy_spaces: dict[str, AgentSpaces] = {}
     for agent, policy in mapping.items():
         mine = spaces[agent]
