@@ -141,9 +141,9 @@ class EnvRunnerCore:
         return returns
 
 
-@ray.remote
-class EnvRunner(EnvRunnerCore):
-    """The Ray actor. ``sample`` returns two objects: metadata (small, read by the driver) and the fragment."""
+class RunnerProcess:
+    """What every runner actor adds to its core: one OpenMP thread (a runner's numpy work is small; the learner
+    wants the cores), and where it runs (fault tests kill it by pid; placement reads its node)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -154,6 +154,11 @@ class EnvRunner(EnvRunnerCore):
 
     def node_id(self) -> str:
         return ray.get_runtime_context().get_node_id()
+
+
+@ray.remote
+class EnvRunner(RunnerProcess, EnvRunnerCore):
+    """The Ray actor. ``sample`` returns two objects: metadata (small, read by the driver) and the fragment."""
 
     @ray.method(num_returns=2)
     def sample(self) -> tuple[dict[str, Any], Trajectories]:

@@ -12,7 +12,6 @@ with the driver's probabilities; the games' outcomes against each snapshot come 
 
 from __future__ import annotations
 
-import os
 import time
 from typing import Any
 
@@ -20,6 +19,7 @@ import numpy as np
 import ray
 
 from rlfabric import registry, shipping
+from rlfabric.actors.env_runner import RunnerProcess
 from rlfabric.multiagent.baselines import scripted_rule, text_renderer
 from rlfabric.multiagent.config import MultiAgentConfig, PolicySpec, policy_specs, trainable_policies
 from rlfabric.multiagent.games import CriticInput, EpisodeEnd, GameCopy, Request, has_state
@@ -460,19 +460,9 @@ def game_fragment(
 
 
 @ray.remote
-class GameRunner(GameRunnerCore):
+class GameRunner(RunnerProcess, GameRunnerCore):
     """The Ray actor. ``sample`` returns 1 + (trainable policies) objects; ask with
     ``.options(num_returns=...)``."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        os.environ.setdefault("OMP_NUM_THREADS", "1")
-        super().__init__(*args, **kwargs)
-
-    def pid(self) -> int:
-        return os.getpid()
-
-    def node_id(self) -> str:
-        return ray.get_runtime_context().get_node_id()
 
     def spaces(self) -> dict[str, Any]:
         return self.spaces_info()
