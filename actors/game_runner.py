@@ -22,7 +22,7 @@ from rlfabric import registry, shipping
 from rlfabric.actors.env_runner import RunnerProcess
 from rlfabric.multiagent.baselines import scripted_rule, text_renderer
 from rlfabric.multiagent.config import MultiAgentConfig, PolicySpec, policy_specs, trainable_policies
-from rlfabric.multiagent.games import CriticInput, EpisodeEnd, GameCopy, Request, has_state
+from rlfabric.multiagent.games import CriticInput, EpisodeEnd, GameCopy, Request
 from rlfabric.multiagent.mapping import plan_game
 from rlfabric.multiagent.selfplay import game_score
 from rlfabric.multiagent.spaces import AgentSpaces
@@ -40,18 +40,17 @@ def llm_player(spec: PolicySpec, served_by: tuple[str, Any], spaces: AgentSpaces
     model_dir, generator = served_by
     params = {"temperature": spec.temperature, "max_new_tokens": spec.max_new_tokens}
     served = ServedLLMPolicy([(0, 0, generator)], params, timeout_s=60.0)
-    assert spec.render is not None
     return LLMPlayer(served, model_dir, render, spaces.action.n, seed)
 
 
 class FixedPolicy:
     """A policy that does not learn: uniform over the legal actions, or a scripted rule; log-probability 0."""
 
-    def __init__(self, spec: PolicySpec, spaces: AgentSpaces, seed: int, rule: Any = None) -> None:
-        """``rule``: the scripted policy's rule, resolved (else resolved here from ``spec.rule``)."""
+    def __init__(self, spaces: AgentSpaces, seed: int, rule: Any = None) -> None:
+        """``rule``: a scripted policy's rule, resolved (``scripted_rule``); None: uniformly random."""
         self.rng = np.random.default_rng(seed)
         self.spaces = spaces
-        self.rule = (rule or scripted_rule(spec.rule or "")) if spec.kind == "scripted" else None
+        self.rule = rule
         self.version = 0
 
     def act(self, obs: np.ndarray, masks: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
@@ -112,8 +111,8 @@ class GameRunnerCore:
                     spec, (llm_generators or {})[name], self.policy_spaces[name], seed + i, render
                 )
             else:
-                rule = self._callable(spec.rule, scripted_rule) if spec.rule else None
-                self.policies[name] = FixedPolicy(spec, self.policy_spaces[name], seed + 101 * i, rule)
+                rule = self._callable(spec.rule, scripted_rule) if spec.kind == "scripted" and spec.rule else None
+                self.policies[name] = FixedPolicy(self.policy_spaces[name], seed + 101 * i, rule)
         self.snapshots: dict[int, NeuralNetPolicy] = {}
         self.snapshot_ids: list[int] = []
         self.snapshot_probs = np.zeros(0)
@@ -127,11 +126,9 @@ class GameRunnerCore:
             critic = CriticInput(env, self.spaces) if centralized else None
             self.copies.append(GameCopy(i, env, self.spaces, critic, self._assign, self._records))
         self.critic_dim = self.copies[0].critic_input.dim if centralized else None
-        self.has_state = has_state(first)
         for i, copy in enumerate(self.copies):
             copy.reset(seed * 1000 + i)
-        self.pending_ends: list[EpisodeEnd] = []
-        self.rows_made = 0
+        self.rows_made = 0  # rows produced so far: their episode_id counter
 
     def _callable(self, name: str, resolve: Any) -> Any:
         """A rule or renderer the driver shipped, or else resolved here by name."""
@@ -229,23 +226,24 @@ class GameRunnerCore:
                 actions, logps = policy.act(obs, masks)
                 obs_seen = obs
             if actor.startswith(SNAPSHOT) and self.cfg.self_play.opponent_epsilon > 0:
-                actions = self._explore(actions, masks, policy)
+                actions = self._explore(actions, masks)
             for i, r in enumerate(reqs):
                 r.obs = obs_seen[i]  # what the net saw (normalized when normalizing), which the learner trains on
                 out.setdefault(r.copy, []).append((r, actions[i], float(logps[i]), policy.version))
         return out
 
-    def _explore(self, actions: np.ndarray, masks: np.ndarray | None, policy: NeuralNetPolicy) -> np.ndarray:
+    def _explore(self, actions: np.ndarray, masks: np.ndarray | None) -> np.ndarray:
         """A snapshot's actions, each replaced by a uniformly random legal one with probability opponent_epsilon
-        (its logprobs are not used: nothing trains on an opponent's steps)."""
+        (its logprobs are not used: nothing trains on an opponent's steps). Snapshots are of the self-play policy,
+        so its spaces say what a random action is; a continuous one is left as it is."""
         actions = np.array(actions)
         swap = self.rng.random(len(actions)) < self.cfg.self_play.opponent_epsilon
-        spaces = next(iter(self.policy_spaces.values())) if masks is None else None
+        action = self.policy_spaces[self.cfg.self_play.policy].action
         for i in np.flatnonzero(swap):
             if masks is not None:
                 actions[i] = self.rng.choice(np.flatnonzero(masks[i]))
-            elif spaces is not None and spaces.action.kind == "discrete":
-                actions[i] = self.rng.integers(spaces.action.n)
+            elif action.kind == "discrete":
+                actions[i] = self.rng.integers(action.n)
         return actions
 
     def _tick(self, copies: list[GameCopy], greedy: bool = False) -> list[EpisodeEnd]:
@@ -321,51 +319,40 @@ class GameRunnerCore:
         return out
 
     def _fragment(self, policy: str, rows: list[tuple[str, Any]]) -> Trajectories:
-        return game_fragment(
+        fragment = game_fragment(
             policy, rows, self.policy_spaces[policy], self.critic_dim, self.rows_made, self.policies[policy]
         )
+        self.rows_made += fragment.num_rows
+        return fragment
 
     # -- evaluation ---------------------------------------------------------------------------------------------
 
-    def evaluate(self, episodes: int, seed: int, opponent: str | None = None) -> dict[str, Any]:
-        """``episodes`` episodes of the trainable policies acting greedily on fresh env copies.
+    def evaluate(self, episodes: int, seed: int) -> list[float]:
+        """Returns of ``episodes`` episodes on a fresh env copy, every agent playing its mapped policy, the trainable
+        ones greedily (the same call as ``EnvRunner.evaluate``)."""
+        return [self._trained_return(e) for e in self._play(episodes, seed, lambda _: dict(self.mapping))]
 
-        With ``opponent`` ("random" or "scripted:<rule>"), the self-play policy plays one seat (alternating) and
-        the opponent the others: returns wins/draws/losses. Without, every agent plays its mapped policy: returns
-        the episode returns."""
-        env = registry.make_multi_agent_env(self.env_id, self.env_kwargs)
-        spec = None
-        if opponent is not None:
-            kind, _, rule = opponent.partition(":")
-            spec = PolicySpec(kind="random" if kind == "random" else "scripted", rule=rule or None)
+    def evaluate_against(self, games: int, seed: int, opponent: str) -> dict[str, int]:
+        """``games`` greedy games of the self-play policy against a baseline, ``opponent`` ("random" or
+        "scripted:<rule>"): the policy plays one seat (alternating), the baseline the others. Wins, draws, losses."""
+        kind, _, rule = opponent.partition(":")
+        resolved = self._callable(rule, scripted_rule) if kind == "scripted" else None
         sp_policy = self.cfg.self_play.policy if self.cfg.self_play.policy in self.trainable else self.trainable[0]
+        self.policies["baseline"] = FixedPolicy(self.policy_spaces[sp_policy], seed, resolved)
         seats = [a for a, p in self.mapping.items() if p == sp_policy]
-        counter = {"n": 0}
-        rule = self._callable(spec.rule, scripted_rule) if spec and spec.rule else None
-        baseline = FixedPolicy(spec, self.policy_spaces[sp_policy], seed, rule) if spec else None
+        played = [0]
 
         def assign(_: int) -> dict[str, str]:
             actors = dict(self.mapping)
-            if baseline is not None:
-                learner_seat = seats[counter["n"] % len(seats)]
-                counter["n"] += 1
-                for agent in seats:
-                    if agent != learner_seat:
-                        actors[agent] = "baseline"
+            learner_seat = seats[played[0] % len(seats)]
+            played[0] += 1
+            actors.update({agent: "baseline" for agent in seats if agent != learner_seat})
             return actors
 
-        self.policies["baseline"] = baseline
         try:
-            copy = GameCopy(0, env, self.spaces, None, assign, lambda _: False)
-            ends = copy.reset(seed)
-            while len(ends) < episodes:
-                ends += self._tick([copy], greedy=True)
+            ends = self._play(games, seed, assign)
         finally:
-            self.policies.pop("baseline", None)
-            env.close()
-        ends = ends[:episodes]
-        if baseline is None:
-            return {"returns": [self._trained_return(e) for e in ends]}
+            self.policies.pop("baseline")
         scores = []
         for e in ends:
             mine = max(r for a, r in e.returns.items() if e.actors[a] == sp_policy)
@@ -377,6 +364,19 @@ class GameRunnerCore:
             "losses": sum(s == 0.0 for s in scores),
             "games": len(scores),
         }
+
+    def _play(self, episodes: int, seed: int, assign: Any) -> list[EpisodeEnd]:
+        """``episodes`` episodes on a fresh env copy (training copies untouched), actors per episode from
+        ``assign``, trainable policies greedy."""
+        env = registry.make_multi_agent_env(self.env_id, self.env_kwargs)
+        try:
+            copy = GameCopy(0, env, self.spaces, None, assign, lambda _: False)
+            ends = copy.reset(seed)
+            while len(ends) < episodes:
+                ends += self._tick([copy], greedy=True)
+        finally:
+            env.close()
+        return ends[:episodes]
 
 
 def game_fragment(

@@ -18,7 +18,7 @@ import numpy as np
 import ray
 import torch
 
-from rlfabric import shipping
+from rlfabric import registry, shipping
 from rlfabric.actors.game_runner import GameRunner
 from rlfabric.actors.learner import Learner
 from rlfabric.config import Config, ConfigError, config_from_dict
@@ -63,12 +63,11 @@ def frozen_weights(checkpoint: str, from_policy: str | None, field: str) -> dict
     return {"actor": model.actor_arrays(), "version": int(learners[name]["version"]), "obs_stats": stats}
 
 
-def check_game_config(cfg: Config) -> dict[str, str]:
+def check_game_config(cfg: Config) -> tuple[dict[str, str], dict[str, dict[str, Any]]]:
     """A game config checked against one copy of its env before any actor starts: the mapping of agents to
-    policies, their spaces, scripted rules, and what PPO on a game does not do yet. One ConfigError line.
-    Returns agent -> policy, which the runners get as it is (a mapping function runs here only)."""
-    from rlfabric import registry
-
+    policies, their spaces, frozen policies' checkpoints, llm models, and what PPO on a game does not do yet. One
+    ConfigError line. Returns agent -> policy, which the runners get as it is (a mapping function runs here only),
+    and each frozen policy's weights, read once here for every runner."""
     env = registry.make_multi_agent_env(cfg.env.id, cfg.env.kwargs)
     try:
         plan = plan_game(env, cfg.multi_agent)
@@ -76,50 +75,44 @@ def check_game_config(cfg: Config) -> dict[str, str]:
         raise ConfigError(f"env.id = {cfg.env.id!r}: {exc}") from None
     finally:
         env.close()
-    specs = policy_specs(cfg.multi_agent)
-    for name, spec in specs.items():
-        if spec.kind == "frozen" and name in plan.policy_spaces:
-            field = f"multi_agent.policies.{name}.checkpoint"
-            actor = frozen_weights(spec.checkpoint or "", spec.from_policy, field)["actor"]
-            spaces = plan.policy_spaces[name]
-            saved = (actor["weights"][0].shape[0], actor["action"].n)
-            if saved != (spaces.obs_dim, spaces.action.n):
-                raise ConfigError(
-                    f"{field} = {spec.checkpoint!r} is not valid: its policy sees {saved[0]} values and has {saved[1]} "
-                    f"actions; the agents mapped to {name!r} see {spaces.obs_dim} and have {spaces.action.n}"
-                )
-    for name, spec in specs.items():
-        if spec.kind != "llm":
+    frozen = {}
+    for name, spec in policy_specs(cfg.multi_agent).items():
+        if spec.kind == "llm":
+            check_model_source(spec.model, f"multi_agent.policies.{name}.model")
+        if spec.kind != "frozen" or name not in plan.policy_spaces:
             continue
-        check_model_source(spec.model, f"multi_agent.policies.{name}.model")
-        try:
-            text_renderer(spec.render or "")
-        except ValueError as exc:
-            raise ConfigError(f"multi_agent.policies.{name}.render = {spec.render!r} is not valid: {exc}") from None
-    rules = [(f"multi_agent.policies.{n}.rule", s.rule) for n, s in specs.items() if s.rule]
-    rules += [("multi_agent.eval_opponents", o.partition(":")[2]) for o in cfg.multi_agent.eval_opponents if ":" in o]
-    for field, rule in rules:
-        try:
-            scripted_rule(rule)
-        except ValueError as exc:
-            raise ConfigError(f"{field} = {rule!r} is not valid: {exc}") from None
+        field = f"multi_agent.policies.{name}.checkpoint"
+        frozen[name] = frozen_weights(spec.checkpoint or "", spec.from_policy, field)
+        actor, spaces = frozen[name]["actor"], plan.policy_spaces[name]
+        saved = (actor["weights"][0].shape[0], actor["action"].n)
+        if saved != (spaces.obs_dim, spaces.action.n):
+            raise ConfigError(
+                f"{field} = {spec.checkpoint!r} is not valid: its policy sees {saved[0]} values and has {saved[1]} "
+                f"actions; the agents mapped to {name!r} see {spaces.obs_dim} and have {spaces.action.n}"
+            )
     _refuse_unsupported(cfg)
-    return plan.mapping
+    return plan.mapping, frozen
 
 
 def user_callables(cfg: Config) -> bytes:
-    """The scripted rules and text renderers a game config names, resolved here and serialized by value when their
-    module is not installed (a script, a test file), so runners on any node have them without importing it."""
-    found: dict[str, Any] = {}
-    for spec in policy_specs(cfg.multi_agent).values():
+    """The scripted rules and text renderers a game config names, resolved here (one ConfigError naming the field
+    when one cannot be) and serialized by value when their module is not installed (a script, a test file), so
+    runners on any node have them without importing it."""
+    named: list[tuple[str, str, Any]] = []
+    for name, spec in policy_specs(cfg.multi_agent).items():
         if spec.kind == "scripted" and spec.rule:
-            found[spec.rule] = scripted_rule(spec.rule)
-        if spec.kind == "llm" and spec.render:
-            found[spec.render] = text_renderer(spec.render)
+            named.append((f"multi_agent.policies.{name}.rule", spec.rule, scripted_rule))
+        if spec.kind == "llm":
+            named.append((f"multi_agent.policies.{name}.render", spec.render or "", text_renderer))
     for opponent in cfg.multi_agent.eval_opponents:
         if opponent.startswith("scripted:"):
-            rule = opponent.partition(":")[2]
-            found[rule] = scripted_rule(rule)
+            named.append(("multi_agent.eval_opponents", opponent.partition(":")[2], scripted_rule))
+    found: dict[str, Any] = {}
+    for field, spec_name, resolve in named:
+        try:
+            found[spec_name] = resolve(spec_name)
+        except ValueError as exc:
+            raise ConfigError(f"{field} = {spec_name!r} is not valid: {exc}") from None
     return shipping.dumps_with_user_code(found)
 
 
@@ -139,7 +132,7 @@ class GameTrainer(Trainer):
     """Runs one PPO training job on a multi-agent env (see the module docstring)."""
 
     def __init__(self, cfg: Config, run_dir: str | Path, resume: bool = False, quiet: bool = False) -> None:
-        self.agent_policies = check_game_config(cfg)
+        self.agent_policies, self.frozen = check_game_config(cfg)
         self.callables_blob = user_callables(cfg)
         super().__init__(cfg, run_dir, resume=resume, quiet=quiet)
         self.trainable = trainable_policies(cfg.multi_agent)
@@ -159,7 +152,6 @@ class GameTrainer(Trainer):
             )
         self.policy_returns: dict[str, list[float]] = {}
         self.weights_refs: dict[str, ray.ObjectRef] = {}
-        self.last_eval: dict[str, float] = {}
         self.llm_generators: dict[str, tuple[str, Any]] = {}
         self.llm_moves: dict[str, list[int]] = {}
 
@@ -270,12 +262,7 @@ class GameTrainer(Trainer):
         self.version = published[0][1]
         self.pool.broadcast(*self.weights_refs.values())
         if "set_frozen" not in self.pool.state_calls:
-            frozen = {
-                name: frozen_weights(spec.checkpoint or "", spec.from_policy, f"multi_agent.policies.{name}.checkpoint")
-                for name, spec in policy_specs(self.cfg.multi_agent).items()
-                if spec.kind == "frozen"
-            }
-            self.pool.broadcast_call("set_frozen", frozen)
+            self.pool.broadcast_call("set_frozen", self.frozen)
         if self.opponents is not None:
             changed = False
             if self.opponents.should_add(self.version):
@@ -335,7 +322,7 @@ class GameTrainer(Trainer):
             try:
                 result = self.pool.call(
                     0,
-                    "evaluate",
+                    "evaluate_against",
                     games,
                     self.cfg.training.seed + 54_321 + seed_offset,
                     opponent,
@@ -347,21 +334,7 @@ class GameTrainer(Trainer):
             out[f"win_rate_vs_{name}"] = result["wins"] / max(result["games"], 1)
             out[f"draw_rate_vs_{name}"] = result["draws"] / max(result["games"], 1)
             out[f"loss_rate_vs_{name}"] = result["losses"] / max(result["games"], 1)
-        self.last_eval = out
         return out
-
-    def _evaluate(self) -> list[float]:
-        t = self.cfg.training
-        if not t.eval_episodes:
-            return []
-        try:
-            result = self.pool.call(
-                0, "evaluate", t.eval_episodes, t.seed + 12345, timeout=self.cfg.runners.sample_timeout_s
-            )
-        except ray.exceptions.RayError as exc:
-            self.log.note(f"evaluation skipped: {exc.__class__.__name__}: {error_summary(exc)}")
-            return []
-        return result["returns"]
 
     def _summary_extras(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -382,8 +355,6 @@ class GameTrainer(Trainer):
 
 def is_game_config(cfg: Config) -> bool:
     """Whether a PPO config trains a multi-agent env (its env spec builds a PettingZoo env)."""
-    from rlfabric import registry
-
     return registry.is_multi_agent(cfg.env.id, cfg.env.kwargs)
 
 

@@ -8,7 +8,6 @@ import numpy as np
 import pettingzoo
 import pytest
 import torch
-from game_envs import guarded_tictactoe  # noqa: F401  (named by the env spec below)
 
 from rlfabric.actors.game_runner import GameRunnerCore
 from rlfabric.algorithms import ppo
@@ -84,14 +83,20 @@ def test_masks_reach_the_record_and_masked_actions_are_never_sampled():
     np.testing.assert_allclose(np.exp(logp[:2]), [0.5, 0.5], atol=1e-5)  # equal logits on the two legal cells
 
 
-def test_a_whole_sample_sends_no_illegal_move_and_keeps_the_masks():
-    cfg = load_config(None, ["algo=ppo", "env.id=pettingzoo:classic.tictactoe_v3", "multi_agent.policies={main: {}}"])
+def test_samples_send_no_illegal_move_and_keep_the_masks():
+    # the guarded game raises on a move its mask forbids (tic-tac-toe itself would only end the game with a -1)
+    cfg = load_config(None, ["algo=ppo", "env.id=game_envs:guarded_tictactoe", "multi_agent.policies={main: {}}"])
     runner = GameRunnerCore(cfg.env.id, {}, 4, 64, 0, cfg.multi_agent, 10.0)
     info = runner.spaces_info()["main"]
     runner.set_weights(
         {"actor": ActorCritic(info["obs_dim"], info["action"], [8]).actor_arrays(), "version": 0, "obs_stats": None}
     )
-    meta, frag = runner.sample()  # tictactoe_v3 raises on an illegal move
+    ids = []
+    for _ in range(3):
+        ids += runner.sample()[1].episode_id.tolist()
+    meta, frag = runner.sample()
+    ids += frag.episode_id.tolist()
+    assert len(ids) == len(set(ids))  # row ids stay unique across fragments
     assert meta["episode_returns"] and frag.action_mask is not None
     steps = frag.loss_mask > 0
     chosen = np.take_along_axis(frag.action_mask, frag.actions[..., None], axis=-1)[..., 0]

@@ -97,15 +97,21 @@ def tictactoe_scripted_batch(observations: np.ndarray, masks: np.ndarray) -> np.
     return np.array([tictactoe_scripted(o, m) for o, m in zip(obs, np.asarray(masks), strict=True)], dtype=np.int64)
 
 
+def _shipped_or_imported(name: str, shipped: dict[str, Any], what: str) -> Any:
+    """``shipped[name]``, else the function ``name`` ("package.module:function") imports, else a ValueError."""
+    if name in shipped:
+        return shipped[name]
+    fn = shipping.import_callable(name)
+    if fn is None:
+        known = " or ".join(repr(k) for k in shipped)
+        raise ValueError(f"{what} {name!r}: not {known} and not an importable 'package.module:function'")
+    return fn
+
+
 def scripted_rule(rule: str) -> Any:
     """A scripted policy's rule, ``rule(observations [B, D], masks [B, A] or Nones) -> B actions``: a shipped one
     by name ("tictactoe"), or ``package.module:function``."""
-    if rule == "tictactoe":
-        return tictactoe_scripted_batch
-    fn = shipping.import_callable(rule)
-    if fn is None:
-        raise ValueError(f"scripted rule {rule!r}: not 'tictactoe' and not an importable 'package.module:function'")
-    return fn
+    return _shipped_or_imported(rule, {"tictactoe": tictactoe_scripted_batch}, "scripted rule")
 
 
 def tictactoe_text(observation: np.ndarray, mask: np.ndarray | None) -> str:
@@ -122,12 +128,7 @@ def tictactoe_text(observation: np.ndarray, mask: np.ndarray | None) -> str:
 def text_renderer(render: str) -> Any:
     """An llm policy's renderer, ``render(observation, mask) -> str``: a shipped one by name ("tictactoe"), or
     ``package.module:function``."""
-    if render == "tictactoe":
-        return tictactoe_text
-    fn = shipping.import_callable(render)
-    if fn is None:
-        raise ValueError(f"renderer {render!r}: not 'tictactoe' and not an importable 'package.module:function'")
-    return fn
+    return _shipped_or_imported(render, {"tictactoe": tictactoe_text}, "renderer")
 
 
 def random_policy_return(env: Any, episodes: int, seed: int = 0) -> float:

@@ -19,17 +19,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-from pettingzoo.utils.env import AECEnv, ParallelEnv
+from pettingzoo.utils.env import ParallelEnv
 
 from rlfabric.multiagent.spaces import AgentSpaces
 
 
 def is_parallel(env: Any) -> bool:
     return isinstance(env, ParallelEnv)
-
-
-def is_game(env: Any) -> bool:
-    return isinstance(env, (AECEnv, ParallelEnv))
 
 
 class CriticInput:
