@@ -64,10 +64,27 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(probe.getsockname()[1])
 
 
-def _die_with_parent() -> None:  # runs in the child before exec: the server must not outlive its parent
+def die_with_parent() -> None:
+    """``preexec_fn`` of a server process: a process group of its own (stopped whole by ``end_process_group``),
+    killed when its parent dies (Linux), so it never outlives its parent."""
     os.setsid()
     if sys.platform.startswith("linux"):
         ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+async def end_process_group(process: asyncio.subprocess.Process, grace_s: float, wait_first: bool = False) -> None:
+    """Stop a process started with ``die_with_parent`` and everything it started: wait up to ``grace_s`` for it to
+    exit by itself (when ``wait_first``: its stdin was just closed), then SIGTERM its group and wait ``grace_s``,
+    then SIGKILL it."""
+    for sig in ([None] if wait_first else []) + [signal.SIGTERM, signal.SIGKILL]:
+        if sig is not None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(process.pid, sig)
+        try:
+            await asyncio.wait_for(process.wait(), grace_s)
+            return
+        except (asyncio.TimeoutError, TimeoutError):
+            continue
 
 
 class HttpServerProcess:
@@ -117,7 +134,7 @@ class HttpServerProcess:
             stdin=asyncio.subprocess.DEVNULL,
             stdout=self._log,
             stderr=self._log,
-            preexec_fn=_die_with_parent,
+            preexec_fn=die_with_parent,
         )
 
     async def ping(self, timeout_s: float) -> None:
@@ -140,14 +157,7 @@ class HttpServerProcess:
         process = self.process
         if process is None or process.returncode is not None:
             return
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(process.pid, signal.SIGTERM)  # its group: nothing it started stays behind
-        try:
-            await asyncio.wait_for(process.wait(), 5.0)
-        except (asyncio.TimeoutError, TimeoutError):
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(process.pid, signal.SIGKILL)
-            await process.wait()
+        await end_process_group(process, grace_s=5.0)  # its group: nothing it started stays behind
 
 
 class StdioGatewayProcess(HttpServerProcess):

@@ -75,14 +75,14 @@ class StdioChild:
 
     async def start(self) -> None:
         """Spawn it; OSError when the command cannot run at all (no such file, not executable)."""
-        from rlfabric.mcp_server_process import _die_with_parent
+        from rlfabric.mcp_server_process import die_with_parent
 
         self.process = await asyncio.create_subprocess_exec(
             *self.argv,
             stdin=asyncio.subprocess.PIPE,
             stdout=asyncio.subprocess.PIPE,
             stderr=self._stderr,
-            preexec_fn=_die_with_parent,
+            preexec_fn=die_with_parent,
             limit=MAX_LINE,
         )
 
@@ -132,19 +132,13 @@ class StdioChild:
     async def stop(self) -> None:
         """Close its stdin (an MCP server exits on that), then SIGTERM and SIGKILL its process group, each after
         ``STOP_GRACE_S``."""
+        from rlfabric.mcp_server_process import end_process_group
+
         process = self.process
         if process is not None:
             if process.stdin is not None:
                 process.stdin.close()
-            for sig in (None, signal.SIGTERM, signal.SIGKILL):
-                if sig is not None:
-                    with contextlib.suppress(ProcessLookupError, PermissionError):
-                        os.killpg(process.pid, sig)
-                try:
-                    await asyncio.wait_for(process.wait(), STOP_GRACE_S)
-                    break
-                except (asyncio.TimeoutError, TimeoutError):
-                    continue
+            await end_process_group(process, STOP_GRACE_S, wait_first=True)
         self._stderr.close()
 
 
