@@ -1,7 +1,10 @@
 """Learning on the MCP task servers: GiGPO against GRPO, and the adaptive efficiency penalty against success alone.
 
 Each comparison trains ``examples/agent_mcp_grpo.yaml`` (or ``--config``) twice with the same seed and budget,
-differing only in the setting under test, one run after the other (2 cores: never two at once):
+differing only in the setting under test, one run after the other (2 cores: never two at once). The warm-up
+plays ``wasteful_player`` (``--player``): it guesses without calling on a third of its episodes and repeats a
+lookup on about a third, so the policy GRPO starts from solves tasks in one call or in two, and steps taken from
+one state differ in what they lead to (answer now, look again, guess): work for both settings under test.
 
 * ``credit``: ``grpo.step_credit: none`` (GRPO: one advantage per episode) against ``gigpo`` (the episode advantage
   plus a step advantage among steps that acted in the same server state);
@@ -94,8 +97,11 @@ def main() -> None:
     parser.add_argument("--steps", type=int, help="training.total_steps of every run (default: the config's)")
     parser.add_argument("--sft-steps", type=int, help="sft.steps of every run (default: the config's)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--player", default="rlfabric.envs.mcp_tasks:wasteful_player", help="sft.player of every run")
     args = parser.parse_args()
-    common = [f"training.seed={args.seed}"] + ([f"training.total_steps={args.steps}"] if args.steps else [])
+    common = [f"training.seed={args.seed}", f"sft.player={args.player}"] + (
+        [f"training.total_steps={args.steps}"] if args.steps else []
+    )
     common += [f"sft.steps={args.sft_steps}"] if args.sft_steps else []
     out_json = RESULTS / "mcp_agent_learning.json"
     report = json.loads(out_json.read_text()) if out_json.exists() else {}
@@ -114,7 +120,7 @@ def main() -> None:
                 flush=True,
             )
         plot(name, runs, RESULTS / f"mcp_agent_{name}.png")
-        report[name] = {"config": args.config, "seed": args.seed, "runs": runs}
+        report[name] = {"config": args.config, "seed": args.seed, "player": args.player, "runs": runs}
         out_json.write_text(json.dumps(report, indent=1))
 
 

@@ -6,7 +6,10 @@ else the server's command line, a process per episode), puts the session in the 
 asks the task's question. Each turn's tool calls run on that session, checked against the listed schemas first
 (``ToolEnv``); the first turn without a call is the answer: the env reads the session's final state
 (``env_state``) and the server's verifier decides success. ``state_key()`` is the session state's digest
-(``env_digest``), so steps that reach the same state across a group's episodes group for step-level credit.
+(``env_digest``) joined to a digest of the observation the agent is about to act on (the question, or the last
+turn's tool results): what the agent acts in is the server's state and what it has just been shown, so steps
+that reach the same state with the same view across a group's episodes group for step-level credit, and a
+lookup (which leaves the server's state as it was) still moves the agent to a state of its own.
 ``close()`` ends the session, and with it the session's state on the server (an HTTP task server frees a
 session's state when the session ends; ``env_close`` is there for clients that keep a session open).
 
@@ -20,6 +23,7 @@ error or that missed their deadline), which the env weighs 0 by default (``defau
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import random
 import string
@@ -80,6 +84,7 @@ class McpTaskEnv(McpToolEnv):
         super().__init__(VerifiedTask(self), self.addresses[names[0]], parser, tool_timeout_s, start_timeout_s)
         self.fixed_prompt = system_prompt
         self.digest: str | None = None  # the session state's digest, while no call has happened since
+        self.view = ""  # digest of the observation the agent acts on next (state_key's second half)
 
     async def reset(self, task: dict[str, Any]) -> str:
         name = task.get("server")
@@ -89,6 +94,7 @@ class McpTaskEnv(McpToolEnv):
         question = await super().reset(task)
         if self.fixed_prompt is not None:
             self.system_prompt = self.fixed_prompt
+        self.view = observation_digest(question)
         return question
 
     async def step(self, action: str) -> TextStep:
@@ -101,6 +107,7 @@ class McpTaskEnv(McpToolEnv):
         step.rewards["invalid"] = step.rewards.get("invalid", 0.0) + float(sum(bad.get(k, 0) for k in REFUSED_KINDS))
         failed = float(sum(bad.get(k, 0) for k in FAILED_KINDS))
         step.rewards["failed_calls"] = step.rewards.get("failed_calls", 0.0) + failed
+        self.view = observation_digest(step.observation)
         return step
 
     async def control(self, name: str, arguments: dict[str, Any] | None = None) -> str:
@@ -110,11 +117,17 @@ class McpTaskEnv(McpToolEnv):
         return await asyncio.wait_for(self.session.call(name, arguments), self.tool_timeout_s)
 
     async def state_key(self) -> str:
-        """The digest of the session's state: equal states across episodes give equal keys. Asked of the server
-        only after a turn that called tools (``env_reset`` returned the first)."""
+        """``"<session state digest>/<observation digest>"``: equal server states seen through equal observations
+        across episodes give equal keys. The server is asked only after a turn that called tools (``env_reset``
+        returned the first digest)."""
         if self.digest is None:
             self.digest = await self.control("env_digest")
-        return self.digest
+        return f"{self.digest}/{self.view}"
+
+
+def observation_digest(text: str) -> str:
+    """12 hex digits of the SHA-1 of an observation's text: a short, equal-exactly-when-equal stand-in for it."""
+    return hashlib.sha1(text.encode()).hexdigest()[:12]
 
 
 def mcp_task_rows(n: int, seed: int, servers: str = "notes,bank", min_calls: int = 1, max_calls: int = 1) -> list[dict]:
@@ -214,3 +227,21 @@ def careless_player(task: dict[str, Any], messages: list[dict[str, str]]) -> str
     if not any(m["role"] == "assistant" for m in messages) and _CARELESS.random() < 1 / 3:
         return "".join(_CARELESS.choice(string.ascii_lowercase) for _ in range(3))
     return solution_player(task, messages)
+
+
+def wasteful_player(task: dict[str, Any], messages: list[dict[str, str]]) -> str:
+    """``careless_player`` that also re-checks: after a solution call that was not itself a repeat, it makes the
+    same call again with probability 1/2 (about a third of its episodes on one-call tasks). A repeated call
+    changes nothing on a lookup and costs a call, so its successful episodes differ in their call counts: the
+    redundancy ``rewards.efficiency`` penalises and step-level credit can tell apart. Meant for tasks whose calls
+    are lookups or idempotent writes (a repeated transfer would move the money twice)."""
+    said = [m["content"] for m in messages if m["role"] == "assistant"]
+    if not said:
+        return careless_player(task, messages)
+    repeats = sum(a == b for a, b in zip(said, said[1:], strict=False))
+    last_was_call = said[-1].startswith("<tool_call>")
+    if last_was_call and (len(said) < 2 or said[-1] != said[-2]) and _CARELESS.random() < 1 / 2:
+        return said[-1]
+    calls = task["solution"]["calls"]
+    done = len(said) - repeats
+    return tool_call_text(calls[done]) if done < len(calls) else str(task["solution"]["answer"])

@@ -15,7 +15,7 @@ from rlfabric.agent_loop import EpisodeLimits, ScriptedTurns, run_episodes
 from rlfabric.cli import main
 from rlfabric.config import ConfigError, config_from_dict
 from rlfabric.data import load_prompts
-from rlfabric.envs.mcp_tasks import McpTaskEnv, solution_player, tool_call_text
+from rlfabric.envs.mcp_tasks import McpTaskEnv, solution_player, tool_call_text, wasteful_player
 from rlfabric.envs.task_library import TASK_SERVERS
 from rlfabric.llm_text_env import tool_server_commands
 from rlfabric.mcp_tools import McpSession
@@ -71,25 +71,39 @@ def test_the_scripted_solver_is_verified_and_wrong_answers_changes_and_calls_are
     assert skipped.rewards["invalid"] == 2.0 and skipped.invalid_tool_calls == {"malformed": 1, "unknown_tool": 1}
 
 
-def test_state_keys_are_equal_exactly_when_the_session_states_are():
+def test_state_keys_are_equal_exactly_when_the_session_states_and_the_agents_views_are():
     task = next(t for t in load_prompts("task:mcp?servers=notes", num_rows=4, seed=2) if t["calls"] == 1)
+    lookup = tool_call_text(task["solution"]["calls"][0])  # a get: the server's state stays as it was
+    write = tool_call_text({"name": "put", "arguments": {"key": "zz", "value": "new"}})
 
     async def keys() -> list[str]:
-        envs = [McpTaskEnv("notes") for _ in range(3)]
+        envs = [McpTaskEnv("notes") for _ in range(5)]
         try:
             for env in envs:
                 await env.reset(task)
             before = [await env.state_key() for env in envs]
-            await envs[1].step(tool_call_text({"name": "put", "arguments": {"key": "zz", "value": "new"}}))
-            await envs[2].step(tool_call_text({"name": "put", "arguments": {"key": "zz", "value": "new"}}))
+            for env, action in zip(envs[1:], [write, write, lookup, lookup], strict=True):
+                await env.step(action)
             return before + [await env.state_key() for env in envs]
         finally:
             for env in envs:
                 await env.close()
 
-    a, b, c, a_after, b_after, c_after = asyncio.run(keys())
-    assert a == b == c == a_after  # three fresh sessions on one seed; a read-only episode keeps its state
-    assert b_after == c_after != a_after  # the same write gives the same state, and a new one
+    before, after = (lambda k: (k[:5], k[5:]))(asyncio.run(keys()))
+    assert len(set(before)) == 1 and after[0] == before[0]  # fresh sessions on one seed, one question
+    assert after[1] == after[2] != before[0]  # the same write gives the same state, and a new one
+    assert after[3] == after[4] != before[0]  # a lookup: the same server state, but the agent now sees the value
+    assert after[3].split("/")[0] == before[0].split("/")[0] != after[1].split("/")[0]
+
+
+def test_the_wasteful_players_solved_episodes_differ_only_in_repeated_calls():
+    tasks = [t for t in load_prompts("task:mcp?servers=notes", num_rows=24, seed=3) if t["calls"] == 1]
+    episodes = play(tasks, wasteful_player, servers="notes")
+    solved = [e for e in episodes if e.rewards["correct"] == 1.0]
+    assert all(e.error is None for e in episodes)
+    assert {e.rewards["calls"] for e in solved} == {1.0, 2.0}, [e.rewards for e in episodes]
+    assert {e.rewards["calls"] for e in episodes if e.rewards["correct"] == 0.0} == {0.0}  # only guesses fail
+    assert all(e.rewards["invalid"] == 0.0 and e.rewards["failed_calls"] == 0.0 for e in episodes)
 
 
 def test_supervised_servers_serve_episodes_and_free_each_sessions_state(local_ray):
