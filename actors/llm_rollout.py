@@ -36,11 +36,12 @@ from rlfabric.compact import FloatFields
 from rlfabric.data import row_metadata
 from rlfabric.models.chat_tokens import ChatTokens
 from rlfabric.models.hf import load_tokenizer
-from rlfabric.models.llm_batch import efficiency_rewards
+from rlfabric.models.llm_batch import outcome_rewards
 from rlfabric.policies.batching import ActBatcher
 from rlfabric.policies.served import GeneratorsFailed, ServedLLMPolicy
 from rlfabric.reward_pool import RewardPool
 from rlfabric.rewards import RewardInput, RewardResult
+from rlfabric.rewards.shadow import sampled_groups, verdict_counts
 from rlfabric.text_env import TextEnv, text_env_factory
 from rlfabric.tools import ERROR_KINDS
 from rlfabric.trajectory import Trajectories, from_token_sequences
@@ -139,6 +140,8 @@ class LLMRolloutCore:
         prompt_key: str,
         text_env: TextEnvSource | None = None,
         efficiency: dict[str, Any] | None = None,
+        combine: dict[str, Any] | None = None,
+        shadow: dict[str, Any] | None = None,
     ) -> None:
         rewards.load_snapshot(reward_registry)
         self.pool = (
@@ -161,24 +164,56 @@ class LLMRolloutCore:
             self.make_env = text_env_factory(text_env.spec, text_env.kwargs)
         self.weights = reward_weights
         self.efficiency = efficiency if efficiency and efficiency["weight"] > 0 else None
+        self.combine = combine
+        self.shadow = shadow if shadow and shadow["functions"] else None
+        self.shadow_pool = (
+            RewardPool(
+                self.shadow["functions"],
+                1,
+                reward_timeout_s,
+                num_cpus_per_worker=reward_cpus,
+                snapshot=reward_registry,
+            )
+            if self.shadow
+            else None  # a second reward, never used for learning (rlfabric.rewards.shadow)
+        )
         self.prompt_key = prompt_key
         self.prompt_sets: dict[str, PromptSet] = {}
         self.lock = threading.Lock()  # the reward pool is not thread-safe; rollouts run concurrently
 
     def scalar_rewards(self, trajectories: Trajectories) -> np.ndarray:
-        """[N] the scalar reward the learner's advantages use: the weighted components plus the efficiency
-        penalty, so the group statistics the driver filters on see what the learner will."""
-        scalar = trajectories.total_reward(self.weights)
-        return scalar if self.efficiency is None else scalar + efficiency_rewards(trajectories, self.efficiency)
+        """[N] the scalar reward the learner's advantages use (``outcome_rewards``: the combined components plus
+        the efficiency penalty), so the group statistics the driver filters on see what the learner will."""
+        return outcome_rewards(trajectories, self.weights, self.combine, self.efficiency)
 
     def set_prompts(self, name: str, prompts: PromptSet) -> int:
         self.prompt_sets[name] = prompts
         return len(prompts.rows)
 
-    def _score(
-        self, rows: list[dict], sampled: list[list[int]], texts: list[str], finish: list[str], group_size: int
-    ) -> tuple[list[RewardResult], int]:
-        inputs = [
+    def _check_with_shadow(
+        self, inputs: list[RewardInput], results: list[RewardResult], group_size: int, seed: int
+    ) -> dict[str, int]:
+        """The shadow verifier's verdicts against the training reward's on a sample of the groups (samples either
+        failed to score are left out): ``rlfabric.rewards.shadow.verdict_counts``."""
+        assert self.shadow is not None and self.shadow_pool is not None
+        sh = self.shadow
+        groups = sampled_groups(len(inputs) // group_size, sh["sample"], seed)
+        picked = [[inputs[g * group_size + k] for k in range(group_size)] for g in groups]
+        with self.lock:
+            checked = self.shadow_pool.score(picked)
+        train, shadow = [], []
+        for g, verdicts in zip(groups, checked, strict=True):
+            for k, verdict in enumerate(verdicts):
+                trained = results[g * group_size + k]
+                if verdict.error is None and trained.error is None:
+                    train.append(trained.components.get(sh["train_component"], 0.0) > sh["train_threshold"])
+                    shadow.append(verdict.components.get(sh["component"], 0.0) > sh["threshold"])
+        return verdict_counts(np.array(train, bool), np.array(shadow, bool))
+
+    def _inputs(
+        self, rows: list[dict], sampled: list[list[int]], texts: list[str], finish: list[str]
+    ) -> list[RewardInput]:
+        return [
             RewardInput(
                 prompt=row[self.prompt_key],
                 completion=text,
@@ -188,6 +223,8 @@ class LLMRolloutCore:
             )
             for row, ids, text, reason in zip(rows, sampled, texts, finish, strict=True)
         ]
+
+    def _score(self, inputs: list[RewardInput], group_size: int) -> tuple[list[RewardResult], int]:
         groups = [inputs[i : i + group_size] for i in range(0, len(inputs), group_size)]
         assert self.pool is not None  # single-turn runs always have reward functions (config validation)
         with self.lock:
@@ -212,7 +249,8 @@ class LLMRolloutCore:
             return {**meta, "generator_failures": failed.failures}, None
         sampled, texts, finish = acted.actions, acted.info["text"], acted.info["finish_reason"]
         generated = time.perf_counter()
-        results, restarts = self._score(rows, sampled, texts, finish, g)
+        inputs = self._inputs(rows, sampled, texts, finish)
+        results, restarts = self._score(inputs, g)
         ok = np.array([r.error is None for r in results], bool)
         group_ids = np.repeat(np.arange(request.first_group, request.first_group + len(request.indices)), g)
         components = sorted({k for r in results if r.error is None for k in r.components})
@@ -246,6 +284,8 @@ class LLMRolloutCore:
                 "reward_time_s": time.perf_counter() - generated,
             }
         )
+        if self.shadow is not None and request.prompt_set == "train":
+            meta["shadow"] = self._check_with_shadow(inputs, results, g, request.first_group)
         errors = list(dict.fromkeys(r.error for r in results if r.error is not None))[:MAX_ERRORS_IN_META]
         if errors:
             meta["errors"] = errors
@@ -336,8 +376,9 @@ class LLMRolloutCore:
         return [] if self.pool is None else self.pool.pids()
 
     def shutdown(self) -> None:
-        if self.pool is not None:
-            self.pool.shutdown()
+        for pool in (self.pool, self.shadow_pool):
+            if pool is not None:
+                pool.shutdown()
 
 
 def encode_meta(meta: dict[str, Any]) -> tuple:

@@ -8,6 +8,10 @@ as small as they can be:
 * a group that overruns ``group_timeout_s`` fails with "timed out after Xs" and the call goes on with the next
   group. The stuck thread cannot be killed, so the service then reports itself poisoned and the pool replaces
   it once the call has returned; the groups it finished are kept.
+
+Pointwise functions (``rlfabric.rewards.pointwise``: reward models) run once per call on the samples of all its
+groups together, so their forward passes batch across groups, under a deadline of ``group_timeout_s`` per group;
+if that run fails or overruns, every group of the call fails with its error.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from typing import Any
 import ray
 
 from rlfabric import rewards
-from rlfabric.rewards import RewardFn, RewardInput, RewardResult, RewardSpec
+from rlfabric.rewards import RewardFn, RewardInput, RewardResult, RewardSpec, is_pointwise
 
 
 class GroupFailed(Exception):
@@ -99,17 +103,47 @@ class RewardServiceCore:
 
     def score(self, groups: list[list[RewardInput]]) -> list[list[RewardResult]]:
         """Results per group, per completion; a failed group's samples carry its error and no components."""
-        return [self._score_group(group) for group in groups]
+        per_sample = [(n, f) for n, f in self.functions if is_pointwise(f)]
+        per_group = [(n, f) for n, f in self.functions if not is_pointwise(f)]
+        across = self._score_across(groups, per_sample) if per_sample else [None] * len(groups)
+        out = []
+        for group, first in zip(groups, across, strict=True):
+            if isinstance(first, str):  # the pointwise run failed: so does every group of the call
+                out.append(failed(group, first))
+                continue
+            results = (
+                self._run(per_group, group, self.group_timeout_s) if per_group else [RewardResult({}) for _ in group]
+            )
+            out.append(merge_results(first, results) if first is not None else results)
+        return out
 
-    def _score_group(self, group: list[RewardInput]) -> list[RewardResult]:
+    def _score_across(
+        self, groups: list[list[RewardInput]], functions: list[tuple[str, RewardFn]]
+    ) -> list[list[RewardResult] | str]:
+        """The pointwise functions on every sample of ``groups`` in one run, split back per group; each group's
+        entry is the error string instead when the run failed."""
+        flat = [sample for group in groups for sample in group]
+        results = self._run(functions, flat, self.group_timeout_s * max(len(groups), 1))
+        if results and results[0].error is not None:
+            return [results[0].error] * len(groups)
+        out: list[list[RewardResult] | str] = []
+        start = 0
+        for group in groups:
+            out.append(results[start : start + len(group)])
+            start += len(group)
+        return out
+
+    def _run(
+        self, functions: list[tuple[str, RewardFn]], group: list[RewardInput], timeout_s: float
+    ) -> list[RewardResult]:
         if not group:
             return []
-        run = _GroupRun(self.functions, group)
+        run = _GroupRun(functions, group)
         run.thread.start()
-        run.thread.join(self.group_timeout_s)
+        run.thread.join(timeout_s)
         if run.thread.is_alive():
             self.poisoned = True
-            return failed(group, f"timed out after {self.group_timeout_s:g}s in reward {run.current!r}")
+            return failed(group, f"timed out after {timeout_s:g}s in reward {run.current!r}")
         if run.components is None:
             return failed(group, run.error or "no result")
         return [RewardResult(components) for components in run.components]
@@ -117,6 +151,19 @@ class RewardServiceCore:
 
 def failed(group: list[RewardInput], error: str) -> list[RewardResult]:
     return [RewardResult({}, error) for _ in group]
+
+
+def merge_results(first: list[RewardResult], second: list[RewardResult]) -> list[RewardResult]:
+    """Per sample, the components of both (``second`` failed: its error for all); a component named by both is
+    an error for the group, as it is between two per-group functions."""
+    if any(r.error is not None for r in second):
+        return second
+    clash = sorted({k for a, b in zip(first, second, strict=True) for k in a.components if k in b.components})
+    if clash:
+        return [
+            RewardResult({}, f"component {clash[0]!r} comes from a pointwise and a per-group reward") for _ in first
+        ]
+    return [RewardResult({**a.components, **b.components}) for a, b in zip(first, second, strict=True)]
 
 
 @ray.remote

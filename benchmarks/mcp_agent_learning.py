@@ -24,11 +24,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
-import sys
 import tempfile
-import time
 from pathlib import Path
+
+from training_runs import train_run
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
@@ -43,15 +42,6 @@ COMPARISONS = {
         ],
     },
 }
-
-
-def train(config: str, overrides: list[str], run_dir: Path) -> tuple[list[dict], float]:
-    """One training run in a subprocess; its metrics rows and wall time."""
-    started = time.perf_counter()
-    command = [sys.executable, "-m", "rlfabric.cli", "train", config, *overrides, "--run-dir", str(run_dir), "--quiet"]
-    subprocess.run(command, check=True)
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return rows, time.perf_counter() - started
 
 
 def curves(rows: list[dict]) -> dict[str, list]:
@@ -109,7 +99,7 @@ def main() -> None:
         runs = {}
         for label, overrides in COMPARISONS[name].items():
             with tempfile.TemporaryDirectory() as tmp:
-                rows, wall = train(args.config, common + overrides, Path(tmp) / "run")
+                rows, wall = train_run(args.config, common + overrides, Path(tmp) / "run")
             runs[label] = {**curves(rows), "wall_s": wall, "overrides": overrides}
             c = runs[label]
             tail = [x for x in c["train_success"][-5:] if x is not None]

@@ -1,4 +1,4 @@
-"""The ``rlfabric`` command: train, resume, list and check environments."""
+"""The ``rlfabric`` command: train (and train-rm: a reward model), resume, list and check environments."""
 
 from __future__ import annotations
 
@@ -142,6 +142,23 @@ def cmd_train(args: argparse.Namespace) -> int:
     summary["run_dir"] = str(trainer.run_dir)
     summary["plot"] = str(summary["plot"]) if summary.get("plot") else None
     _print_summary(summary)
+    return 0
+
+
+def cmd_train_rm(args: argparse.Namespace) -> int:
+    from rlfabric.reward_model_training import REWARD_MODEL_DIR, train_reward_model_run
+
+    _import_user_modules(args.import_modules)
+    cfg = load_config(args.config, args.overrides)
+    if cfg.algo != "grpo":
+        raise ConfigError(f"algo = {cfg.algo!r}: train-rm reads the reward_model section of a GRPO config")
+    run_dir = Path(args.run_dir) if args.run_dir else Path("runs") / f"reward_model-{time.strftime('%Y%m%d-%H%M%S')}"
+    print(f"rlfabric: training a reward model on {cfg.reward_model.pairs} -> {run_dir}", file=sys.stderr)
+    summary = train_reward_model_run(cfg, run_dir, quiet=args.quiet)
+    print("\n== rlfabric reward model ==")
+    for key, value in summary.items():
+        print(f"  {key:<34} {f'{value:.3f}' if isinstance(value, float) else value}")
+    print(f"  use it: rewards.functions: [{{name: reward_model, kwargs: {{path: {run_dir / REWARD_MODEL_DIR}}}}}]")
     return 0
 
 
@@ -493,6 +510,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     train.set_defaults(func=cmd_train)
 
+    train_rm = sub.add_parser(
+        "train-rm", help="train a reward model from preference pairs (the reward_model section of a GRPO config)"
+    )
+    train_rm.add_argument("config", nargs="?", help="YAML config file (its reward_model section)")
+    train_rm.add_argument("overrides", nargs="*", help="dotted overrides, e.g. reward_model.steps=300")
+    train_rm.add_argument("--run-dir", help="where outputs go (default: runs/reward_model-<time>)")
+    train_rm.add_argument("--quiet", action="store_true", help="no progress line")
+    train_rm.add_argument("--import", dest="import_modules", action="append", help="module to import first")
+    train_rm.set_defaults(func=cmd_train_rm)
+
     envs = sub.add_parser("envs", help="list or check environments").add_subparsers(dest="envs_command", required=True)
     env_list = envs.add_parser("list", help="show registered, entry-point and Gymnasium environments")
     env_list.add_argument("--all", action="store_true", help="list every Gymnasium id")
@@ -537,7 +564,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _split_config_arg(args: argparse.Namespace) -> None:
     # `rlfabric train key=value` (no config file): the first positional is an override.
-    if args.command == "train" and args.config and "=" in args.config and not os.path.exists(args.config):
+    if args.command in ("train", "train-rm") and args.config and "=" in args.config and not os.path.exists(args.config):
         args.overrides = [args.config, *args.overrides]
         args.config = None
 

@@ -157,6 +157,32 @@ class EfficiencyConfig:
 
 
 @dataclass
+class CombineConfig:
+    # How the components become the scalar reward (rlfabric.algorithms.reward_combination): clip, gate, optionally
+    # normalise each component within its group (MO-GRPO), then the weighted sum of rewards.weights.
+    normalize: bool = False
+    # {component: [low, high]}: clip the component first.
+    clip: dict[str, list[float]] = field(default_factory=dict)
+    # {component: gate}: the component counts only on rows whose gate component is > 0 (e.g. {brevity: correct}).
+    gates: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class ShadowConfig:
+    # A second reward beside the training one, never used for learning (rlfabric.rewards.shadow): its functions
+    # score `sample` of each rollout's groups on their own reward workers; its verdicts against the training
+    # reward's are logged per step (shadow_disagreement, shadow_false_positive, shadow_false_negative). []: off.
+    functions: list[RewardFunctionConfig] = field(default_factory=list)
+    sample: float = 1.0
+    # A sample passes the shadow when this component > threshold, and the training reward when train_component
+    # > train_threshold.
+    component: str = "correct"
+    threshold: float = 0.5
+    train_component: str = "correct"
+    train_threshold: float = 0.5
+
+
+@dataclass
 class RewardsConfig:
     functions: list[RewardFunctionConfig] = field(default_factory=lambda: [RewardFunctionConfig()])
     # Weight of each named component in the scalar reward; components not listed count with weight 1.
@@ -166,6 +192,8 @@ class RewardsConfig:
     # Deadline for scoring one group; a function that hangs or raises costs only its group's samples.
     timeout_s: float = 30.0
     efficiency: EfficiencyConfig = field(default_factory=EfficiencyConfig)
+    combine: CombineConfig = field(default_factory=CombineConfig)
+    shadow: ShadowConfig = field(default_factory=ShadowConfig)
 
     def scalar_weights(self) -> dict[str, float]:
         """The weights of the scalar reward: ``weights``, and 0 for the count components of ``efficiency`` that
@@ -238,6 +266,29 @@ class SFTConfig:
 
 
 @dataclass
+class RewardModelConfig:
+    # Preference pairs to train a reward model from before RL ("": none; rlfabric.reward_model_training): a
+    # .jsonl/.parquet file of {prompt, chosen, rejected[, head]} rows, or task:arithmetic_pairs. Its model is
+    # saved in the run directory (reward_model/), where {name: reward_model} without a path serves it.
+    pairs: str = ""
+    num_pairs: int = 2000
+    # Held-out pairs (prompts not among the training pairs), ranked before training and every eval_every steps.
+    num_eval: int = 200
+    # The model's outputs, one per head, named as reward components; a pair's "head" column picks the head it trains.
+    heads: list[str] = field(default_factory=lambda: ["reward"])
+    # Next-token training of the reward model's backbone on the chosen texts first (model.path's weights, or a new
+    # model.builtin-sized model): the supervised model the reward model starts from.
+    lm_steps: int = 1000
+    # Bradley-Terry steps on the pairs.
+    steps: int = 500
+    batch_size: int = 32
+    lr: float = 1.0e-3
+    # The gap m in -log sigmoid(r_chosen - r_rejected - m).
+    margin: float = 0.0
+    eval_every: int = 100
+
+
+@dataclass
 class LLMLearnerConfig:
     # Data-parallel learner actors (gloo on CPU, nccl on GPU); each takes an equal share of every batch.
     num_learners: int = 1
@@ -285,6 +336,7 @@ class LLMConfig:
     rewards: RewardsConfig = field(default_factory=RewardsConfig)
     grpo: GRPOConfig = field(default_factory=GRPOConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)
+    reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
     learner: LLMLearnerConfig = field(default_factory=LLMLearnerConfig)
     training: LLMTrainingConfig = field(default_factory=LLMTrainingConfig)
     ray: RayConfig = field(default_factory=RayConfig)
@@ -387,6 +439,10 @@ def validate_llm(cfg: LLMConfig) -> LLMConfig:
         require(bool(fn.name), f"rewards.functions[{i}].name", fn.name, "must name a reward function")
     _validate_step_credit(cfg)
     _validate_efficiency(cfg.rewards.efficiency)
+    _validate_combine(cfg.rewards.combine)
+    _validate_shadow(cfg)
+    if cfg.reward_model.pairs:
+        _validate_reward_model(cfg.reward_model)
     if cfg.env.id:
         _validate_env(cfg)
     elif not cfg.rewards.functions:
@@ -469,4 +525,60 @@ def _validate_efficiency(e: EfficiencyConfig) -> None:
         "rewards.efficiency.success",
         e.success,
         "must not be one of rewards.efficiency.counts",
+    )
+
+
+def _validate_combine(c: CombineConfig) -> None:
+    for name, bounds in c.clip.items():
+        require(
+            isinstance(bounds, (list, tuple))
+            and len(bounds) == 2
+            and all(isinstance(b, (int, float)) for b in bounds)
+            and bounds[0] <= bounds[1],
+            f"rewards.combine.clip.{name}",
+            bounds,
+            "must be [low, high] with low <= high",
+        )
+    for name, gate in c.gates.items():
+        require(
+            isinstance(gate, str) and bool(gate) and gate != name,
+            f"rewards.combine.gates.{name}",
+            gate,
+            "must name another component (the one that must be > 0 for this one to count)",
+        )
+
+
+def _validate_reward_model(r: RewardModelConfig) -> None:
+    for path, value in (
+        ("reward_model.num_pairs", r.num_pairs),
+        ("reward_model.num_eval", r.num_eval),
+        ("reward_model.steps", r.steps),
+        ("reward_model.batch_size", r.batch_size),
+        ("reward_model.eval_every", r.eval_every),
+    ):
+        require(isinstance(value, int) and value >= 1, path, value, "must be an integer >= 1")
+    require(isinstance(r.lm_steps, int) and r.lm_steps >= 0, "reward_model.lm_steps", r.lm_steps, "must be >= 0")
+    _positive("reward_model.lr", r.lr)
+    require(
+        bool(r.heads) and all(isinstance(h, str) and h for h in r.heads) and len(set(r.heads)) == len(r.heads),
+        "reward_model.heads",
+        r.heads,
+        "must be distinct non-empty names, one per output of the model",
+    )
+
+
+def _validate_shadow(cfg: LLMConfig) -> None:
+    sh = cfg.rewards.shadow
+    if not sh.functions:
+        return
+    require(0 < sh.sample <= 1, "rewards.shadow.sample", sh.sample, "must be in (0, 1]")
+    for i, fn in enumerate(sh.functions):
+        require(bool(fn.name), f"rewards.shadow.functions[{i}].name", fn.name, "must name a reward function")
+    require(bool(sh.component), "rewards.shadow.component", sh.component, "must name the shadow's verdict component")
+    require(bool(sh.train_component), "rewards.shadow.train_component", sh.train_component, "must name a component")
+    require(
+        not cfg.env.id,
+        "rewards.shadow.functions",
+        [f.name for f in sh.functions],
+        "runs on single-turn completions for now (env.id is set: the text env gives the rewards)",
     )

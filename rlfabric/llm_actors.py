@@ -22,7 +22,7 @@ def actor_requests(cfg: LLMConfig) -> list[ActorRequest]:
     return [
         ActorRequest("generator", g.num_generators, {"CPU": g.num_cpus, "GPU": g.num_gpus, **g.resources}),
         ActorRequest("learner", lc.num_learners + reference, {"CPU": lc.num_cpus, "GPU": lc.num_gpus, **lc.resources}),
-        ActorRequest("rewards", r.num_workers, {"CPU": r.num_cpus}),
+        ActorRequest("rewards", r.num_workers + int(bool(r.shadow.functions)), {"CPU": r.num_cpus}),
     ]
 
 
@@ -39,6 +39,7 @@ def batch_spec(cfg: LLMConfig) -> dict[str, Any]:
         "step_credit_weight": g.step_credit_weight,
         "step_gamma": g.step_gamma,
         "efficiency": dataclasses.asdict(cfg.rewards.efficiency),
+        "combine": dataclasses.asdict(cfg.rewards.combine),
     }
 
 
@@ -145,4 +146,6 @@ def start_rollout_worker(cfg: LLMConfig, text_env: Any = None) -> Any:
         prompt_key=cfg.data.prompt_key,
         text_env=text_env,
         efficiency=dataclasses.asdict(r.efficiency),
+        combine=dataclasses.asdict(r.combine),
+        shadow=dataclasses.asdict(r.shadow),
     )

@@ -66,12 +66,14 @@ from rlfabric.models.hf import check_model_source, model_max_positions
 from rlfabric.models.llm_batch import pad_rows_for_learners
 from rlfabric.models.shared_weights import remove_stale
 from rlfabric.placement import check_fits
+from rlfabric.reward_model_training import ensure_reward_model, point_at_run_reward_model
+from rlfabric.rewards.shadow import SHADOW_COUNTS, shadow_rates
 from rlfabric.rollout_scheduler import RolloutScheduler, StepBatch
 from rlfabric.run.checkpoints import CHECKPOINT_DIR
 from rlfabric.run.interrupts import stop_requests
 from rlfabric.run.log import CONFIG_FILE, RunLog, read_metrics, write_summary
 from rlfabric.run.plots import plot_llm_curves
-from rlfabric.run.progress import grpo_progress_line, tensorboard_view
+from rlfabric.run.progress import grpo_progress_line, phase_progress, tensorboard_view
 from rlfabric.run.resume import resumed_config
 from rlfabric.weight_publisher import WeightPublisher
 
@@ -98,8 +100,13 @@ class GRPOTrainer:
                 f"--run-dir {str(self.run_dir)!r} already holds a run: continue it with --resume "
                 f"{str(self.run_dir)!r}, or choose another directory"
             )
+        # A reward_model spec without a path serves the reward model this run trains first (reward_model.pairs).
+        self.trained_reward_specs = point_at_run_reward_model(cfg, self.run_dir)
         for i, spec in enumerate(cfg.rewards.functions):  # unknown reward names fail before any actor starts
-            rewards.resolve_reward(dataclasses.asdict(spec), f"rewards.functions[{i}]")
+            if i not in self.trained_reward_specs:  # checked once the run has trained its reward model
+                rewards.resolve_reward(dataclasses.asdict(spec), f"rewards.functions[{i}]")
+        for i, spec in enumerate(cfg.rewards.shadow.functions):
+            rewards.resolve_reward(dataclasses.asdict(spec), f"rewards.shadow.functions[{i}]")
         check_model_source(cfg.model.path)  # a missing folder or unknown hub id: one line, before anything starts
         self.counters = Counters()
         self.version = 0
@@ -209,6 +216,19 @@ class GRPOTrainer:
         )
         return str(path)
 
+    def _train_reward_model(self) -> None:
+        """The reward model of ``reward_model.pairs``, trained before any actor starts (kept on resume); its rows
+        go to metrics.jsonl as phases ``rm_lm``, ``rm`` and ``rm_eval``."""
+        assert self.log is not None
+        log = self.log
+        folder = ensure_reward_model(
+            self.cfg, self.run_dir, self.tokenizer, lambda row: log.log({"iteration": 0, "step": 0, **row})
+        )
+        if folder is not None:
+            log.note(f"reward model ready: {folder}")
+        for i in self.trained_reward_specs:
+            rewards.resolve_reward(dataclasses.asdict(self.cfg.rewards.functions[i]), f"rewards.functions[{i}]")
+
     def _encode(self, text: str) -> list[int]:
         if self.cfg.data.chat_template:
             return list(
@@ -274,6 +294,7 @@ class GRPOTrainer:
             self.model_dir = self.base_model_dir
             self.reference_dir = self.model_dir
         self.tokenizer = load_tokenizer(self.model_dir)
+        self._train_reward_model()
         self._load_data()
         ensure_ray(self.cfg.ray, wanted_cpus(self.cfg), openmp_env())
         check_fits(actor_requests(self.cfg), [n["Resources"] for n in ray.nodes() if n.get("Alive")])
@@ -472,6 +493,7 @@ class GRPOTrainer:
             for name, value in m["component_means"].items():
                 comps[name] = comps.get(name, 0.0) + value * m["rows"] / max(rows, 1)
         reward_sum = sum(float(np.nansum(m["group_stats"][:, 1] * m["group_stats"][:, 3])) for m in scored)
+        shadow = {k: sum(m.get("shadow", {}).get(k, 0) for m in scored) for k in SHADOW_COUNTS}
         elapsed = max(time.monotonic() - started, 1e-9)
         trained = sum(n for _, n, _ in step.groups)
         return {
@@ -479,6 +501,7 @@ class GRPOTrainer:
             "reward_mean": reward_sum / rows if rows else float("nan"),
             **{f"reward_{name}": value for name, value in comps.items()},
             "accuracy": comps.get("correct"),
+            **shadow_rates(shadow),
             "trained_samples": trained,
             "response_length_mean": sum(m["response_length_mean"] * m["samples"] for m in scored) / max(samples, 1),
             "samples_per_s": rows / elapsed,
@@ -523,8 +546,7 @@ class GRPOTrainer:
     def _progress_line(self, row: dict[str, Any]) -> str:
         """``progress_line`` with the phase's total and the time left at the phase's rate so far."""
         phase = row.get("phase")
-        total = self.cfg.sft.steps if phase == "sft" else self.cfg.training.total_steps
-        done = row.get("sft_step", 0) if phase == "sft" else row.get("step", 0)
+        total, done = phase_progress(self.cfg, row)
         started, first = self._phase_start.setdefault(phase, (time.monotonic(), done))
         rate = (done - first) / max(time.monotonic() - started, 1e-9)
         eta = (total - done) / rate if rate > 0 else None

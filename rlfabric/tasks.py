@@ -81,6 +81,51 @@ def arithmetic_rows(
     return rows
 
 
+def arithmetic_pairs(n: int, seed: int, max_operand: int = 49, ops: str = "+", length_share: float = 0.0) -> list[dict]:
+    """Preference pairs on ``arithmetic`` prompts, for training a reward model (``reward_model.pairs``): rows
+    ``{"prompt": "12+35=", "chosen": "47", "rejected": "44", "head": "answer", "answer": "47"}``.
+
+    The rejected answer is, with equal odds, a near miss (the answer moved by 1 to 9 either way), a number drawn
+    from [0, 2 * max_operand], or the answer edited: a digit repeated, dropped or added ("477", "4", "473"), so
+    the model also learns to refuse the malformed strings a policy tries once it optimises against it (never the
+    answer itself). With ``length_share`` > 0 that share of the rows are ``"head": "brevity"`` pairs
+    instead: one completion x (the answer or a wrong one, even odds) against x written twice, so a brevity head
+    learns that shorter is better whatever the answer.
+    """
+    if not isinstance(length_share, (int, float)) or not 0 <= length_share <= 1:
+        raise ValueError(f"length_share = {length_share!r}: must be a number in [0, 1]")
+    rows = arithmetic_rows(n, seed, max_operand=max_operand, ops=ops)
+    rng = random.Random(seed + 2)  # its own stream: the prompts are arithmetic_rows' for the same seed
+    for row in rows:
+        answer = row["answer"]
+        wrong = answer
+        while wrong == answer:
+            wrong = _wrong_answer(answer, rng, max_operand)
+        if rng.random() < length_share:
+            short = answer if rng.random() < 0.5 else wrong
+            row.update(chosen=short, rejected=short + short, head="brevity")
+        else:
+            row.update(chosen=answer, rejected=wrong, head="answer")
+    return rows
+
+
+def _wrong_answer(answer: str, rng: random.Random, max_operand: int) -> str:
+    """A near miss, a random number, or the answer with a digit repeated, dropped or added (may equal the
+    answer: the caller draws again)."""
+    kind = rng.randrange(3)
+    if kind == 0:
+        return str(int(answer) + rng.choice([-1, 1]) * rng.randint(1, 9))
+    if kind == 1:
+        return str(rng.randint(0, 2 * max_operand))
+    at = rng.randrange(len(answer))
+    edit = rng.randrange(3)
+    if edit == 0:
+        return answer[: at + 1] + answer[at] + answer[at + 1 :]
+    if edit == 1 and len(answer) > 1:
+        return answer[:at] + answer[at + 1 :]
+    return answer[:at] + str(rng.randrange(10)) + answer[at:]
+
+
 def _value_of(numbers: list[int], ops: list[str]) -> int:
     """Value of ``n0 op0 n1 op1 n2 ...`` with the usual precedence: a sum of signed products."""
     terms = [numbers[0]]
@@ -174,6 +219,7 @@ def key_lookup_rows(n: int, seed: int, table_size: int = 4, key_length: int = 2,
 # "package.module:function" path, imported only when a spec uses it.
 TASKS: dict[str, Callable[..., list[dict[str, Any]]] | str] = {
     "arithmetic": arithmetic_rows,
+    "arithmetic_pairs": arithmetic_pairs,
     "countdown": countdown_rows,
     "guess_number": guess_number_rows,
     "key_lookup": key_lookup_rows,

@@ -157,6 +157,7 @@ def test_every_example_config_is_valid():
     from rlfabric.config import load_config
     from rlfabric.data import TASK_PREFIX, load_prompts
     from rlfabric.registry import resolve
+    from rlfabric.reward_model_training import run_reward_model_specs
     from rlfabric.rewards import resolve_reward
 
     examples = sorted((ROOT / "examples").glob("*.yaml"))
@@ -167,9 +168,11 @@ def test_every_example_config_is_valid():
             resolve(cfg.env.id)
             continue
         assert isinstance(cfg, LLMConfig), path
+        trained_here = run_reward_model_specs(cfg.rewards.functions) if cfg.reward_model.pairs else []
         for i, spec in enumerate(cfg.rewards.functions):
-            resolve_reward(dataclasses.asdict(spec), f"{path.name}: rewards.functions[{i}]")
-        for spec in (cfg.data.train, cfg.data.eval):
+            if i not in trained_here:  # the run's own reward model exists once the run has trained it
+                resolve_reward(dataclasses.asdict(spec), f"{path.name}: rewards.functions[{i}]")
+        for spec in (cfg.data.train, cfg.data.eval, cfg.reward_model.pairs):
             if spec.startswith(TASK_PREFIX):  # generated tasks: the name and options are checked by a few rows
                 load_prompts(spec, num_rows=4, prompt_key=cfg.data.prompt_key)
 

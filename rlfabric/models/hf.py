@@ -27,7 +27,7 @@ CHAR_CHAT_TEMPLATE = (
 )
 
 
-def _quiet_transformers() -> None:
+def quiet_transformers() -> None:
     """No per-shard progress bars from transformers: they interleave with the run's own progress output."""
     from transformers.utils import logging
 
@@ -145,7 +145,7 @@ def model_max_positions(path: str | Path) -> int | None:
     """The context length of the model at ``path`` (its config's ``max_position_embeddings``); None if unstated."""
     from transformers import AutoConfig
 
-    _quiet_transformers()
+    quiet_transformers()
     config = AutoConfig.from_pretrained(str(path))
     text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
     value = getattr(text_config, "max_position_embeddings", None)
@@ -159,7 +159,7 @@ def load_causal_lm(path: str | Path, dtype: torch.dtype | str = torch.float32, d
     """Any Hugging Face causal LM by local path or hub id (``AutoModelForCausalLM``)."""
     from transformers import AutoModelForCausalLM
 
-    _quiet_transformers()
+    quiet_transformers()
     dtype = DTYPES[dtype] if isinstance(dtype, str) else dtype
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
     return model.to(device).eval()
@@ -193,7 +193,7 @@ def load_tokenizer(path: str | Path) -> Any:
 
 def save_pretrained(model: Any, tokenizer: Any, path: str | Path) -> Path:
     """Save model (safetensors + config) and tokenizer in Hugging Face format; transformers and vLLM load it."""
-    _quiet_transformers()
+    quiet_transformers()
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(path, safe_serialization=True)

@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from rlfabric.algorithms.grpo import compute_advantages
+from rlfabric.algorithms.reward_combination import combine_rewards
 from rlfabric.algorithms.step_credit import efficiency_penalty, step_advantages_to_tokens, step_group_share
 from rlfabric.models.sequences import is_row_column, pack_sequences
 from rlfabric.objectives import NO_STEP_CREDIT, STATE_KEYED_STEP_CREDITS, STEP_CREDITS
@@ -62,9 +63,10 @@ def grpo_batch(
     step_credit_weight: float = 1.0,
     step_gamma: float = 0.95,
     efficiency: dict[str, Any] | None = None,
+    combine: dict[str, Any] | None = None,
 ) -> dict[str, np.ndarray]:
-    """The packed GRPO batch of the chosen groups: scalar reward r = sum_c w_c * final_rewards[c] (plus the
-    efficiency penalty when ``efficiency["weight"]`` > 0, see ``efficiency_rewards``), advantages by ``advantage``
+    """The packed GRPO batch of the chosen groups: the scalar reward of ``outcome_rewards`` (the components
+    combined as ``combine`` says, plus the efficiency penalty), advantages by ``advantage``
     over the groups, no loss on truncated rows with ``overlong_filter``, padded for ``world_size`` data-parallel
     learners.
 
@@ -79,7 +81,7 @@ def grpo_batch(
     of steps in a step group of more than one) are scalars for the learner's metrics."""
     traj = select_groups(trajectories, groups)
     batch = pack_trajectories(traj, pad_id)
-    rewards = traj.total_reward(reward_weights)
+    rewards = combined_rewards(traj, reward_weights, combine)
     if efficiency is not None and efficiency.get("weight", 0.0) > 0:
         penalty = efficiency_rewards(traj, efficiency)
         rewards = rewards + penalty
@@ -112,6 +114,40 @@ def grpo_batch(
     if report is not None:
         batch["drift_report"] = report
     return pad_rows_for_learners(batch, world_size)
+
+
+def combined_rewards(
+    traj: Trajectories, reward_weights: dict[str, float], combine: dict[str, Any] | None = None
+) -> np.ndarray:
+    """[N] the rows' final reward components combined (``rewards.combine``: clip, gate, MO-GRPO normalization
+    within each group, then the weighted sum; ``rlfabric.algorithms.reward_combination``). Without clips, gates or
+    normalization it is the weighted sum sum_c w_c * final_rewards[c]."""
+    c = combine or {}
+    if not (c.get("normalize") or c.get("clip") or c.get("gates")):
+        return traj.total_reward(reward_weights)
+    clip = {name: (float(low), float(high)) for name, (low, high) in c.get("clip", {}).items()}
+    return combine_rewards(
+        traj.final_rewards,
+        traj.group_id,
+        reward_weights,
+        clip=clip,
+        gates=c.get("gates"),
+        normalize=c.get("normalize", False),
+    )
+
+
+def outcome_rewards(
+    traj: Trajectories,
+    reward_weights: dict[str, float],
+    combine: dict[str, Any] | None = None,
+    efficiency: dict[str, Any] | None = None,
+) -> np.ndarray:
+    """[N] the scalar reward advantages use: ``combined_rewards`` plus the efficiency penalty when
+    ``efficiency["weight"]`` > 0 (what the rollout side's group statistics see, so the driver filters on it)."""
+    rewards = combined_rewards(traj, reward_weights, combine)
+    if efficiency is not None and efficiency.get("weight", 0.0) > 0:
+        rewards = rewards + efficiency_rewards(traj, efficiency)
+    return rewards
 
 
 def efficiency_rewards(traj: Trajectories, efficiency: dict[str, Any]) -> np.ndarray:

@@ -66,6 +66,18 @@ def pack_sequences(
     }
 
 
+def right_padded(rows: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(input_ids, attention_mask) [N, W], each row right-padded with ``pad_id`` to the longest (W >= 1); a
+    sequence-classification model pools each row's last real token."""
+    width = max(max((len(row) for row in rows), default=1), 1)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, row in enumerate(rows):
+        ids[i, : len(row)] = torch.tensor(list(row), dtype=torch.long)
+        mask[i, : len(row)] = 1
+    return ids, mask
+
+
 def is_row_column(value: Any, num_rows: int) -> bool:
     """Whether a batch entry holds one value per row (and so is sliced, padded and sharded with the rows)."""
     return isinstance(value, (np.ndarray, torch.Tensor)) and value.ndim >= 1 and len(value) == num_rows

@@ -1,6 +1,7 @@
 """Reward functions: the group contract, the registry, math answer checking and the built-in rewards.
 
-Importing this package registers the built-ins (``math``, ``arithmetic``, ``countdown``, ``length``).
+Importing this package registers the built-ins (``math``, ``arithmetic``, ``countdown``, ``length``,
+``reward_model``).
 """
 
 from rlfabric.rewards import builtin  # noqa: F401 - registers the built-in rewards
@@ -11,8 +12,10 @@ from rlfabric.rewards.registry import (
     RewardNotFoundError,
     RewardResult,
     RewardSpec,
+    is_pointwise,
     list_rewards,
     load_snapshot,
+    pointwise,
     register_reward,
     resolve_reward,
     snapshot,
@@ -27,8 +30,10 @@ __all__ = [
     "answers_match",
     "extract_answer",
     "list_rewards",
+    "is_pointwise",
     "load_snapshot",
     "normalize_answer",
+    "pointwise",
     "register_reward",
     "resolve_reward",
     "snapshot",

@@ -11,6 +11,8 @@ Each scores a group and returns, per completion, named components in [0, 1] (``l
   ``+ - * /`` and parentheses). Expressions are parsed with ``ast`` and evaluated on exact fractions; nothing is
   ever ``eval``-ed.
 * ``length``: ``length_penalty``, DAPO's soft overlong punishment (kwargs ``max_tokens``, ``cache_tokens``).
+* ``reward_model``: a Hugging Face sequence-classification model's heads as components, or an ensemble's
+  (``rlfabric.rewards.reward_model``; kwargs ``path``, ``heads``, ``batch_size``, ``max_length``, ``device``).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from typing import Any
 
 from rlfabric.rewards.math_verify import answers_match, find_answer
 from rlfabric.rewards.registry import RewardInput, register_reward
+from rlfabric.rewards.reward_model import reward_model_reward
 
 
 def _meta(sample: RewardInput, key: str, reward: str) -> Any:
@@ -154,6 +157,7 @@ BUILTIN_REWARDS = {
     "arithmetic": arithmetic_reward,
     "countdown": countdown_reward,
     "length": length_reward,
+    "reward_model": reward_model_reward,
 }
 
 for _name, _fn in BUILTIN_REWARDS.items():

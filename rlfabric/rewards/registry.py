@@ -5,6 +5,11 @@ leave-one-out rewards fit the same contract as per-sample verifiers:
 
     fn(inputs: list[RewardInput], **kwargs) -> list[dict[str, float]]   # one dict of named components per input
 
+A function marked ``@pointwise`` scores each sample on its own (a reward model's forward pass): the reward service
+hands it every sample of a call at once, across groups, so it can batch them. A function may carry
+``check_kwargs(**kwargs)``, which ``resolve_reward`` calls on the driver, so a bad argument (a model path that
+does not exist) is one ConfigError before any actor starts.
+
 Specs, tried in this order: a name given to ``register_reward`` (or shipped with a registry snapshot), a name from
 the ``rlfabric.rewards`` entry-point group of installed packages, then ``package.module:function``. A spec in the
 config is a name or ``{"name": ..., "kwargs": {...}}``; ``resolve_reward`` binds the kwargs (checked against the
@@ -86,6 +91,17 @@ class RewardNotFoundError(ConfigError):
     """A reward spec that names nothing this process can import."""
 
 
+def pointwise(fn: Callable[..., list[dict[str, float]]]) -> Callable[..., list[dict[str, float]]]:
+    """Mark ``fn`` as scoring each sample independently of its group: the reward service may call it on the
+    samples of many groups at once (one batch across groups) instead of once per group."""
+    fn.pointwise = True  # type: ignore[attr-defined]
+    return fn
+
+
+def is_pointwise(fn: Callable[..., Any]) -> bool:
+    return bool(getattr(fn, "pointwise", False))
+
+
 def register_reward(name: str, fn: Callable[..., list[dict[str, float]]]) -> None:
     """Register ``fn(inputs, **kwargs) -> list[dict[str, float]]`` under ``name`` for the driver and reward actors."""
     if not isinstance(name, str) or not name or ":" in name:
@@ -130,7 +146,17 @@ def _bind(fn: Callable[..., Any], spec: RewardSpec, field: str) -> RewardFn:
                 f"{field}.kwargs = {spec.kwargs!r}: reward {spec.name!r} cannot take them ({exc}); "
                 f"its parameters: {', '.join(params) or 'none'}"
             ) from exc
-    return functools.partial(fn, **spec.kwargs) if spec.kwargs else fn
+    check = getattr(fn, "check_kwargs", None)
+    if check is not None:
+        try:
+            check(**spec.kwargs)
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(f"{field}.kwargs: reward {spec.name!r}: {exc}") from exc
+    if not spec.kwargs:
+        return fn
+    bound = functools.partial(fn, **spec.kwargs)
+    bound.pointwise = is_pointwise(fn)  # type: ignore[attr-defined]
+    return bound
 
 
 def resolve_reward(spec: str | Mapping[str, Any] | RewardSpec, field: str = "rewards.functions") -> RewardFn:

@@ -14,10 +14,34 @@ def format_eta(seconds: float | None) -> str:
     return f"{minutes}m{secs:02d}s" if minutes else f"{secs}s"
 
 
+# Step counter and total of each phase before the GRPO steps: (row field, config section, config field).
+PHASE_STEPS = {
+    "sft": ("sft_step", "sft", "steps"),
+    "rm_lm": ("rm_lm_step", "reward_model", "lm_steps"),
+    "rm": ("rm_step", "reward_model", "steps"),
+    "rm_eval": ("rm_step", "reward_model", "steps"),
+}
+
+
+def phase_progress(cfg: Any, row: dict[str, Any]) -> tuple[int, int]:
+    """(total, done) of a metrics row's phase: the SFT or reward-model steps, else the GRPO steps."""
+    counter, section, total = PHASE_STEPS.get(row.get("phase"), ("step", "training", "total_steps"))
+    return int(getattr(getattr(cfg, section), total)), int(row.get(counter, 0))
+
+
 def grpo_progress_line(row: dict[str, Any], total: int | None = None, eta_s: float | None = None) -> str:
     """The terminal line for a metrics row: ``total`` steps of its phase, and the time left when known."""
     of = f"/{total}" if total else ""
     eta = f" | ETA {format_eta(eta_s)}" if total else ""
+    if row.get("phase") == "rm_lm":
+        return f"rm backbone {row['rm_lm_step']:>5}{of} | loss {row['rm_lm_loss']:.3f} | {row['time_s']:6.0f}s{eta}"
+    if row.get("phase") == "rm":
+        return (
+            f"rm   {row['rm_step']:>5}{of} | loss {row['rm_loss']:.3f} | pair acc {row['rm_accuracy']:.3f} | "
+            f"{row['time_s']:6.0f}s{eta}"
+        )
+    if row.get("phase") == "rm_eval":
+        return f"rm eval {row['rm_step']:>5} | held-out pair accuracy {row['rm_eval_accuracy']:.3f}"
     if row.get("phase") == "sft":
         return f"sft  {row['sft_step']:>5}{of} | loss {row['sft_loss']:.3f} | {row['time_s']:6.0f}s{eta}"
     if row.get("phase") == "eval":
@@ -36,6 +60,12 @@ def tensorboard_view(row: dict[str, Any]) -> tuple[int, dict[str, float]]:
     numbers = {k: v for k, v in row.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
     if row.get("phase") == "sft":
         return int(row["sft_step"]), {f"sft/{k.removeprefix('sft_')}": v for k, v in numbers.items() if k != "sft_step"}
+    if row.get("phase") in ("rm_lm", "rm", "rm_eval"):
+        counter = PHASE_STEPS[row["phase"]][0]
+        skip = (counter, "step", "iteration")
+        return int(row[counter]), {
+            f"reward_model/{k.removeprefix('rm_')}": v for k, v in numbers.items() if k not in skip
+        }
     if row.get("phase") == "eval":
         return int(row["step"]), {f"eval/{k.removeprefix('eval_')}": v for k, v in numbers.items() if "eval" in k}
     return int(row["step"]), {k: v for k, v in numbers.items() if k not in ("step", "iteration")}

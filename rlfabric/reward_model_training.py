@@ -1,0 +1,312 @@
+"""Training a reward model from preference pairs (``reward_model`` in a GRPO config; ``rlfabric train-rm``).
+
+A pair is a row ``{"prompt", "chosen", "rejected"}`` plus, for a model of several heads, ``"head"`` (which head
+the preference trains; the first head when absent): the ``reward_model.pairs`` file (.jsonl or .parquet) or a
+generated task (``task:arithmetic_pairs``). The model is a Hugging Face sequence-classification model with one
+output per head, named in its config's ``id2label``: with ``model.path: builtin``, a small Qwen2 of the
+``model.builtin`` sizes on the same character tokenizer as the policy; else ``model.path`` with a new head.
+
+First ``lm_steps`` of next-token training on the chosen texts (the supervised model InstructGPT starts its reward
+model from), then a score layer of one output per head on that backbone. Each step scores the chosen and rejected
+texts (prompt + completion) of ``batch_size`` pairs in one padded batch and minimises the Bradley-Terry loss on each
+pair's head (``rlfabric.algorithms.preference``). Held-out pairs (prompts the training pairs do not have) are
+ranked before training and every ``eval_every`` steps: pair accuracy per head. The model is saved in Hugging Face
+format, where ``{name: reward_model, kwargs: {path: ...}}`` serves it.
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from rlfabric.algorithms.preference import bradley_terry_loss, pair_accuracy, pick_heads
+from rlfabric.config import ConfigError
+from rlfabric.data import load_heldout, load_prompts
+from rlfabric.models.sequences import right_padded
+
+PAIR_COLUMNS = ("prompt", "chosen", "rejected")
+
+
+@dataclass
+class PreferencePairs:
+    """Pairs as parallel lists: the two texts to score (prompt + completion) and the head each pair trains."""
+
+    chosen: list[str]
+    rejected: list[str]
+    head: np.ndarray  # [P] int64: index into the model's heads
+
+    def __len__(self) -> int:
+        return len(self.chosen)
+
+
+def preference_pairs(rows: Sequence[dict[str, Any]], heads: Sequence[str], field: str) -> PreferencePairs:
+    """The rows as pairs; a ConfigError naming ``field``, the row and the column for a row that is not one."""
+    chosen, rejected, head = [], [], []
+    for i, row in enumerate(rows):
+        for column in PAIR_COLUMNS:
+            if not isinstance(row.get(column), str):
+                raise ConfigError(
+                    f"{field}: row {i} has no text column {column!r} (a pair is {', '.join(PAIR_COLUMNS)})"
+                )
+        name = row.get("head", heads[0])
+        if name not in heads:
+            raise ConfigError(f"{field}: row {i} trains head {name!r}, not one of reward_model.heads {list(heads)}")
+        chosen.append(row["prompt"] + row["chosen"])
+        rejected.append(row["prompt"] + row["rejected"])
+        head.append(heads.index(name))
+    return PreferencePairs(chosen, rejected, np.asarray(head, np.int64))
+
+
+def load_pairs(
+    spec: str, num_pairs: int, num_eval: int, heads: Sequence[str], seed: int
+) -> tuple[PreferencePairs, PreferencePairs]:
+    """Training pairs and held-out pairs (whose prompts are not training prompts) from ``spec``."""
+    field = "reward_model.pairs"
+    train = load_prompts(spec, num_rows=num_pairs, seed=seed, field=field)
+    if not train:
+        raise ConfigError(f"{field} = {spec!r}: holds no pairs")
+    heldout = load_heldout(spec, train_rows=train, num_rows=num_eval, seed=seed, field=field)
+    return preference_pairs(train, heads, field), preference_pairs(heldout, heads, field)
+
+
+def base_language_model(base: str, tokenizer: Any, builtin: Any, seed: int) -> Any:
+    """The causal LM the reward model grows from: the builtin Qwen2 of ``builtin``'s sizes (``base`` "builtin",
+    seeded) or the model at ``base``."""
+    from rlfabric.models.hf import build_small_qwen2, load_causal_lm
+
+    if base != "builtin":
+        return load_causal_lm(base)
+    return build_small_qwen2(
+        tokenizer,
+        num_layers=builtin.num_layers,
+        hidden_size=builtin.hidden_size,
+        num_heads=builtin.num_heads,
+        max_positions=builtin.max_positions,
+        seed=seed,
+    )
+
+
+def with_score_heads(language_model: Any, tokenizer: Any, heads: Sequence[str], folder: Path, seed: int) -> Any:
+    """The sequence-classification model of ``language_model``'s backbone and a new (seeded) score layer of one
+    output per head, named in ``id2label``: saved to ``folder`` and loaded back the way transformers maps a
+    causal LM's weights onto a classifier."""
+    from transformers import AutoModelForSequenceClassification
+
+    from rlfabric.models.hf import save_pretrained
+
+    save_pretrained(language_model, tokenizer, folder)
+    labels = {"id2label": dict(enumerate(heads)), "label2id": {h: i for i, h in enumerate(heads)}}
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForSequenceClassification.from_pretrained(folder, num_labels=len(heads), **labels)
+    if model.config.pad_token_id is None:
+        model.config.pad_token_id = tokenizer.pad_token_id
+    return model
+
+
+def encode(tokenizer: Any, texts: Sequence[str], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(input_ids, attention_mask) of ``texts``, right-padded: the model pools each row's last real token."""
+    return right_padded([tokenizer(t, add_special_tokens=False).input_ids for t in texts], pad_id)
+
+
+def pair_scores(
+    model: Any, tokenizer: Any, pairs: PreferencePairs, rows: np.ndarray
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(r_chosen, r_rejected) of ``rows`` on each pair's head, chosen and rejected in one forward pass."""
+    texts = [pairs.chosen[i] for i in rows] + [pairs.rejected[i] for i in rows]
+    ids, mask = encode(tokenizer, texts, model.config.pad_token_id)
+    logits = model(input_ids=ids, attention_mask=mask).logits
+    head = torch.from_numpy(np.concatenate([pairs.head[rows], pairs.head[rows]]))
+    scores = pick_heads(logits, head)
+    return scores[: len(rows)], scores[len(rows) :]
+
+
+def warm_up_backbone(
+    model: Any, tokenizer: Any, texts: Sequence[str], rm: Any, rng: np.random.Generator, log: Callable[..., None]
+) -> None:
+    """``rm.lm_steps`` steps of next-token training of the causal LM ``model`` on ``texts`` (the chosen
+    completions after their prompts, closed with EOS), ``2 * rm.batch_size`` texts a step (as many as a ranking
+    step reads): the supervised model InstructGPT starts its reward model from. A ranking loss alone teaches a
+    small model from scratch what a good answer is far too slowly."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=rm.lr)
+    model.train()
+    for step in range(1, rm.lm_steps + 1):
+        rows = rng.choice(len(texts), size=min(2 * rm.batch_size, len(texts)), replace=False)
+        ids, mask = encode(tokenizer, [texts[i] + tokenizer.eos_token for i in rows], tokenizer.pad_token_id)
+        loss = model(input_ids=ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100)).loss
+        optimizer.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        log({"phase": "rm_lm", "rm_lm_step": step, "rm_lm_loss": float(loss.detach())})
+
+
+def heldout_accuracy(
+    model: Any, tokenizer: Any, pairs: PreferencePairs, heads: Sequence[str], batch_size: int
+) -> dict[str, float]:
+    """Pair accuracy on ``pairs``, overall (``rm_eval_accuracy``) and per head (``rm_eval_accuracy_<head>``)."""
+    chosen, rejected = [], []
+    model.eval()
+    with torch.inference_mode():
+        for start in range(0, len(pairs), batch_size):
+            c, r = pair_scores(model, tokenizer, pairs, np.arange(start, min(start + batch_size, len(pairs))))
+            chosen.append(c)
+            rejected.append(r)
+    c, r = torch.cat(chosen), torch.cat(rejected)
+    out = {"rm_eval_accuracy": pair_accuracy(c, r)}
+    for k, head in enumerate(heads):
+        rows = torch.from_numpy(pairs.head == k)
+        if rows.any():
+            out[f"rm_eval_accuracy_{head}"] = pair_accuracy(c[rows], r[rows])
+    return out
+
+
+def train_reward_model(
+    rm: Any,
+    *,
+    base: str,
+    builtin: Any,
+    tokenizer: Any,
+    out_dir: Path,
+    seed: int,
+    log: Callable[[dict[str, Any]], None],
+) -> dict[str, float]:
+    """Train the reward model ``rm`` (the config's ``reward_model`` section) and save it with ``tokenizer`` in
+    ``out_dir``; each step's and each evaluation's metrics go to ``log`` (rows with ``phase`` "rm" and
+    "rm_eval"). Returns the last held-out accuracies."""
+    from rlfabric.models.hf import save_pretrained
+
+    train, heldout = load_pairs(rm.pairs, rm.num_pairs, rm.num_eval, rm.heads, seed)
+    rng = np.random.default_rng(seed)
+    started = time.perf_counter()
+    language_model = base_language_model(base, tokenizer, builtin, seed)
+    if rm.lm_steps:
+        timed = lambda row: log({**row, "time_s": round(time.perf_counter() - started, 2)})  # noqa: E731
+        warm_up_backbone(language_model, tokenizer, train.chosen, rm, rng, timed)
+    model = with_score_heads(language_model, tokenizer, rm.heads, out_dir / "backbone", seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=rm.lr, weight_decay=0.0)
+
+    def evaluate(step: int) -> dict[str, float]:
+        scores = heldout_accuracy(model, tokenizer, heldout, rm.heads, rm.batch_size)
+        log({"phase": "rm_eval", "rm_step": step, **scores, "time_s": round(time.perf_counter() - started, 2)})
+        return scores
+
+    scores = evaluate(0)
+    for step in range(1, rm.steps + 1):
+        model.train()
+        rows = rng.choice(len(train), size=min(rm.batch_size, len(train)), replace=False)
+        chosen, rejected = pair_scores(model, tokenizer, train, rows)
+        loss = bradley_terry_loss(chosen, rejected, rm.margin)
+        optimizer.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        log(
+            {
+                "phase": "rm",
+                "rm_step": step,
+                "rm_loss": float(loss.detach()),
+                "rm_accuracy": pair_accuracy(chosen.detach(), rejected.detach()),
+                "time_s": round(time.perf_counter() - started, 2),
+            }
+        )
+        if step % rm.eval_every == 0 or step == rm.steps:
+            scores = evaluate(step)
+    save_pretrained(model.eval(), tokenizer, out_dir)
+    shutil.rmtree(out_dir / "backbone", ignore_errors=True)
+    return scores
+
+
+# -- the stage in a run ----------------------------------------------------------------------------------------
+
+REWARD_MODEL_DIR = "reward_model"  # where a run keeps the reward model it trained
+REWARD_MODEL_SPEC = "reward_model"
+
+
+def run_reward_model_specs(functions: Sequence[Any]) -> list[int]:
+    """The indices of ``rewards.functions`` entries that mean the run's own reward model: ``reward_model``
+    without a ``path``."""
+    return [i for i, f in enumerate(functions) if f.name == REWARD_MODEL_SPEC and not f.kwargs.get("path")]
+
+
+def point_at_run_reward_model(cfg: Any, run_dir: Path) -> list[int]:
+    """With ``reward_model.pairs`` set, give every ``reward_model`` spec without a path the run's reward model
+    folder (``run_dir/reward_model``, trained by ``ensure_reward_model``); the indices it changed."""
+    if not cfg.reward_model.pairs:
+        return []
+    indices = run_reward_model_specs(cfg.rewards.functions)
+    for i in indices:
+        cfg.rewards.functions[i].kwargs["path"] = str(run_dir / REWARD_MODEL_DIR)
+    return indices
+
+
+def ensure_reward_model(cfg: Any, run_dir: Path, tokenizer: Any, log: Callable[[dict[str, Any]], None]) -> Path | None:
+    """The run's reward model folder, trained now from ``reward_model.pairs`` unless it is there already (a
+    resumed run keeps the one it trained); None when the config trains none."""
+    if not cfg.reward_model.pairs:
+        return None
+    folder = run_dir / REWARD_MODEL_DIR
+    if not (folder / "config.json").is_file():
+        train_reward_model(
+            cfg.reward_model,
+            base=cfg.model.path,
+            builtin=cfg.model.builtin,
+            tokenizer=tokenizer,
+            out_dir=folder,
+            seed=cfg.training.seed,
+            log=log,
+        )
+    return folder
+
+
+def policy_tokenizer(cfg: Any) -> Any:
+    """The tokenizer of ``model.path`` (the builtin character tokenizer of ``model.builtin.alphabet``): the reward
+    model reads text the way the policy writes it."""
+    from rlfabric.grpo_config import builtin_alphabet
+    from rlfabric.models.hf import build_char_tokenizer, load_tokenizer
+
+    if cfg.model.path == "builtin":
+        return build_char_tokenizer(builtin_alphabet(cfg.model.builtin.alphabet))
+    return load_tokenizer(cfg.model.path)
+
+
+def train_reward_model_run(cfg: Any, run_dir: Path, quiet: bool = False) -> dict[str, Any]:
+    """``rlfabric train-rm``: the reward-model stage of ``cfg`` alone, in ``run_dir`` (config snapshot,
+    metrics.jsonl, TensorBoard, summary.json; the model in ``run_dir/reward_model``). Returns the summary."""
+    from rlfabric.run.log import RunLog, read_metrics, write_summary
+    from rlfabric.run.progress import grpo_progress_line, phase_progress, tensorboard_view
+
+    if not cfg.reward_model.pairs:
+        raise ConfigError("reward_model.pairs = '' is not valid for train-rm: name the preference pairs to train on")
+    if (run_dir / REWARD_MODEL_DIR / "config.json").is_file():
+        raise ConfigError(f"--run-dir {str(run_dir)!r} already holds a reward model; choose another directory")
+    log = RunLog(
+        run_dir,
+        cfg,
+        quiet=quiet,
+        step_key="rm_step",
+        progress_line=lambda row: grpo_progress_line(row, *phase_progress(cfg, row)[:1]),
+        tensorboard_view=tensorboard_view,
+    )
+    started = time.perf_counter()
+    try:
+        folder = ensure_reward_model(cfg, run_dir, policy_tokenizer(cfg), lambda row: log.log({"iteration": 0, **row}))
+    finally:
+        log.close()
+    rows = [r for r in read_metrics(run_dir) if r.get("phase") == "rm_eval"]
+    summary = {
+        "reward_model": str(folder),
+        "heads": list(cfg.reward_model.heads),
+        **{f"{k}_initial": v for k, v in rows[0].items() if k.startswith("rm_eval_accuracy")},
+        **{f"{k}_final": v for k, v in rows[-1].items() if k.startswith("rm_eval_accuracy")},
+        "time_total_s": round(time.perf_counter() - started, 1),
+    }
+    write_summary(run_dir, summary)
+    return summary

@@ -1,0 +1,223 @@
+"""Reward models: trained from preference pairs by ``rlfabric train-rm``, served by the reward service with their
+heads as components (some heads kept, ensembles), batched across groups, checked before any actor starts, and a
+model-backed reward worker killed mid-scoring survived."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import yaml
+from grpo_runs import run_grpo
+
+from rlfabric.actors.reward_service import RewardServiceCore
+from rlfabric.cli import main
+from rlfabric.config import ConfigError
+from rlfabric.data import load_prompts
+from rlfabric.llm_driver import GRPOTrainer
+from rlfabric.reward_pool import RewardPool
+from rlfabric.rewards import RewardInput, pointwise, register_reward, resolve_reward
+
+RM_CONFIG = {
+    "model": {"path": "builtin"},
+    "reward_model": {
+        "pairs": "task:arithmetic_pairs?length_share=0.3",
+        "heads": ["answer", "brevity"],
+        "lm_steps": 1000,
+        "steps": 300,
+        "eval_every": 150,
+    },
+}
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory) -> tuple[Path, dict]:
+    """``rlfabric train-rm`` on arithmetic pairs: (the model folder, the printed summary's source: summary.json)."""
+    root = tmp_path_factory.mktemp("rm")
+    config = root / "rm.yaml"
+    config.write_text(yaml.safe_dump(RM_CONFIG))
+    assert main(["train-rm", str(config), "--run-dir", str(root / "run"), "--quiet"]) == 0
+    return root / "run" / "reward_model", json.loads((root / "run" / "summary.json").read_text())
+
+
+def inputs_of(rows: list[dict], completions: list[str]) -> list[RewardInput]:
+    return [
+        RewardInput(r["prompt"], c, {"answer": r["answer"]}, "stop", len(c))
+        for r, c in zip(rows, completions, strict=True)
+    ]
+
+
+def direct_scores(folder: Path, texts: list[str]) -> np.ndarray:
+    """Each text alone through transformers (no batching, no padding): [N, heads]."""
+    from transformers import AutoModelForSequenceClassification, PreTrainedTokenizerFast
+
+    model = AutoModelForSequenceClassification.from_pretrained(folder).eval()
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(folder)
+    with torch.no_grad():
+        return np.stack(
+            [
+                model(input_ids=torch.tensor([tokenizer(t, add_special_tokens=False).input_ids])).logits[0].numpy()
+                for t in texts
+            ]
+        )
+
+
+def test_a_reward_model_trained_from_pairs_ranks_held_out_pairs_well_above_chance(trained):
+    folder, summary = trained
+    assert (folder / "config.json").is_file() and not (folder / "backbone").exists()
+    assert json.loads((folder / "config.json").read_text())["id2label"] == {"0": "answer", "1": "brevity"}
+    assert summary["rm_eval_accuracy_answer_initial"] < 0.7  # an untrained score layer: about chance
+    assert summary["rm_eval_accuracy_answer_final"] >= 0.75  # right answer over a near miss, on new prompts
+    assert summary["rm_eval_accuracy_brevity_final"] >= 0.9
+    rows = [json.loads(line) for line in (folder.parent / "metrics.jsonl").read_text().splitlines()]
+    assert {r["phase"] for r in rows} == {"rm_lm", "rm", "rm_eval"}
+    assert sum(r["phase"] == "rm" for r in rows) == 300
+
+
+def test_the_service_serves_the_kept_heads_batched_across_groups_as_a_direct_forward_scores(trained):
+    folder, _ = trained
+    rows = load_prompts("task:arithmetic?max_operand=49&ops=+", num_rows=6, seed=11)
+    completions = [r["answer"] for r in rows[:3]] + [
+        str(int(r["answer"]) + 1) + "x" * k for k, r in enumerate(rows[3:])
+    ]
+    samples = inputs_of(rows, completions)
+    service = RewardServiceCore([{"name": "reward_model", "kwargs": {"path": str(folder), "heads": ["answer"]}}], 30.0)
+    results = service.score([samples[:2], samples[2:5], samples[5:]])
+    assert [len(g) for g in results] == [2, 3, 1]
+    got = np.array([r.components["answer"] for g in results for r in g])
+    assert all(set(r.components) == {"answer"} for g in results for r in g)  # the brevity head is dropped
+    expected = direct_scores(folder, [s.prompt + s.completion for s in samples])[:, 0]
+    np.testing.assert_allclose(got, expected, atol=1e-4)
+
+
+def test_an_ensemble_gives_the_mean_the_min_and_the_disagreement_of_its_members(trained, tmp_path):
+    from transformers import AutoModelForSequenceClassification, PreTrainedTokenizerFast
+
+    folder, _ = trained
+    doubled = AutoModelForSequenceClassification.from_pretrained(folder)
+    with torch.no_grad():
+        doubled.score.weight.mul_(2.0)  # a member whose every score is twice the first's (the score layer has no bias)
+    doubled.save_pretrained(tmp_path / "doubled")
+    PreTrainedTokenizerFast.from_pretrained(folder).save_pretrained(tmp_path / "doubled")
+    rows = load_prompts("task:arithmetic?max_operand=49&ops=+", num_rows=4, seed=12)
+    samples = inputs_of(rows, [r["answer"] for r in rows])
+    spec = {"name": "reward_model", "kwargs": {"path": [str(folder), str(tmp_path / "doubled")], "heads": ["brevity"]}}
+    results = RewardServiceCore([spec], 30.0).score([samples])[0]
+    single = direct_scores(folder, [s.prompt + s.completion for s in samples])[:, 1]
+    # members s and 2s: mean 1.5 s, min min(s, 2s), population std |2s - s| / 2
+    np.testing.assert_allclose([r.components["brevity"] for r in results], 1.5 * single, atol=1e-4)
+    np.testing.assert_allclose(
+        [r.components["brevity_min"] for r in results], np.minimum(single, 2 * single), atol=1e-4
+    )
+    np.testing.assert_allclose([r.components["brevity_disagreement"] for r in results], np.abs(single) / 2, atol=1e-4)
+
+
+def test_a_bad_reward_model_spec_is_one_config_error_on_the_driver(trained, tmp_path):
+    folder, _ = trained
+    with pytest.raises(
+        ConfigError, match=r"rewards.functions\[0\].kwargs: reward 'reward_model': path = .* no reward model"
+    ):
+        resolve_reward({"name": "reward_model", "kwargs": {"path": str(tmp_path / "nowhere")}}, "rewards.functions[0]")
+    with pytest.raises(
+        ConfigError, match=r"heads = \['helpful'\]: \['helpful'\] not among the model's heads \['answer', 'brevity'\]"
+    ):
+        resolve_reward({"name": "reward_model", "kwargs": {"path": str(folder), "heads": ["helpful"]}})
+    with pytest.raises(ConfigError, match="or set reward_model.pairs to train one in this run"):
+        resolve_reward({"name": "reward_model"})
+
+
+CALLS: list[int] = []
+
+
+@pointwise
+def counted(inputs: list[RewardInput]) -> list[dict[str, float]]:
+    CALLS.append(len(inputs))
+    if any(s.completion == "boom" for s in inputs):
+        raise RuntimeError("boom")
+    return [{"len": float(len(s.completion))} for s in inputs]
+
+
+def per_group(inputs: list[RewardInput]) -> list[dict[str, float]]:
+    return [{"size": float(len(inputs))} for _ in inputs]
+
+
+register_reward("counted", counted)
+register_reward("per_group", per_group)
+
+
+def test_pointwise_rewards_run_once_per_call_across_groups_and_a_failure_fails_every_group():
+    groups = [inputs_of([{"prompt": "p", "answer": ""}] * n, ["ab"] * n) for n in (2, 3, 1)]
+    CALLS.clear()
+    results = RewardServiceCore(["counted", "per_group"], 5.0).score(groups)
+    assert CALLS == [6]
+    assert [[r.components for r in g] for g in results] == [
+        [{"len": 2.0, "size": 2.0}] * 2,
+        [{"len": 2.0, "size": 3.0}] * 3,
+        [{"len": 2.0, "size": 1.0}],
+    ]
+    groups[1][0].completion = "boom"
+    results = RewardServiceCore(["counted", "per_group"], 5.0).score(groups)
+    assert all(r.error == "counted: RuntimeError: boom" for g in results for r in g)
+
+
+def test_a_killed_model_backed_reward_worker_is_replaced_and_scores_again(trained, local_ray):
+    folder, _ = trained
+    spec = {"name": "reward_model", "kwargs": {"path": str(folder), "heads": ["answer"]}}
+    pool = RewardPool([spec], num_workers=1, timeout_s=60.0, num_cpus_per_worker=0.5, grace_s=30.0)
+    rows = load_prompts("task:arithmetic?max_operand=49&ops=+", num_rows=4, seed=13)
+    groups = [inputs_of(rows[:2], ["1", "2"]), inputs_of(rows[2:], ["3", "4"])]
+    try:
+        first = pool.score(groups)
+        assert all(r.error is None for g in first for r in g)
+        os.kill(pool.pids()[0], signal.SIGKILL)
+        lost = pool.score(groups)
+        assert all(r.error is not None and " died: " in r.error for g in lost for r in g)
+        again = pool.score(groups)
+        assert pool.worker_restarts == 1
+        assert [[r.components for r in g] for g in again] == [[r.components for r in g] for g in first]
+    finally:
+        pool.shutdown()
+
+
+def test_a_grpo_run_trains_its_reward_model_first_scores_with_it_and_keeps_it_on_resume(tmp_path, local_ray):
+    run_dir = tmp_path / "run"
+    run = run_grpo(
+        run_dir,
+        rewards={"functions": [{"name": "arithmetic"}, {"name": "reward_model"}], "weights": {"correct": 0.0}},
+        reward_model={
+            "pairs": "task:arithmetic_pairs?max_operand=9",
+            "num_pairs": 40,
+            "num_eval": 20,
+            "heads": ["answer"],
+            "lm_steps": 4,
+            "steps": 3,
+            "eval_every": 3,
+        },
+        training={"total_steps": 2, "checkpoint_every": 1},
+    )
+    folder = run_dir / "reward_model"
+    assert json.loads((folder / "config.json").read_text())["id2label"] == {"0": "answer"}
+    assert [len(run.phase(p)) for p in ("rm_lm", "rm", "rm_eval")] == [4, 3, 2]
+    assert all("reward_answer" in r for r in run.phase("grpo"))  # the reward model's head, a component
+    trained_at = (folder / "model.safetensors").stat().st_mtime_ns
+    trainer = GRPOTrainer.from_run_dir(run_dir, ["training.total_steps=3"], quiet=True)
+    try:
+        trainer.train()
+    finally:
+        trainer.close()
+    assert (folder / "model.safetensors").stat().st_mtime_ns == trained_at  # kept, not trained again
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert sum(r.get("phase") == "rm" for r in rows) == 3 and max(r["step"] for r in rows) == 3
+
+
+def test_train_rm_refuses_a_config_without_pairs_in_one_line(tmp_path, capsys):
+    assert main(["train-rm", "--run-dir", str(tmp_path / "rm"), "--quiet"]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        "rlfabric: config error: reward_model.pairs = '' is not valid for train-rm: name the preference pairs to "
+        "train on"
+    )
