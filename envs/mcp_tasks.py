@@ -229,19 +229,30 @@ def careless_player(task: dict[str, Any], messages: list[dict[str, str]]) -> str
     return solution_player(task, messages)
 
 
+_PLAYS: dict[int, int] = {}  # how often the wasteful player has begun each task (by seed) in this process
+
+
 def wasteful_player(task: dict[str, Any], messages: list[dict[str, str]]) -> str:
-    """``careless_player`` that also re-checks: after a solution call that was not itself a repeat, it makes the
-    same call again with probability 1/2 (about a third of its episodes on one-call tasks). A repeated call
-    changes nothing on a lookup and costs a call, so its successful episodes differ in their call counts: the
-    redundancy ``rewards.efficiency`` penalises and step-level credit can tell apart. Meant for tasks whose calls
-    are lookups or idempotent writes (a repeated transfer would move the money twice)."""
+    """A careless solver that also re-checks: on a third of its episodes it answers at once with a guess (three
+    random letters); after a solution call that was not itself a repeat, it makes the same call again with
+    probability 1/2 (about a third of its episodes on one-call tasks). A repeated call changes nothing on a lookup
+    and costs a call, so its successful episodes differ in their call counts: the redundancy
+    ``rewards.efficiency`` penalises and step-level credit can tell apart. Meant for tasks whose calls are
+    lookups or idempotent writes (a repeated transfer would move the money twice).
+
+    Its draws depend only on the task, how often this process has begun it, and the conversation, never on the
+    order in which concurrent episodes reach it: two runs with one seed get the same demonstrations."""
     said = [m["content"] for m in messages if m["role"] == "assistant"]
+    seed = int(task["seed"])
     if not said:
-        return careless_player(task, messages)
-    repeats = sum(a == b for a, b in zip(said, said[1:], strict=False))
-    last_was_call = said[-1].startswith("<tool_call>")
-    if last_was_call and (len(said) < 2 or said[-1] != said[-2]) and _CARELESS.random() < 1 / 2:
+        begun = _PLAYS.get(seed, 0)
+        _PLAYS[seed] = begun + 1
+        rng = random.Random(f"{seed}:{begun}")
+        if rng.random() < 1 / 3:
+            return "".join(rng.choice(string.ascii_lowercase) for _ in range(3))
+    rng = random.Random(f"{seed}:{said}")
+    if said and said[-1].startswith("<tool_call>") and (len(said) < 2 or said[-1] != said[-2]) and rng.random() < 0.5:
         return said[-1]
     calls = task["solution"]["calls"]
-    done = len(said) - repeats
+    done = len(said) - sum(a == b for a, b in zip(said, said[1:], strict=False))  # repeats do not advance
     return tool_call_text(calls[done]) if done < len(calls) else str(task["solution"]["answer"])
