@@ -149,3 +149,9 @@ def require(ok: bool, path: str, value: Any, allowed: str) -> None:
     """Raise ``ConfigError`` naming ``path``, its ``value`` and what is ``allowed`` unless ``ok``."""
     if not ok:
         raise ConfigError(f"{path} = {value!r} is not valid: {allowed}")
+
+
+def positive(path: str, value: float, *, allow_zero: bool = False) -> None:
+    """``require`` that ``value`` is > 0 (>= 0 with ``allow_zero``)."""
+    ok = value >= 0 if allow_zero else value > 0
+    require(ok, path, value, "must be >= 0" if allow_zero else "must be > 0")

@@ -12,8 +12,9 @@ import string
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from rlfabric.config_base import ConfigError, RayConfig, require
+from rlfabric.config_base import ConfigError, RayConfig, positive, require
 from rlfabric.objectives import STATE_KEYED_STEP_CREDITS, TABLES, check_step_credit
+from rlfabric.reward_config import RewardModelConfig, RewardsConfig, validate_reward_model, validate_rewards
 
 # The builtin character tokenizer's alphabets by name (model.builtin.alphabet), kept here so that validating a
 # config never imports torch; rlfabric.models.hf builds the tokenizer from one.
@@ -135,73 +136,6 @@ class GeneratorConfig:
 
 
 @dataclass
-class RewardFunctionConfig:
-    # A registered reward name ("arithmetic", "countdown", "math", "length") or "package.module:function".
-    name: str = "arithmetic"
-    kwargs: dict[str, Any] = field(default_factory=dict)
-
-
-@dataclass
-class EfficiencyConfig:
-    # Adaptive efficiency penalty (rlfabric.algorithms.step_credit.efficiency_penalty), added to the scalar reward:
-    # -weight * max(0, c - m) / max(m, 1), c a row's call count, m the median count of its group's successful rows
-    # (of all its rows when none succeeded). 0: off.
-    weight: float = 0.0
-    # Reward components that are counts (summed into c), e.g. [tool_calls]: weight 0 in the scalar reward unless
-    # rewards.weights names them.
-    counts: list[str] = field(default_factory=list)
-    # The component whose value > 0 marks a successful row.
-    success: str = "correct"
-    # "on_success": only successful rows are penalised; "always": every row.
-    apply: Literal["on_success", "always"] = "on_success"
-
-
-@dataclass
-class CombineConfig:
-    # How the components become the scalar reward (rlfabric.algorithms.reward_combination): clip, gate, optionally
-    # normalise each component within its group (MO-GRPO), then the weighted sum of rewards.weights.
-    normalize: bool = False
-    # {component: [low, high]}: clip the component first.
-    clip: dict[str, list[float]] = field(default_factory=dict)
-    # {component: gate}: the component counts only on rows whose gate component is > 0 (e.g. {brevity: correct}).
-    gates: dict[str, str] = field(default_factory=dict)
-
-
-@dataclass
-class ShadowConfig:
-    # A second reward beside the training one, never used for learning (rlfabric.rewards.shadow): its functions
-    # score `sample` of each rollout's groups on their own reward workers; its verdicts against the training
-    # reward's are logged per step (shadow_disagreement, shadow_false_positive, shadow_false_negative). []: off.
-    functions: list[RewardFunctionConfig] = field(default_factory=list)
-    sample: float = 1.0
-    # A sample passes the shadow when this component > threshold, and the training reward when train_component
-    # > train_threshold.
-    component: str = "correct"
-    threshold: float = 0.5
-    train_component: str = "correct"
-    train_threshold: float = 0.5
-
-
-@dataclass
-class RewardsConfig:
-    functions: list[RewardFunctionConfig] = field(default_factory=lambda: [RewardFunctionConfig()])
-    # Weight of each named component in the scalar reward; components not listed count with weight 1.
-    weights: dict[str, float] = field(default_factory=lambda: {"format": 0.0})
-    num_workers: int = 1
-    num_cpus: float = 0.5
-    # Deadline for scoring one group; a function that hangs or raises costs only its group's samples.
-    timeout_s: float = 30.0
-    efficiency: EfficiencyConfig = field(default_factory=EfficiencyConfig)
-    combine: CombineConfig = field(default_factory=CombineConfig)
-    shadow: ShadowConfig = field(default_factory=ShadowConfig)
-
-    def scalar_weights(self) -> dict[str, float]:
-        """The weights of the scalar reward: ``weights``, and 0 for the count components of ``efficiency`` that
-        ``weights`` does not name (counts are not rewards)."""
-        return {**{name: 0.0 for name in self.efficiency.counts}, **self.weights}
-
-
-@dataclass
 class GRPOConfig:
     prompts_per_step: int = 32
     group_size: int = 8
@@ -266,29 +200,6 @@ class SFTConfig:
 
 
 @dataclass
-class RewardModelConfig:
-    # Preference pairs to train a reward model from before RL ("": none; rlfabric.reward_model_training): a
-    # .jsonl/.parquet file of {prompt, chosen, rejected[, head]} rows, or task:arithmetic_pairs. Its model is
-    # saved in the run directory (reward_model/), where {name: reward_model} without a path serves it.
-    pairs: str = ""
-    num_pairs: int = 2000
-    # Held-out pairs (prompts not among the training pairs), ranked before training and every eval_every steps.
-    num_eval: int = 200
-    # The model's outputs, one per head, named as reward components; a pair's "head" column picks the head it trains.
-    heads: list[str] = field(default_factory=lambda: ["reward"])
-    # Next-token training of the reward model's backbone on the chosen texts first (model.path's weights, or a new
-    # model.builtin-sized model): the supervised model the reward model starts from.
-    lm_steps: int = 1000
-    # Bradley-Terry steps on the pairs.
-    steps: int = 500
-    batch_size: int = 32
-    lr: float = 1.0e-3
-    # The gap m in -log sigmoid(r_chosen - r_rejected - m).
-    margin: float = 0.0
-    eval_every: int = 100
-
-
-@dataclass
 class LLMLearnerConfig:
     # Data-parallel learner actors (gloo on CPU, nccl on GPU); each takes an equal share of every batch.
     num_learners: int = 1
@@ -350,11 +261,6 @@ class LLMConfig:
         return dataclasses.asdict(self)
 
 
-def _positive(path: str, value: float, *, allow_zero: bool = False) -> None:
-    ok = value >= 0 if allow_zero else value > 0
-    require(ok, path, value, "must be >= 0" if allow_zero else "must be > 0")
-
-
 def validate_llm(cfg: LLMConfig) -> LLMConfig:
     """Range and cross-field checks for ``algo: grpo``; return the config unchanged."""
     g, s, t = cfg.grpo, cfg.sampling, cfg.training
@@ -385,7 +291,7 @@ def validate_llm(cfg: LLMConfig) -> LLMConfig:
         ("generator.timeout_s", cfg.generator.timeout_s),
         ("rewards.timeout_s", cfg.rewards.timeout_s),
     ):
-        _positive(path, value)
+        positive(path, value)
     require(g.clip_low < 1, "grpo.clip_low", g.clip_low, "must be < 1 (the ratio's lower bound is 1 - clip_low)")
     for path, value in (
         ("grpo.kl_coef", g.kl_coef),
@@ -408,7 +314,7 @@ def validate_llm(cfg: LLMConfig) -> LLMConfig:
         ("learner.num_cpus", cfg.learner.num_cpus),
         ("learner.num_gpus", cfg.learner.num_gpus),
     ):
-        _positive(path, value, allow_zero=True)
+        positive(path, value, allow_zero=True)
     require(s.temperature > 0, "sampling.temperature", s.temperature, "must be > 0 for training (exploration)")
     require(0 < s.top_p <= 1, "sampling.top_p", s.top_p, "must be in (0, 1]")
     require(
@@ -435,14 +341,10 @@ def validate_llm(cfg: LLMConfig) -> LLMConfig:
     )
     if cfg.model.path == "builtin":
         builtin_alphabet(cfg.model.builtin.alphabet)
-    for i, fn in enumerate(cfg.rewards.functions):
-        require(bool(fn.name), f"rewards.functions[{i}].name", fn.name, "must name a reward function")
     _validate_step_credit(cfg)
-    _validate_efficiency(cfg.rewards.efficiency)
-    _validate_combine(cfg.rewards.combine)
-    _validate_shadow(cfg)
+    validate_rewards(cfg.rewards, cfg.env.id)
     if cfg.reward_model.pairs:
-        _validate_reward_model(cfg.reward_model)
+        validate_reward_model(cfg.reward_model)
     if cfg.env.id:
         _validate_env(cfg)
     elif not cfg.rewards.functions:
@@ -454,7 +356,7 @@ def _validate_env(cfg: LLMConfig) -> None:
     """Checks for training on a text env (``env.id`` set)."""
     e = cfg.env
     require(e.max_turns >= 1, "env.max_turns", e.max_turns, "must be at least 1")
-    _positive("env.step_timeout_s", e.step_timeout_s)
+    positive("env.step_timeout_s", e.step_timeout_s)
     if e.max_episode_tokens is not None:
         require(
             e.max_episode_tokens > cfg.sampling.max_new_tokens,
@@ -487,7 +389,7 @@ def _validate_env(cfg: LLMConfig) -> None:
 def _validate_step_credit(cfg: LLMConfig) -> None:
     g = cfg.grpo
     check_step_credit(g.step_credit)
-    _positive("grpo.step_credit_weight", g.step_credit_weight, allow_zero=True)
+    positive("grpo.step_credit_weight", g.step_credit_weight, allow_zero=True)
     require(0 <= g.step_gamma <= 1, "grpo.step_gamma", g.step_gamma, "must be in [0, 1]")
     if g.step_credit == "none":
         return
@@ -502,83 +404,4 @@ def _validate_step_credit(cfg: LLMConfig) -> None:
         "grpo.step_credit",
         g.step_credit,
         "needs a multi-turn text env (env.id) whose state_key() keys the steps; single-turn completions have none",
-    )
-
-
-def _validate_efficiency(e: EfficiencyConfig) -> None:
-    _positive("rewards.efficiency.weight", e.weight, allow_zero=True)
-    require(
-        all(isinstance(c, str) and c for c in e.counts) and len(set(e.counts)) == len(e.counts),
-        "rewards.efficiency.counts",
-        e.counts,
-        "must be distinct non-empty component names",
-    )
-    require(
-        e.weight == 0 or bool(e.counts),
-        "rewards.efficiency.counts",
-        e.counts,
-        "must name at least one count component when rewards.efficiency.weight > 0",
-    )
-    require(bool(e.success), "rewards.efficiency.success", e.success, "must name the success component")
-    require(
-        e.success not in e.counts,
-        "rewards.efficiency.success",
-        e.success,
-        "must not be one of rewards.efficiency.counts",
-    )
-
-
-def _validate_combine(c: CombineConfig) -> None:
-    for name, bounds in c.clip.items():
-        require(
-            isinstance(bounds, (list, tuple))
-            and len(bounds) == 2
-            and all(isinstance(b, (int, float)) for b in bounds)
-            and bounds[0] <= bounds[1],
-            f"rewards.combine.clip.{name}",
-            bounds,
-            "must be [low, high] with low <= high",
-        )
-    for name, gate in c.gates.items():
-        require(
-            isinstance(gate, str) and bool(gate) and gate != name,
-            f"rewards.combine.gates.{name}",
-            gate,
-            "must name another component (the one that must be > 0 for this one to count)",
-        )
-
-
-def _validate_reward_model(r: RewardModelConfig) -> None:
-    for path, value in (
-        ("reward_model.num_pairs", r.num_pairs),
-        ("reward_model.num_eval", r.num_eval),
-        ("reward_model.steps", r.steps),
-        ("reward_model.batch_size", r.batch_size),
-        ("reward_model.eval_every", r.eval_every),
-    ):
-        require(isinstance(value, int) and value >= 1, path, value, "must be an integer >= 1")
-    require(isinstance(r.lm_steps, int) and r.lm_steps >= 0, "reward_model.lm_steps", r.lm_steps, "must be >= 0")
-    _positive("reward_model.lr", r.lr)
-    require(
-        bool(r.heads) and all(isinstance(h, str) and h for h in r.heads) and len(set(r.heads)) == len(r.heads),
-        "reward_model.heads",
-        r.heads,
-        "must be distinct non-empty names, one per output of the model",
-    )
-
-
-def _validate_shadow(cfg: LLMConfig) -> None:
-    sh = cfg.rewards.shadow
-    if not sh.functions:
-        return
-    require(0 < sh.sample <= 1, "rewards.shadow.sample", sh.sample, "must be in (0, 1]")
-    for i, fn in enumerate(sh.functions):
-        require(bool(fn.name), f"rewards.shadow.functions[{i}].name", fn.name, "must name a reward function")
-    require(bool(sh.component), "rewards.shadow.component", sh.component, "must name the shadow's verdict component")
-    require(bool(sh.train_component), "rewards.shadow.train_component", sh.train_component, "must name a component")
-    require(
-        not cfg.env.id,
-        "rewards.shadow.functions",
-        [f.name for f in sh.functions],
-        "runs on single-turn completions for now (env.id is set: the text env gives the rewards)",
     )

@@ -16,6 +16,7 @@ format, where ``{name: reward_model, kwargs: {path: ...}}`` serves it.
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 import time
 from collections.abc import Callable, Sequence
@@ -254,10 +255,14 @@ def ensure_reward_model(cfg: Any, run_dir: Path, tokenizer: Any, log: Callable[[
         return None
     folder = run_dir / REWARD_MODEL_DIR
     if not (folder / "config.json").is_file():
+        b, rm = cfg.model.builtin, cfg.reward_model
+        sizes = dataclasses.replace(
+            b, num_layers=rm.num_layers or b.num_layers, hidden_size=rm.hidden_size or b.hidden_size
+        )
         train_reward_model(
             cfg.reward_model,
             base=cfg.model.path,
-            builtin=cfg.model.builtin,
+            builtin=sizes,
             tokenizer=tokenizer,
             out_dir=folder,
             seed=cfg.training.seed,
