@@ -24,6 +24,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "rlfabric.config_base",
             "rlfabric.ppo_config",
             "rlfabric.grpo_config",
+            "rlfabric.reward_config",  # the rewards and reward_model sections of a GRPO config
             "rlfabric.config",
             "rlfabric.registry",
             "rlfabric.rewards.registry",
@@ -83,6 +84,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "rlfabric.llm_actors",  # starting the run's actors from its config
             "rlfabric.llm_text_env",  # a run on a text env: its checks before actors start
             "rlfabric.llm_sft",  # the supervised warm-up's batches
+            "rlfabric.reward_model_training",  # train-rm: a reward model from preference pairs, a run's first stage
             "rlfabric.rollout_scheduler",  # which prompts go out, which groups come back to train on
             "rlfabric.weight_publisher",  # learner 0's weights to the generators
             "rlfabric.run",  # the run skeleton: outputs, checkpoints, resume, progress, plots, Ctrl-C
