@@ -1,6 +1,9 @@
-"""A registration made in the driver's process reaches runners on another Ray node."""
+"""Across Ray nodes: a registration made in the driver's process reaches runners on another node, and a
+supervised MCP tool server placed on another node serves episodes from this one over the node's address."""
 
 from __future__ import annotations
+
+import asyncio
 
 import gymnasium as gym
 import numpy as np
@@ -9,8 +12,11 @@ import ray
 from ray.cluster_utils import Cluster
 
 import rlfabric
+from rlfabric.actors.tool_server import ToolServer
 from rlfabric.config import ppo_config_from_dict as config_from_dict
 from rlfabric.driver import Trainer
+from rlfabric.envs.task_library import TASK_SERVERS
+from rlfabric.mcp_tools import McpSession
 
 
 class CorridorEnv(gym.Env):
@@ -69,3 +75,27 @@ def test_registered_env_runs_on_a_second_node(two_node_cluster, tmp_path):
     assert worker.node_id != cluster.head_node.node_id
     assert summary["env_steps"] >= 5_000 and summary["episodes"] > 0
     assert summary["eval_return_mean"] == pytest.approx(1.0 - 0.1 * 5)  # learned to walk straight right
+
+
+def test_a_tool_server_on_another_node_serves_sessions_from_this_one(two_node_cluster):
+    # "rollout" is a resource only the second node has: the server's actor and process run there
+    server = ToolServer.options(resources={"rollout": 1}).remote("notes", TASK_SERVERS["notes"].http_command)
+    try:
+        url = ray.get(server.start.remote(), timeout=60)
+        health = ray.get(server.health.remote(), timeout=30)
+        assert not url.startswith("http://127.0.0.1")  # the node's address: reachable from the other node
+
+        async def write_then_read() -> tuple[list[str], str]:
+            session = await McpSession.open(url)
+            try:
+                await session.call("put", {"key": "owl", "value": "mint"})
+                return [t.name for t in session.tools()], await session.call("get", {"key": "owl"})
+            finally:
+                await session.close()
+
+        tools, value = asyncio.run(write_then_read())
+        assert {"put", "get", "delete", "keys"} <= set(tools) and value == "mint"
+        assert health["alive"] and health["url"] == url
+    finally:
+        ray.get(server.stop.remote(), timeout=30)
+        ray.kill(server)
