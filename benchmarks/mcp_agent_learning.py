@@ -54,7 +54,16 @@ def curves(rows: list[dict]) -> dict[str, list]:
         "steps": [r["step"] for r in grpo],
         "train_success": [r.get("accuracy") for r in grpo],
         "calls_per_solved": [r.get("solved_tool_calls", 0) / max(r.get("solved_episodes", 0), 1) for r in grpo],
+        "solved_episodes": [r.get("solved_episodes", 0) for r in grpo],
+        "solved_tool_calls": [r.get("solved_tool_calls", 0) for r in grpo],
     }
+
+
+def calls_per_solved(c: dict[str, list], last: int) -> float:
+    """Tool calls per solved episode over the last ``last`` steps: their solved episodes' calls over their count
+    (a step without a solved episode adds nothing, rather than a 0)."""
+    solved = sum(c["solved_episodes"][-last:])
+    return sum(c["solved_tool_calls"][-last:]) / solved if solved else float("nan")
 
 
 def plot(name: str, runs: dict[str, dict[str, list]], path: Path) -> None:
@@ -105,8 +114,8 @@ def main() -> None:
             tail = [x for x in c["train_success"][-5:] if x is not None]
             print(
                 f"{name} / {label}: held-out {c['eval_accuracy']} at steps {c['eval_steps']}; sampled success, last 5 "
-                f"steps {sum(tail) / max(len(tail), 1):.2f}; calls per solved episode, last 5 steps "
-                f"{sum(c['calls_per_solved'][-5:]) / max(len(c['calls_per_solved'][-5:]), 1):.2f}; {wall:.0f} s",
+                f"steps {sum(tail) / max(len(tail), 1):.3f}; calls per solved episode, last 10 steps "
+                f"{calls_per_solved(c, 10):.2f}; {wall:.0f} s",
                 flush=True,
             )
         plot(name, runs, RESULTS / f"mcp_agent_{name}.png")
