@@ -87,7 +87,7 @@ def test_task_specs_with_options():
     assert row_metadata(rows[0]) == {"answer": rows[0]["answer"]}
     with pytest.raises(ConfigError, match=r"data.train = 'task:arithmetic\?size=3': 'size' is not an option"):
         load_prompts("task:arithmetic?size=3", num_rows=4, seed=0)
-    with pytest.raises(ConfigError, match="no task 'sudoku'; tasks are arithmetic, countdown"):
+    with pytest.raises(ConfigError, match="no task 'sudoku'; tasks are arithmetic, arithmetic_pairs, countdown"):
         load_prompts("task:sudoku", num_rows=4, seed=0)
     with pytest.raises(ConfigError, match="data.train = 'task:arithmetic\\?ops=%': ops = '%'"):
         load_prompts("task:arithmetic?ops=%", num_rows=4, seed=0)
