@@ -184,7 +184,7 @@ class LLMRolloutCore:
     def scalar_rewards(self, trajectories: Trajectories) -> np.ndarray:
         """[N] the scalar reward the learner's advantages use (``outcome_rewards``: the combined components plus
         the efficiency penalty), so the group statistics the driver filters on see what the learner will."""
-        return outcome_rewards(trajectories, self.weights, self.combine, self.efficiency)
+        return outcome_rewards(trajectories, self.weights, self.combine, self.efficiency)[0]
 
     def set_prompts(self, name: str, prompts: PromptSet) -> int:
         self.prompt_sets[name] = prompts

@@ -179,9 +179,18 @@ def solution_player(task: dict[str, Any], messages: list[dict[str, str]]) -> str
     """The scripted solver (``sft.player: rlfabric.envs.mcp_tasks:solution_player``): the task's solution calls,
     one per turn, then its answer. Its results depend on the earlier calls' only through the seeded state, which
     the generator read: replayed on a session reset to the task's seed, every call finds what it needs."""
-    done = sum(1 for m in messages if m["role"] == "assistant")
+    return solution_step(task, sum(1 for m in messages if m["role"] == "assistant"))
+
+
+def solution_step(task: dict[str, Any], done: int) -> str:
+    """The solution's next action after ``done`` of its steps: its next call, or its answer once all are made."""
     calls = task["solution"]["calls"]
     return tool_call_text(calls[done]) if done < len(calls) else str(task["solution"]["answer"])
+
+
+def guess(rng: random.Random) -> str:
+    """An answer without looking: three random letters."""
+    return "".join(rng.choice(string.ascii_lowercase) for _ in range(3))
 
 
 async def check_task_server(name: str, tasks_per_level: int = 4, seed: int = 0, url: str | None = None) -> list[dict]:
@@ -225,7 +234,7 @@ def careless_player(task: dict[str, Any], messages: list[dict[str, str]]) -> str
     instead of calling the tools: demonstrations that teach the calls and the copying, but not always to use the
     tools, which is left to GRPO (``sft.player: rlfabric.envs.mcp_tasks:careless_player``)."""
     if not any(m["role"] == "assistant" for m in messages) and _CARELESS.random() < 1 / 3:
-        return "".join(_CARELESS.choice(string.ascii_lowercase) for _ in range(3))
+        return guess(_CARELESS)
     return solution_player(task, messages)
 
 
@@ -249,10 +258,10 @@ def wasteful_player(task: dict[str, Any], messages: list[dict[str, str]]) -> str
         _PLAYS[seed] = begun + 1
         rng = random.Random(f"{seed}:{begun}")
         if rng.random() < 1 / 3:
-            return "".join(rng.choice(string.ascii_lowercase) for _ in range(3))
+            return guess(rng)
     rng = random.Random(f"{seed}:{said}")
     if said and said[-1].startswith("<tool_call>") and (len(said) < 2 or said[-1] != said[-2]) and rng.random() < 0.5:
         return said[-1]
-    calls = task["solution"]["calls"]
-    done = len(said) - sum(a == b for a, b in zip(said, said[1:], strict=False))  # repeats do not advance
-    return tool_call_text(calls[done]) if done < len(calls) else str(task["solution"]["answer"])
+    return solution_step(
+        task, len(said) - sum(a == b for a, b in zip(said, said[1:], strict=False))
+    )  # repeats: no step

@@ -22,7 +22,7 @@ def actor_requests(cfg: LLMConfig) -> list[ActorRequest]:
     return [
         ActorRequest("generator", g.num_generators, {"CPU": g.num_cpus, "GPU": g.num_gpus, **g.resources}),
         ActorRequest("learner", lc.num_learners + reference, {"CPU": lc.num_cpus, "GPU": lc.num_gpus, **lc.resources}),
-        ActorRequest("rewards", r.num_workers + int(bool(r.shadow.functions)), {"CPU": r.num_cpus}),
+        ActorRequest("rewards", r.num_actors, {"CPU": r.num_cpus}),
     ]
 
 

@@ -19,7 +19,7 @@ def wanted_cpus(cfg: LLMConfig) -> float:
     return (
         cfg.generator.num_generators * cfg.generator.num_cpus
         + cfg.learner.num_learners * cfg.learner.num_cpus
-        + (cfg.rewards.num_workers + int(bool(cfg.rewards.shadow.functions))) * cfg.rewards.num_cpus
+        + cfg.rewards.num_actors * cfg.rewards.num_cpus
         + 1
     )
 

@@ -71,6 +71,11 @@ class RewardsConfig:
     combine: CombineConfig = field(default_factory=CombineConfig)
     shadow: ShadowConfig = field(default_factory=ShadowConfig)
 
+    @property
+    def num_actors(self) -> int:
+        """Reward-service actors a run starts: ``num_workers``, and one for the shadow verifiers when any."""
+        return self.num_workers + int(bool(self.shadow.functions))
+
     def scalar_weights(self) -> dict[str, float]:
         """The weights of the scalar reward: ``weights``, and 0 for the count components of ``efficiency`` that
         ``weights`` does not name (counts are not rewards)."""

@@ -31,6 +31,7 @@ from rlfabric.algorithms.preference import bradley_terry_loss, pair_accuracy, pi
 from rlfabric.config import ConfigError
 from rlfabric.data import load_heldout, load_prompts
 from rlfabric.models.sequences import right_padded
+from rlfabric.rewards.reward_model import score_texts
 
 PAIR_COLUMNS = ("prompt", "chosen", "rejected")
 
@@ -152,20 +153,17 @@ def warm_up_backbone(
 def heldout_accuracy(
     model: Any, tokenizer: Any, pairs: PreferencePairs, heads: Sequence[str], batch_size: int
 ) -> dict[str, float]:
-    """Pair accuracy on ``pairs``, overall (``rm_eval_accuracy``) and per head (``rm_eval_accuracy_<head>``)."""
-    chosen, rejected = [], []
+    """Pair accuracy on ``pairs``, overall (``rm_eval_accuracy``) and per head (``rm_eval_accuracy_<head>``),
+    the texts scored the way the reward service scores them (``score_texts``)."""
     model.eval()
-    with torch.inference_mode():
-        for start in range(0, len(pairs), batch_size):
-            c, r = pair_scores(model, tokenizer, pairs, np.arange(start, min(start + batch_size, len(pairs))))
-            chosen.append(c)
-            rejected.append(r)
-    c, r = torch.cat(chosen), torch.cat(rejected)
+    rows = np.arange(len(pairs))
+    c = torch.from_numpy(score_texts(model, tokenizer, pairs.chosen, batch_size, None)[rows, pairs.head])
+    r = torch.from_numpy(score_texts(model, tokenizer, pairs.rejected, batch_size, None)[rows, pairs.head])
     out = {"rm_eval_accuracy": pair_accuracy(c, r)}
     for k, head in enumerate(heads):
-        rows = torch.from_numpy(pairs.head == k)
-        if rows.any():
-            out[f"rm_eval_accuracy_{head}"] = pair_accuracy(c[rows], r[rows])
+        on_head = torch.from_numpy(pairs.head == k)
+        if on_head.any():
+            out[f"rm_eval_accuracy_{head}"] = pair_accuracy(c[on_head], r[on_head])
     return out
 
 
@@ -187,16 +185,19 @@ def train_reward_model(
     train, heldout = load_pairs(rm.pairs, rm.num_pairs, rm.num_eval, rm.heads, seed)
     rng = np.random.default_rng(seed)
     started = time.perf_counter()
+
+    def timed(row: dict[str, Any]) -> None:
+        log({**row, "time_s": round(time.perf_counter() - started, 2)})
+
     language_model = base_language_model(base, tokenizer, builtin, seed)
     if rm.lm_steps:
-        timed = lambda row: log({**row, "time_s": round(time.perf_counter() - started, 2)})  # noqa: E731
         warm_up_backbone(language_model, tokenizer, train.chosen, rm, rng, timed)
     model = with_score_heads(language_model, tokenizer, rm.heads, out_dir / "backbone", seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=rm.lr, weight_decay=0.0)
 
     def evaluate(step: int) -> dict[str, float]:
         scores = heldout_accuracy(model, tokenizer, heldout, rm.heads, rm.batch_size)
-        log({"phase": "rm_eval", "rm_step": step, **scores, "time_s": round(time.perf_counter() - started, 2)})
+        timed({"phase": "rm_eval", "rm_step": step, **scores})
         return scores
 
     scores = evaluate(0)
@@ -209,13 +210,12 @@ def train_reward_model(
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
-        log(
+        timed(
             {
                 "phase": "rm",
                 "rm_step": step,
                 "rm_loss": float(loss.detach()),
                 "rm_accuracy": pair_accuracy(chosen.detach(), rejected.detach()),
-                "time_s": round(time.perf_counter() - started, 2),
             }
         )
         if step % rm.eval_every == 0 or step == rm.steps:
@@ -285,7 +285,7 @@ def policy_tokenizer(cfg: Any) -> Any:
 def train_reward_model_run(cfg: Any, run_dir: Path, quiet: bool = False) -> dict[str, Any]:
     """``rlfabric train-rm``: the reward-model stage of ``cfg`` alone, in ``run_dir`` (config snapshot,
     metrics.jsonl, TensorBoard, summary.json; the model in ``run_dir/reward_model``). Returns the summary."""
-    from rlfabric.run.log import RunLog, read_metrics, write_summary
+    from rlfabric.run.log import RunLog, write_summary
     from rlfabric.run.progress import grpo_progress_line, phase_progress, tensorboard_view
 
     if not cfg.reward_model.pairs:
@@ -301,11 +301,17 @@ def train_reward_model_run(cfg: Any, run_dir: Path, quiet: bool = False) -> dict
         tensorboard_view=tensorboard_view,
     )
     started = time.perf_counter()
+    rows: list[dict[str, Any]] = []  # the held-out rankings, for the summary
+
+    def log_row(row: dict[str, Any]) -> None:
+        log.log({"iteration": 0, **row})
+        if row["phase"] == "rm_eval":
+            rows.append(row)
+
     try:
-        folder = ensure_reward_model(cfg, run_dir, policy_tokenizer(cfg), lambda row: log.log({"iteration": 0, **row}))
+        folder = ensure_reward_model(cfg, run_dir, policy_tokenizer(cfg), log_row)
     finally:
         log.close()
-    rows = [r for r in read_metrics(run_dir) if r.get("phase") == "rm_eval"]
     summary = {
         "reward_model": str(folder),
         "heads": list(cfg.reward_model.heads),

@@ -81,10 +81,8 @@ def grpo_batch(
     of steps in a step group of more than one) are scalars for the learner's metrics."""
     traj = select_groups(trajectories, groups)
     batch = pack_trajectories(traj, pad_id)
-    rewards = combined_rewards(traj, reward_weights, combine)
-    if efficiency is not None and efficiency.get("weight", 0.0) > 0:
-        penalty = efficiency_rewards(traj, efficiency)
-        rewards = rewards + penalty
+    rewards, penalty = outcome_rewards(traj, reward_weights, combine, efficiency)
+    if penalty is not None:
         batch["efficiency_penalty"] = np.float32(penalty.mean() if len(penalty) else 0.0)
     if step_credit == NO_STEP_CREDIT:
         advantages = compute_advantages(
@@ -141,13 +139,15 @@ def outcome_rewards(
     reward_weights: dict[str, float],
     combine: dict[str, Any] | None = None,
     efficiency: dict[str, Any] | None = None,
-) -> np.ndarray:
-    """[N] the scalar reward advantages use: ``combined_rewards`` plus the efficiency penalty when
-    ``efficiency["weight"]`` > 0 (what the rollout side's group statistics see, so the driver filters on it)."""
+) -> tuple[np.ndarray, np.ndarray | None]:
+    """([N] the scalar reward advantages use, [N] its efficiency penalty or None): ``combined_rewards`` plus the
+    efficiency penalty when ``efficiency["weight"]`` > 0. The learner's batch and the rollout side's group
+    statistics (what the driver filters on) both take it from here."""
     rewards = combined_rewards(traj, reward_weights, combine)
-    if efficiency is not None and efficiency.get("weight", 0.0) > 0:
-        rewards = rewards + efficiency_rewards(traj, efficiency)
-    return rewards
+    if efficiency is None or efficiency.get("weight", 0.0) <= 0:
+        return rewards, None
+    penalty = efficiency_rewards(traj, efficiency)
+    return rewards + penalty, penalty
 
 
 def efficiency_rewards(traj: Trajectories, efficiency: dict[str, Any]) -> np.ndarray:
