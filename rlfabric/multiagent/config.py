@@ -109,19 +109,18 @@ def validate_multi_agent(cfg: MultiAgentConfig) -> None:
             spec.rule,
             "a scripted policy needs a rule: 'tictactoe' or 'package.module:function'",
         )
-    require(
-        bool(trainable_policies(cfg)),
-        "multi_agent.policies",
-        sorted(specs),
-        "at least one policy must be kind: neural (something has to train)",
-    )
-    for name, spec in specs.items():
         require(
             spec.kind != "frozen" or bool(spec.checkpoint),
             f"multi_agent.policies.{name}.checkpoint",
             spec.checkpoint,
             "a frozen policy needs the run directory or checkpoint file to load it from",
         )
+    require(
+        bool(trainable_policies(cfg)),
+        "multi_agent.policies",
+        sorted(specs),
+        "at least one policy must be kind: neural (something has to train)",
+    )
     require(
         not isinstance(cfg.policy_mapping, str) or ":" in cfg.policy_mapping,
         "multi_agent.policy_mapping",
