@@ -3,6 +3,8 @@
 Every configured function scores each group; their component dicts merge into one per completion. Failures stay
 as small as they can be:
 
+* a function that gives ``Unscored(error)`` for a sample (a judge's answer that would not parse) fails that
+  sample alone;
 * a function that raises (or returns something malformed) fails only that group: its samples get the error and
   no components, and the other groups of the call are still scored;
 * a group that overruns ``group_timeout_s`` fails with "timed out after Xs" and the call goes on with the next
@@ -26,7 +28,7 @@ from typing import Any
 import ray
 
 from rlfabric import rewards
-from rlfabric.rewards import RewardFn, RewardInput, RewardResult, RewardSpec, is_pointwise
+from rlfabric.rewards import RewardFn, RewardInput, RewardResult, RewardSpec, Unscored, is_pointwise
 
 
 class GroupFailed(Exception):
@@ -45,7 +47,7 @@ class _GroupRun:
     def __init__(self, functions: list[tuple[str, RewardFn]], group: list[RewardInput]) -> None:
         self.functions, self.group = functions, group
         self.current = ""  # the function running now: named in the timeout error
-        self.components: list[dict[str, float]] | None = None
+        self.components: list[dict[str, float] | Unscored] | None = None
         self.error: str | None = None
         self.thread = threading.Thread(target=self._run, name="reward-group", daemon=True)
 
@@ -57,9 +59,10 @@ class _GroupRun:
         except BaseException as exc:  # any failure of user code costs this group only
             self.error = f"{self.current}: {one_line(exc)}"
 
-    def _evaluate(self) -> list[dict[str, float]]:
-        """Every function on the group, components merged per sample; GroupFailed on a malformed result."""
-        merged: list[dict[str, float]] = [{} for _ in self.group]
+    def _evaluate(self) -> list[dict[str, float] | Unscored]:
+        """Every function on the group, components merged per sample (``Unscored`` where a function could not
+        score it); GroupFailed on a malformed result."""
+        merged: list[dict[str, float] | Unscored] = [{} for _ in self.group]
         source: dict[str, str] = {}  # component -> the function that produced it
         for name, fn in self.functions:
             self.current = name
@@ -68,6 +71,11 @@ class _GroupRun:
                 got = f"{len(out)} results" if isinstance(out, list) else f"a {type(out).__name__}"
                 raise GroupFailed(f"{name}: returned {got} for a group of {len(self.group)}; expected a list of dicts")
             for i, components in enumerate(out):
+                if isinstance(components, Unscored):
+                    merged[i] = (
+                        merged[i] if isinstance(merged[i], Unscored) else Unscored(f"{name}: {components.error}")
+                    )
+                    continue
                 if not isinstance(components, Mapping):
                     raise GroupFailed(f"{name}: sample {i} got a {type(components).__name__}, expected a dict")
                 for key, value in components.items():
@@ -75,7 +83,9 @@ class _GroupRun:
                         raise GroupFailed(f"component {key!r} comes from both {source[key]!r} and {name!r}")
                     if not isinstance(value, numbers.Real) or not math.isfinite(value):
                         raise GroupFailed(f"{name}: component {key!r} is {value!r}, expected a finite number")
-                    merged[i][key] = float(value)
+                    sample = merged[i]
+                    if not isinstance(sample, Unscored):
+                        sample[key] = float(value)
         return merged
 
 
@@ -114,6 +124,8 @@ class RewardServiceCore:
             results = (
                 self._run(per_group, group, self.group_timeout_s) if per_group else [RewardResult({}) for _ in group]
             )
+            if isinstance(results, str):
+                results = failed(group, results)
             out.append(merge_results(first, results) if first is not None else results)
         return out
 
@@ -124,8 +136,8 @@ class RewardServiceCore:
         entry is the error string instead when the run failed."""
         flat = [sample for group in groups for sample in group]
         results = self._run(functions, flat, self.group_timeout_s * max(len(groups), 1))
-        if results and results[0].error is not None:
-            return [results[0].error] * len(groups)
+        if isinstance(results, str):
+            return [results] * len(groups)
         out: list[list[RewardResult] | str] = []
         start = 0
         for group in groups:
@@ -135,7 +147,9 @@ class RewardServiceCore:
 
     def _run(
         self, functions: list[tuple[str, RewardFn]], group: list[RewardInput], timeout_s: float
-    ) -> list[RewardResult]:
+    ) -> list[RewardResult] | str:
+        """Each sample's result, or the one-line error of a run that failed as a whole (raised, malformed,
+        overran its deadline)."""
         if not group:
             return []
         run = _GroupRun(functions, group)
@@ -143,10 +157,10 @@ class RewardServiceCore:
         run.thread.join(timeout_s)
         if run.thread.is_alive():
             self.poisoned = True
-            return failed(group, f"timed out after {timeout_s:g}s in reward {run.current!r}")
+            return f"timed out after {timeout_s:g}s in reward {run.current!r}"
         if run.components is None:
-            return failed(group, run.error or "no result")
-        return [RewardResult(components) for components in run.components]
+            return run.error or "no result"
+        return [RewardResult({}, c.error) if isinstance(c, Unscored) else RewardResult(c) for c in run.components]
 
 
 def failed(group: list[RewardInput], error: str) -> list[RewardResult]:
@@ -154,16 +168,17 @@ def failed(group: list[RewardInput], error: str) -> list[RewardResult]:
 
 
 def merge_results(first: list[RewardResult], second: list[RewardResult]) -> list[RewardResult]:
-    """Per sample, the components of both (``second`` failed: its error for all); a component named by both is
+    """Per sample, the components of both, or the error of the one that failed it; a component named by both is
     an error for the group, as it is between two per-group functions."""
-    if any(r.error is not None for r in second):
-        return second
     clash = sorted({k for a, b in zip(first, second, strict=True) for k in a.components if k in b.components})
     if clash:
         return [
             RewardResult({}, f"component {clash[0]!r} comes from a pointwise and a per-group reward") for _ in first
         ]
-    return [RewardResult({**a.components, **b.components}) for a, b in zip(first, second, strict=True)]
+    return [
+        RewardResult({}, a.error or b.error) if a.error or b.error else RewardResult({**a.components, **b.components})
+        for a, b in zip(first, second, strict=True)
+    ]
 
 
 @ray.remote

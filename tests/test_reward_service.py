@@ -14,7 +14,7 @@ import pytest
 
 from rlfabric.actors.reward_service import RewardServiceCore
 from rlfabric.reward_pool import RewardPool
-from rlfabric.rewards import RewardInput, register_reward
+from rlfabric.rewards import RewardInput, Unscored, pointwise, register_reward
 
 
 def tagged(inputs: list[RewardInput]) -> list[dict[str, float]]:
@@ -155,3 +155,24 @@ def test_malformed_results_and_component_clashes_fail_the_group_in_process():
 def test_pool_validates_specs_before_starting_actors():
     with pytest.raises(ValueError, match="not a registered reward"):
         RewardPool(["no-such-reward"], num_workers=1, timeout_s=1.0)
+
+
+def odd_unscored(inputs: list[RewardInput]) -> list[dict[str, float] | Unscored]:
+    """Cannot score the samples whose completion is odd (as a judge whose answer would not parse)."""
+    return [Unscored("no verdict") if int(s.completion) % 2 else {"even": 1.0} for s in inputs]
+
+
+def test_an_unscored_sample_fails_alone_in_per_group_and_pointwise_functions():
+    register_reward("odd_unscored", odd_unscored)
+    register_reward("odd_unscored_pointwise", pointwise(lambda inputs: odd_unscored(inputs)))
+    groups = [
+        [RewardInput("1+1=", c, {"tag": "a"}, "stop", 1) for c in ("2", "3")],
+        [RewardInput("2+2=", c, {"tag": "a"}, "stop", 1) for c in ("5", "4", "7")],
+    ]
+    for specs in (["odd_unscored", "tagged"], ["odd_unscored_pointwise", "tagged"]):
+        results = RewardServiceCore(specs, group_timeout_s=5.0).score(groups)
+        errors = [[r.error for r in g] for g in results]
+        name = specs[0]
+        assert errors == [[None, f"{name}: no verdict"], [f"{name}: no verdict", None, f"{name}: no verdict"]]
+        assert results[0][0].components == {"even": 1.0, "ok": 1.0, "pid": float(os.getpid())}
+        assert results[1][1].components["even"] == 1.0

@@ -5,6 +5,9 @@ leave-one-out rewards fit the same contract as per-sample verifiers:
 
     fn(inputs: list[RewardInput], **kwargs) -> list[dict[str, float]]   # one dict of named components per input
 
+A function may give ``Unscored(error)`` instead of a dict for a sample it could not score (a judge whose answer
+would not parse after its retries): that sample alone is recorded as failed, the rest of its group is kept.
+
 A function marked ``@pointwise`` scores each sample on its own (a reward model's forward pass): the reward service
 hands it every sample of a call at once, across groups, so it can batch them. A function may carry
 ``check_kwargs(**kwargs)``, which ``resolve_reward`` calls on the driver, so a bad argument (a model path that
@@ -42,7 +45,15 @@ class RewardInput:
     num_tokens: int
 
 
-RewardFn = Callable[[list[RewardInput]], list[dict[str, float]]]
+@dataclass(frozen=True)
+class Unscored:
+    """A reward function's result for a sample it could not score: that sample is recorded as failed with
+    ``error`` (one line), and only that sample."""
+
+    error: str
+
+
+RewardFn = Callable[[list[RewardInput]], list["dict[str, float] | Unscored"]]
 
 
 @dataclass
