@@ -84,6 +84,10 @@ class RewardsConfig:
 
 @dataclass
 class RewardModelConfig:
+    # "classifier": a sequence-classification reward model, one output per head, trained with Bradley-Terry
+    # ({name: reward_model} serves it). "judge": a generative judge, a causal LM trained to write the verdicts the
+    # judge service asks for (rlfabric.rewards.judge; {name: judge} serves it on its own generators).
+    kind: Literal["classifier", "judge"] = "classifier"
     # Preference pairs to train a reward model from before RL ("": none; rlfabric.reward_model_training): a
     # .jsonl/.parquet file of {prompt, chosen, rejected[, head]} rows, or task:arithmetic_pairs. Its model is
     # saved in the run directory (reward_model/), where {name: reward_model} without a path serves it.
@@ -178,6 +182,7 @@ def _validate_shadow(sh: ShadowConfig, env_id: str) -> None:
 
 
 def validate_reward_model(r: RewardModelConfig) -> None:
+    require(r.kind in ("classifier", "judge"), "reward_model.kind", r.kind, "must be classifier or judge")
     for path, value in (
         ("reward_model.num_pairs", r.num_pairs),
         ("reward_model.num_eval", r.num_eval),
