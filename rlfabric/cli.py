@@ -1,4 +1,5 @@
-"""The ``rlfabric`` command: train (and train-rm: a reward model), resume, list and check environments."""
+"""The ``rlfabric`` command: train (and train-rm: a reward model), resume, evaluate (best-of-N), list and check
+environments."""
 
 from __future__ import annotations
 
@@ -159,6 +160,56 @@ def cmd_train_rm(args: argparse.Namespace) -> int:
     for key, value in summary.items():
         print(f"  {key:<34} {f'{value:.3f}' if isinstance(value, float) else value}")
     print(f"  use it: rewards.functions: [{{name: reward_model, kwargs: {{path: {run_dir / REWARD_MODEL_DIR}}}}}]")
+    return 0
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    """Best-of-N accuracy per selector and reward by response length for a run's newest model, a model folder, or
+    the config's initial model (``rlfabric.evaluation``)."""
+    from rlfabric.eval_report import format_report
+    from rlfabric.evaluation import TRAIN_SELECTOR, BestOfNEval, eval_config, find_policy, parse_n_list, parse_selector
+
+    _import_user_modules(args.import_modules)
+    if args.config and "=" in args.config and not os.path.exists(args.config):  # an override, not a file
+        args.overrides, args.config = [args.config, *args.overrides], None
+    n = parse_n_list(args.n)
+    selectors = [parse_selector(text) for text in args.selector or [TRAIN_SELECTOR]]
+    policy = find_policy(args.run_dir, args.checkpoint)
+    cfg, config_source = eval_config(args.config, args.overrides, policy)
+    if args.out:
+        out = Path(args.out)
+    elif policy.run_dir is not None:
+        out = policy.run_dir / "eval" / (Path(args.checkpoint).name if args.checkpoint else "")
+    else:
+        out = Path("runs") / f"eval-{time.strftime('%Y%m%d-%H%M%S')}"
+    evaluation = BestOfNEval(
+        cfg,
+        policy,
+        out,
+        n=n,
+        selectors=selectors,
+        num_prompts=args.num_prompts,
+        samples=args.samples,
+        correct=args.correct,
+        seed=args.seed,
+        config_source=config_source,
+        progress=None if not args.quiet else lambda line: None,
+    )
+    try:
+        report = evaluation.run()
+    except (RayError, RunAbortedError) as exc:
+        reason = error_summary(exc) if isinstance(exc, RayError) else str(exc)
+        print(f"rlfabric: eval failed: {reason}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("\nrlfabric: eval interrupted; nothing was written", file=sys.stderr)
+        return 130
+    finally:
+        evaluation.close()
+    print(format_report(report))
+    print(f"  {'report':<16} {out / 'eval.json'}")
+    for name, path in report["files"].items():
+        print(f"  {name:<16} {path}")
     return 0
 
 
@@ -519,6 +570,32 @@ def build_parser() -> argparse.ArgumentParser:
     train_rm.add_argument("--quiet", action="store_true", help="no progress line")
     train_rm.add_argument("--import", dest="import_modules", action="append", help="module to import first")
     train_rm.set_defaults(func=cmd_train_rm)
+
+    evaluate = sub.add_parser(
+        "eval",
+        help="best-of-N accuracy with reward services as selectors, and reward vs response length, for a trained "
+        "policy (a run's newest model, a model folder, or the config's initial model)",
+    )
+    evaluate.add_argument("config", nargs="?", help="YAML config (default: the run's saved config, else the defaults)")
+    evaluate.add_argument("overrides", nargs="*", help="dotted overrides, e.g. sampling.temperature=0.8")
+    where = evaluate.add_mutually_exclusive_group()
+    where.add_argument("--run-dir", help="a run directory: evaluate its newest model (final_model/ or checkpoint)")
+    where.add_argument("--checkpoint", metavar="DIR", help="a model folder to evaluate (e.g. a run's checkpoint)")
+    evaluate.add_argument("--n", default="1,2,4,8,16", help="comma-separated N of best-of-N (default 1,2,4,8,16)")
+    evaluate.add_argument(
+        "--selector",
+        action="append",
+        help="a reward that picks the best of N: 'train' (the config's training reward, the default), a reward "
+        "name, or YAML '{name: reward_model, kwargs: {path: DIR}, weights: {...}, label: rm}'; repeat for more",
+    )
+    evaluate.add_argument("--num-prompts", type=int, help="held-out prompts to use (default data.num_eval)")
+    evaluate.add_argument("--samples", type=int, help="completions per prompt, M (default: the largest N)")
+    evaluate.add_argument("--correct", default="correct", help="verifier component > 0 marks a correct completion")
+    evaluate.add_argument("--seed", type=int, help="sampling seed (default training.seed)")
+    evaluate.add_argument("--out", help="output folder (default RUN_DIR/eval, else runs/eval-<time>)")
+    evaluate.add_argument("--quiet", action="store_true", help="no progress lines")
+    evaluate.add_argument("--import", dest="import_modules", action="append", help="module to import first")
+    evaluate.set_defaults(func=cmd_eval)
 
     envs = sub.add_parser("envs", help="list or check environments").add_subparsers(dest="envs_command", required=True)
     env_list = envs.add_parser("list", help="show registered, entry-point and Gymnasium environments")

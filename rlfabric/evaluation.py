@@ -1,0 +1,503 @@
+"""``rlfabric eval``: best-of-N accuracy with any reward service as the selector, and reward by response length.
+
+For a policy (a run's newest model, a model folder, or a config's initial model) and the config's held-out
+prompts, the evaluation
+
+1. samples M = max(N) completions per prompt (``sampling`` settings) on generator actors, through the same
+   ``ServedLLMPolicy`` the rollout worker uses, a chunk of prompts per call;
+2. scores every completion with the verifier (``rewards.functions``: a completion is correct when its ``correct``
+   component, or the one named, is > 0) and with each selector, on ``RewardPool`` reward services (one pool per
+   selector; the training-reward selector reads the verifier's components), scoring one chunk while the next
+   one generates;
+3. reports, per selector and N, the exact expected accuracy of keeping the selector's top-scored completion of
+   N drawn from the M (``rlfabric.algorithms.best_of_n``), beside pass@N (the oracle) and a random pick, and
+   reward and accuracy by response length; it writes ``eval.json``, ``samples.jsonl`` and two plots.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import ray
+import yaml
+
+from rlfabric import rewards
+from rlfabric.actor_slots import RunAbortedError
+from rlfabric.algorithms.best_of_n import best_of_n, length_bins, pass_at_n
+from rlfabric.algorithms.reward_combination import combine_rewards
+from rlfabric.algorithms.step_credit import efficiency_penalty
+from rlfabric.config import ConfigError, load_config
+from rlfabric.data import check_prompt_lengths, load_heldout, load_prompts, row_metadata
+from rlfabric.driver import ensure_ray
+from rlfabric.grpo_config import LLMConfig
+from rlfabric.llm_actors import start_generator
+from rlfabric.llm_resources import SETUP_TIMEOUT_S, openmp_env
+from rlfabric.llm_run_state import FINAL_MODEL_DIR, INITIAL_MODEL_DIR, latest_checkpoint, read_trainer_state
+from rlfabric.models.hf import check_model_source, model_max_positions
+from rlfabric.placement import ActorRequest, check_fits
+from rlfabric.policies.served import GeneratorsFailed, ServedLLMPolicy
+from rlfabric.reward_model_training import REWARD_MODEL_DIR, point_at_run_reward_model, run_reward_model_specs
+from rlfabric.reward_pool import RewardPool
+from rlfabric.rewards import RewardInput, RewardResult, RewardSpec
+from rlfabric.run.log import CONFIG_FILE, SUMMARY_FILE
+from rlfabric.run.progress import format_eta
+
+TRAIN_SELECTOR = "train"  # the selector that is the config's training reward
+VERIFIER = "verifier"  # the reward pool of rewards.functions (no selector takes its label)
+TRAINING_REWARD = "the training reward: rewards.functions combined by rewards.weights and rewards.combine"
+EVAL_FILE, SAMPLES_FILE = "eval.json", "samples.jsonl"
+N_PLOT, LENGTH_PLOT = "best_of_n.png", "reward_vs_length.png"
+SELECTOR_KEYS = ("name", "kwargs", "weights", "label")
+
+
+@dataclass(frozen=True)
+class Selector:
+    """What picks the best of N: a reward service (``spec``) whose components, weighted by ``weights`` (1 for a
+    component not named, as in ``rewards.weights``), sum to the score; or (``spec`` None) the training reward."""
+
+    label: str
+    spec: RewardSpec | None = None
+    weights: dict[str, float] = dataclasses.field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class PolicySource:
+    """The policy to evaluate: ``model_dir`` (None: the config's initial model), what to call it, and the run
+    directory it belongs to (its config, its reward model, the default output folder) when there is one."""
+
+    model_dir: str | None
+    description: str
+    run_dir: Path | None = None
+
+
+def parse_n_list(text: str) -> list[int]:
+    """``"1,2,4,8"`` -> [1, 2, 4, 8] (sorted, without repeats); a ConfigError naming ``--n`` otherwise."""
+    try:
+        values = [int(part) for part in text.split(",")]
+    except ValueError:
+        values = []
+    if not values or min(values) < 1:
+        raise ConfigError(f"--n {text!r} is not valid: expected comma-separated positive integers, e.g. 1,2,4,8,16")
+    return sorted(set(values))
+
+
+def parse_selector(text: str, field: str = "--selector") -> Selector:
+    """A selector from ``train``, a reward name, or YAML/JSON ``{name, kwargs, weights, label}``."""
+    try:
+        value = yaml.safe_load(text)
+    except yaml.YAMLError:
+        value = None
+    if isinstance(value, str) and value == TRAIN_SELECTOR:
+        return Selector(TRAIN_SELECTOR)
+    if isinstance(value, dict):
+        unknown = sorted(set(value) - set(SELECTOR_KEYS))
+        if unknown:
+            raise ConfigError(f"{field} {text!r}: unknown key(s) {', '.join(unknown)}; allowed: {SELECTOR_KEYS}")
+        weights = value.get("weights") or {}
+        if not isinstance(weights, dict) or not all(isinstance(w, (int, float)) for w in weights.values()):
+            raise ConfigError(f"{field} {text!r}: weights must map component names to numbers")
+        spec = RewardSpec.parse({k: value[k] for k in ("name", "kwargs") if k in value}, field)
+        return Selector(str(value.get("label") or spec.name), spec, {str(k): float(w) for k, w in weights.items()})
+    if not isinstance(value, str) or not value:
+        raise ConfigError(
+            f"{field} {text!r} is not valid: expected '{TRAIN_SELECTOR}', a reward name, or "
+            "'{name: reward_model, kwargs: {path: DIR}, weights: {...}, label: ...}'"
+        )
+    return Selector(value, RewardSpec(value))
+
+
+def check_selectors(selectors: list[Selector], run_dir: Path | None) -> list[Selector]:
+    """Unique labels, ``reward_model`` without a path pointed at the run's own reward model, every reward
+    resolvable on this process (one ConfigError naming the selector, before any actor starts)."""
+    out: list[Selector] = []
+    for i, sel in enumerate(selectors):
+        taken = {VERIFIER, *(s.label for s in out)}
+        label = sel.label if sel.label not in taken else f"{sel.label}#{i}"
+        spec = sel.spec
+        if spec is not None and run_dir is not None and run_reward_model_specs([spec]):
+            spec = RewardSpec(spec.name, {**spec.kwargs, "path": str(run_dir / REWARD_MODEL_DIR)})
+        if spec is not None:
+            rewards.resolve_reward(spec, f"--selector {sel.label!r}")
+        out.append(Selector(label, spec, sel.weights))
+    return out
+
+
+def find_policy(run_dir: str | None, checkpoint: str | None) -> PolicySource:
+    """The newer of a run's ``final_model/`` and latest checkpoint (by step), an explicit model folder, or, with
+    neither, the config's initial model."""
+    if run_dir and checkpoint:
+        raise ConfigError("--run-dir and --checkpoint both given: evaluate one (a run's newest model, or a folder)")
+    if checkpoint:
+        check_model_source(checkpoint, "--checkpoint")
+        folder = Path(checkpoint)
+        run = next((p for p in (folder.parent, folder.parent.parent) if (p / CONFIG_FILE).is_file()), None)
+        return PolicySource(str(folder), f"model {checkpoint}", run)
+    if not run_dir:
+        return PolicySource(None, "the config's initial model (untrained: no --run-dir or --checkpoint given)")
+    run = Path(run_dir)
+    if not run.is_dir():
+        raise ConfigError(f"--run-dir {run_dir!r}: no such directory")
+    found: list[tuple[int, Path]] = []
+    if (run / FINAL_MODEL_DIR / "config.json").is_file():
+        try:
+            steps = int(json.loads((run / SUMMARY_FILE).read_text())["steps"])
+        except (OSError, ValueError, KeyError, TypeError):
+            steps = -1  # an older summary: a checkpoint that states its step wins
+        found.append((steps, run / FINAL_MODEL_DIR))
+    newest = latest_checkpoint(run)
+    if newest is not None:
+        found.append((int(read_trainer_state(newest)["counters"]["step"]), newest))
+    if not found:
+        raise ConfigError(
+            f"--run-dir {run_dir!r} holds no trained model: no {FINAL_MODEL_DIR}/ and no complete checkpoint under "
+            "checkpoints/ (leave --run-dir out to evaluate the config's initial model)"
+        )
+    step, folder = max(found, key=lambda f: (f[0], f[1].name == FINAL_MODEL_DIR))
+    return PolicySource(str(folder), f"{folder.relative_to(run)} of run {run_dir} (step {step})", run)
+
+
+def eval_config(config: str | None, overrides: list[str], policy: PolicySource) -> tuple[LLMConfig, str]:
+    """(``config``, else the policy's run's saved config, else the defaults, with ``overrides``; where it came
+    from): a GRPO config of single-turn completions."""
+    path = config
+    if path is None and policy.run_dir is not None:
+        path = str(policy.run_dir / CONFIG_FILE)
+        if not Path(path).is_file():
+            raise ConfigError(f"--run-dir {str(policy.run_dir)!r}: no {CONFIG_FILE} (not a run directory)")
+    cfg = load_config(path, overrides)
+    if cfg.algo != "grpo":
+        raise ConfigError(f"algo = {cfg.algo!r}: rlfabric eval evaluates language-model policies (algo: grpo)")
+    if cfg.env.id:
+        raise ConfigError(f"env.id = {cfg.env.id!r}: rlfabric eval samples single-turn completions; not text envs")
+    if policy.model_dir is None:
+        check_model_source(cfg.model.path)  # a missing folder or unknown hub id: one line, before anything starts
+    if policy.run_dir is not None:
+        point_at_run_reward_model(cfg, policy.run_dir)
+    for i, spec in enumerate(cfg.rewards.functions):
+        rewards.resolve_reward(dataclasses.asdict(spec), f"rewards.functions[{i}]")
+    return cfg, path or "the defaults"
+
+
+class BestOfNEval:
+    """One evaluation (see the module docstring): ``run()`` starts the actors, samples, scores and writes the
+    report; ``close()`` stops the actors. Everything that can be checked is checked in the constructor."""
+
+    def __init__(
+        self,
+        cfg: LLMConfig,
+        policy: PolicySource,
+        out_dir: str | Path,
+        *,
+        n: list[int],
+        selectors: list[Selector],
+        num_prompts: int | None = None,
+        samples: int | None = None,
+        correct: str = "correct",
+        seed: int | None = None,
+        config_source: str = "",
+        progress: Callable[[str], None] | None = None,
+    ) -> None:
+        if not n or min(n) < 1:
+            raise ConfigError(f"--n {n!r} is not valid: expected positive integers")
+        self.n = sorted(set(n))
+        self.m = samples if samples is not None else self.n[-1]
+        if self.m < self.n[-1]:
+            raise ConfigError(f"--samples {self.m} is not valid: must be >= the largest N ({self.n[-1]})")
+        if num_prompts is not None and num_prompts < 1:
+            raise ConfigError(f"--num-prompts {num_prompts} is not valid: must be an integer >= 1")
+        if not selectors:
+            raise ConfigError("--selector: at least one selector is needed")
+        self.cfg, self.policy, self.out_dir = cfg, policy, Path(out_dir)
+        self.selectors = check_selectors(selectors, policy.run_dir)
+        self.num_prompts = num_prompts or cfg.data.num_eval
+        self.correct, self.seed = correct, cfg.training.seed if seed is None else seed
+        self.config_source = config_source
+        self.progress = progress or (lambda line: print(line, file=sys.stderr, flush=True))
+        self.generators: list[Any] = []
+        self.pools: dict[str, RewardPool] = {}
+
+    # -- setup --------------------------------------------------------------------------------------------------
+
+    def _model_dir(self) -> str:
+        if self.policy.model_dir is not None:
+            return self.policy.model_dir
+        m = self.cfg.model
+        if m.path != "builtin":
+            return m.path
+        from rlfabric.models.hf import build_small_model_dir
+
+        b, path = m.builtin, self.out_dir / INITIAL_MODEL_DIR
+        build_small_model_dir(
+            path,
+            seed=self.cfg.training.seed,
+            num_layers=b.num_layers,
+            hidden_size=b.hidden_size,
+            num_heads=b.num_heads,
+            max_positions=b.max_positions,
+            alphabet=b.alphabet,
+        )
+        return str(path)
+
+    def _prompts(self, model_dir: str) -> tuple[list[dict[str, Any]], list[list[int]]]:
+        """The held-out rows the run evaluates on (never its training prompts) and their token ids."""
+        from rlfabric.models.hf import load_tokenizer
+
+        d, seed = self.cfg.data, self.cfg.training.seed
+        train = load_prompts(d.train, num_rows=d.num_train, seed=seed, prompt_key=d.prompt_key)
+        rows = load_heldout(
+            d.eval or d.train, train_rows=train, num_rows=self.num_prompts, seed=seed, prompt_key=d.prompt_key
+        )
+        tokenizer = load_tokenizer(model_dir)
+        if d.chat_template:
+            chats = [[{"role": "user", "content": r[d.prompt_key]}] for r in rows]
+            ids = [list(tokenizer.apply_chat_template(c, add_generation_prompt=True, tokenize=True)) for c in chats]
+        else:
+            ids = [list(tokenizer(r[d.prompt_key], add_special_tokens=False).input_ids) for r in rows]
+        check_prompt_lengths(
+            {"data.eval": ids},
+            max_new_tokens=self.cfg.sampling.max_new_tokens,
+            max_positions=model_max_positions(model_dir),
+            model=self.cfg.model.path,
+        )
+        return rows, ids
+
+    def _start(self, model_dir: str) -> None:
+        g, r = self.cfg.generator, self.cfg.rewards
+        pools = {VERIFIER: [dataclasses.asdict(f) for f in r.functions]}
+        pools.update({s.label: [s.spec.to_dict()] for s in self.selectors if s.spec is not None})
+        requests = [
+            ActorRequest("generator", g.num_generators, {"CPU": g.num_cpus, "GPU": g.num_gpus, **g.resources}),
+            ActorRequest("rewards", r.num_workers * len(pools), {"CPU": r.num_cpus}),
+        ]
+        wanted = g.num_generators * g.num_cpus + r.num_workers * len(pools) * r.num_cpus + 1
+        ensure_ray(self.cfg.ray, wanted, openmp_env())
+        check_fits(requests, [node["Resources"] for node in ray.nodes() if node.get("Alive")])
+        self.generators = [start_generator(self.cfg, model_dir, self.seed + i) for i in range(g.num_generators)]
+        snapshot = rewards.snapshot()
+        for label, specs in pools.items():
+            self.pools[label] = RewardPool(specs, r.num_workers, r.timeout_s, r.num_cpus, snapshot)
+        try:
+            ray.get([gen.version.remote() for gen in self.generators], timeout=SETUP_TIMEOUT_S)
+        except ray.exceptions.GetTimeoutError:
+            raise RunAbortedError(
+                f"generators did not start within {SETUP_TIMEOUT_S:.0f}s: the cluster may lack the CPUs/GPUs asked "
+                "for (generator.num_cpus/num_gpus)"
+            ) from None
+
+    # -- sampling and scoring -----------------------------------------------------------------------------------
+
+    def _sample_and_score(self, rows: list[dict[str, Any]], ids: list[list[int]]) -> list[dict[str, Any]]:
+        """Per prompt: its completions, their token counts and finish reasons, and each pool's results. One chunk
+        is scored while the next generates."""
+        s, g, m = self.cfg.sampling, self.cfg.generator, self.m
+        params = {"max_new_tokens": s.max_new_tokens, "temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k}
+        if s.stop:
+            params["stop"] = list(s.stop)
+        policy = ServedLLMPolicy([(i, 0, h) for i, h in enumerate(self.generators)], params, g.timeout_s, m)
+        chunk = max(1, g.max_batch_size * len(self.generators) // m)
+        key = self.cfg.data.prompt_key
+        prompts: list[dict[str, Any]] = []
+        pending: tuple[list[dict[str, Any]], dict[str, Any]] | None = None
+        started = time.monotonic()
+        for start in range(0, len(rows), chunk):
+            batch = range(start, min(start + chunk, len(rows)))
+            try:
+                out = policy.act([ids[i] for i in batch for _ in range(m)])
+            except GeneratorsFailed as exc:
+                raise RunAbortedError(f"generation failed: {exc}") from None
+            entries = []
+            for k, i in enumerate(batch):
+                part = slice(k * m, (k + 1) * m)
+                texts, finish = out.info["text"][part], out.info["finish_reason"][part]
+                tokens = [len(t) for t in out.actions[part]]
+                inputs = [
+                    RewardInput(rows[i][key], text, row_metadata(rows[i], key), reason, count)
+                    for text, reason, count in zip(texts, finish, tokens, strict=True)
+                ]
+                entries.append({"index": i, "prompt": rows[i][key], "inputs": inputs, "tokens": tokens})
+            tickets = {label: pool.submit([e["inputs"] for e in entries]) for label, pool in self.pools.items()}
+            if pending is not None:
+                prompts += self._collect(*pending)
+            pending = (entries, tickets)
+            done, elapsed = batch.stop, time.monotonic() - started
+            self.progress(
+                f"rlfabric eval: sampled {done}/{len(rows)} prompts x {m}, scored {len(prompts)} | {elapsed:.0f}s | "
+                f"ETA {format_eta(elapsed / done * (len(rows) - done))}"
+            )
+        if pending is not None:
+            prompts += self._collect(*pending)
+            self.progress(f"rlfabric eval: scored {len(prompts)}/{len(rows)} | {time.monotonic() - started:.0f}s")
+        return prompts
+
+    def _collect(self, entries: list[dict[str, Any]], tickets: dict[str, Any]) -> list[dict[str, Any]]:
+        results = {label: self.pools[label].collect(ticket) for label, ticket in tickets.items()}
+        for k, entry in enumerate(entries):
+            entry["results"] = {label: per_group[k] for label, per_group in results.items()}
+        return entries
+
+    # -- the report ---------------------------------------------------------------------------------------------
+
+    def _training_scores(self, verifier: list[RewardResult]) -> np.ndarray:
+        """[M] the scalar reward the run trains on, from one prompt's verifier components (``rewards.weights``
+        and ``rewards.combine``, plus the efficiency penalty when on); NaN where scoring failed."""
+        r = self.cfg.rewards
+        scored = [i for i, res in enumerate(verifier) if res.error is None]
+        out = np.full(len(verifier), np.nan)
+        if not scored:
+            return out
+        names = sorted({c for i in scored for c in verifier[i].components})
+        comps = {c: np.array([verifier[i].components.get(c, 0.0) for i in scored]) for c in names}
+        groups = np.zeros(len(scored), np.int64)
+        c = r.combine
+        bounds = {k: (float(v[0]), float(v[1])) for k, v in c.clip.items()}
+        total = combine_rewards(
+            comps, groups, r.scalar_weights(), clip=bounds, gates=c.gates, normalize=c.normalize
+        ).astype(np.float64)
+        e = r.efficiency
+        if e.weight > 0:
+            counts = sum((comps.get(name, np.zeros(len(scored))) for name in e.counts), np.zeros(len(scored)))
+            success = comps.get(e.success, np.zeros(len(scored)))
+            total += efficiency_penalty(counts, success, groups, weight=e.weight, apply=e.apply)
+        out[scored] = total
+        return out
+
+    def _scores(self, selector: Selector, entry: dict[str, Any]) -> np.ndarray:
+        if selector.spec is None:
+            return self._training_scores(entry["results"][VERIFIER])
+        return np.array(
+            [
+                np.nan
+                if res.error is not None
+                else sum(selector.weights.get(c, 1.0) * v for c, v in res.components.items())
+                for res in entry["results"][selector.label]
+            ]
+        )
+
+    def _report(self, prompts: list[dict[str, Any]], model_dir: str, elapsed: float) -> dict[str, Any]:
+        """The numbers of ``eval.json`` from the scored prompts (and ``samples.jsonl``'s rows under "samples")."""
+        verdicts = [res for e in prompts for res in e["results"][VERIFIER]]
+        scored = [res for res in verdicts if res.error is None]
+        if not scored:
+            first = next((res.error for res in verdicts), "no prompts")
+            raise RunAbortedError(f"every completion failed its verifier ({first}): nothing was evaluated")
+        if not any(self.correct in res.components for res in scored):
+            names = sorted({c for res in scored for c in res.components})
+            raise ConfigError(f"--correct {self.correct!r}: the verifier's components are {', '.join(names)}")
+        correct = np.array(
+            [[res.components.get(self.correct, 0.0) > 0 for res in e["results"][VERIFIER]] for e in prompts]
+        )
+        tokens = np.array([e["tokens"] for e in prompts])
+        scores = {s.label: np.array([self._scores(s, e) for e in prompts]) for s in self.selectors}
+        selectors = {}
+        for sel in self.selectors:
+            sc = scores[sel.label]
+            selectors[sel.label] = {
+                "spec": TRAINING_REWARD if sel.spec is None else sel.spec.to_dict(),
+                "weights": sel.weights,
+                "failed_samples": int(np.isnan(sc).sum()),
+                "best_of_n": [
+                    {
+                        "n": n,
+                        "accuracy": _mean_best_of_n(sc, correct, n),
+                        "response_tokens": _mean_best_of_n(sc, tokens, n),
+                        "score": _mean_best_of_n(sc, np.nan_to_num(sc, nan=0.0), n),
+                    }
+                    for n in self.n
+                ],
+                "length_bins": length_bins(tokens.ravel(), sc.ravel(), correct.ravel()),
+                "length_score_correlation": _correlation(tokens.ravel(), sc.ravel()),
+            }
+        s = self.cfg.sampling
+        samples = [
+            {
+                "prompt_index": e["index"],
+                "prompt": e["prompt"],
+                "completion": inp.completion,
+                "response_tokens": inp.num_tokens,
+                "finish_reason": inp.finish_reason,
+                "correct": bool(correct[k, j]),
+                "scores": {label: _finite(scores[label][k, j]) for label in scores},
+                "components": e["results"][VERIFIER][j].components,
+                "error": e["results"][VERIFIER][j].error,
+            }
+            for k, e in enumerate(prompts)
+            for j, inp in enumerate(e["inputs"])
+        ]
+        return {
+            "model": model_dir,
+            "policy": self.policy.description,
+            "config": self.config_source,
+            "data": self.cfg.data.eval or f"held-out prompts of {self.cfg.data.train}",
+            "prompts": len(prompts),
+            "samples_per_prompt": self.m,
+            "n": self.n,
+            "sampling": {"temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k, "seed": self.seed},
+            "correct_component": self.correct,
+            "accuracy": float(correct.mean()),
+            "pass_at_n": [{"n": n, "accuracy": float(np.mean([pass_at_n(c, n) for c in correct]))} for n in self.n],
+            "verifier_failed_samples": len(verdicts) - len(scored),
+            "selectors": selectors,
+            "time_s": round(elapsed, 2),
+            "samples": samples,
+        }
+
+    def run(self) -> dict[str, Any]:
+        """Sample, score, write ``eval.json``, ``samples.jsonl`` and the plots into the output folder; the report."""
+        from rlfabric.eval_report import plot_best_of_n, plot_reward_vs_length
+
+        started = time.monotonic()
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        model_dir = self._model_dir()
+        rows, ids = self._prompts(model_dir)
+        self.progress(f"rlfabric eval: {self.policy.description}: {len(rows)} prompts x {self.m} completions")
+        if self.cfg.sampling.temperature == 0 and self.m > 1:
+            self.progress("rlfabric eval: sampling.temperature = 0 (greedy): every completion of a prompt is the same")
+        self._start(model_dir)
+        report = self._report(self._sample_and_score(rows, ids), model_dir, time.monotonic() - started)
+        samples = report.pop("samples")
+        with open(self.out_dir / SAMPLES_FILE, "w") as f:
+            f.writelines(json.dumps(row) + "\n" for row in samples)
+        report["files"] = {
+            "samples": str(self.out_dir / SAMPLES_FILE),
+            "best_of_n_plot": str(plot_best_of_n(report, self.out_dir / N_PLOT)),
+            "length_plot": str(plot_reward_vs_length(report, samples, self.out_dir / LENGTH_PLOT)),
+        }
+        (self.out_dir / EVAL_FILE).write_text(json.dumps(report, indent=2) + "\n")
+        return report
+
+    def close(self) -> None:
+        for pool in self.pools.values():
+            pool.shutdown()
+        try:  # engines stop their schedulers before the processes go
+            ray.get([gen.shutdown.remote() for gen in self.generators], timeout=10)
+        except Exception:  # a dead or stuck generator is killed below either way
+            pass
+        for gen in self.generators:
+            ray.kill(gen, no_restart=True)
+        self.pools, self.generators = {}, []
+
+
+def _mean_best_of_n(scores: np.ndarray, values: np.ndarray, n: int) -> float:
+    """[K, M] scores and values of K prompts' completions: the mean over prompts of ``best_of_n``."""
+    return float(np.mean([best_of_n(s, v, n) for s, v in zip(scores, values, strict=True)]))
+
+
+def _finite(value: float) -> float | None:
+    return None if np.isnan(value) else float(value)
+
+
+def _correlation(x: np.ndarray, y: np.ndarray) -> float | None:
+    """Pearson's r over the scored samples; None when either side is constant."""
+    keep = ~np.isnan(y)
+    x, y = np.asarray(x, np.float64)[keep], y[keep]
+    if x.size < 2 or x.std() == 0 or y.std() == 0:
+        return None
+    return float(np.corrcoef(x, y)[0, 1])

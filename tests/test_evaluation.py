@@ -1,0 +1,196 @@
+"""``rlfabric eval``: the best-of-N expectations against hand-computed values and subset enumeration, an evaluation
+of a small trained run end to end (files, their structure, and what a selector with a known choice picks), and
+bad input as one line before Ray starts."""
+
+from __future__ import annotations
+
+import itertools
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import ray
+from grpo_runs import run_grpo
+
+from rlfabric.algorithms.best_of_n import best_of_n, length_bins, pass_at_n, pick_probabilities
+from rlfabric.cli import main
+from rlfabric.rewards import RewardInput, register_reward
+
+
+def char_sum_verifier(inputs: list[RewardInput]) -> list[dict[str, float]]:
+    """A verifier whose verdicts vary between completions of an untrained model: about a third are correct."""
+    return [{"correct": float(sum(map(ord, x.completion)) % 3 == 0), "format": 1.0} for x in inputs]
+
+
+def shortness(inputs: list[RewardInput]) -> list[dict[str, float]]:
+    """A selector whose choice is known: the shortest completion."""
+    return [{"shortness": -float(x.num_tokens)} for x in inputs]
+
+
+def always_fails(inputs: list[RewardInput]) -> list[dict[str, float]]:
+    raise RuntimeError("verifier is down")
+
+
+register_reward("char_sum_verifier", char_sum_verifier)
+register_reward("shortness", shortness)
+register_reward("always_fails", always_fails)
+
+
+# -- the math ---------------------------------------------------------------------------------------------------
+
+
+def test_pick_probabilities_without_ties_by_hand():
+    # n = 2 of scores [3, 2, 1]: {3,2} -> 3, {3,1} -> 3, {2,1} -> 2
+    assert pick_probabilities(np.array([3.0, 2.0, 1.0]), 1) == pytest.approx([1 / 3, 1 / 3, 1 / 3])
+    assert pick_probabilities(np.array([3.0, 2.0, 1.0]), 2) == pytest.approx([2 / 3, 1 / 3, 0])
+    assert pick_probabilities(np.array([1.0, 3.0, 2.0]), 3) == pytest.approx([0, 1, 0])
+    assert best_of_n(np.array([3.0, 2.0, 1.0]), np.array([1, 0, 1]), 2) == pytest.approx(2 / 3)
+
+
+def test_pick_probabilities_with_ties_by_hand():
+    # scores [2, 1, 1, 0], n = 2: {A,B} {A,C} {A,D} -> A; {B,C} -> B or C, half each; {B,D} -> B; {C,D} -> C
+    scores = np.array([2.0, 1.0, 1.0, 0.0])
+    assert pick_probabilities(scores, 2) == pytest.approx([1 / 2, 1 / 4, 1 / 4, 0])
+    assert best_of_n(scores, np.array([0, 1, 0, 1]), 2) == pytest.approx(1 / 4)
+    # n = 3: {A,B,C} {A,B,D} {A,C,D} -> A; {B,C,D} -> B or C
+    assert pick_probabilities(scores, 3) == pytest.approx([3 / 4, 1 / 8, 1 / 8, 0])
+    assert best_of_n(scores, np.array([0, 1, 0, 1]), 3) == pytest.approx(1 / 8)
+    # all tied: a uniform pick whatever n
+    assert pick_probabilities(np.ones(4), 3) == pytest.approx([1 / 4] * 4)
+
+
+def test_a_failed_score_ranks_below_every_scored_one():
+    # {nan,1} -> 1, {nan,0} -> 0, {1,0} -> 1
+    assert pick_probabilities(np.array([np.nan, 1.0, 0.0]), 2) == pytest.approx([0, 2 / 3, 1 / 3])
+
+
+def test_best_of_n_equals_the_mean_over_every_subset():
+    rng = np.random.default_rng(0)
+    for _ in range(20):
+        m = int(rng.integers(1, 8))
+        scores = rng.integers(0, 3, m).astype(float)  # few values: many ties
+        values = rng.normal(size=m)
+        for n in range(1, m + 1):
+            picks = []
+            for subset in itertools.combinations(range(m), n):
+                top = max(scores[i] for i in subset)
+                picks.append(np.mean([values[i] for i in subset if scores[i] == top]))
+            assert best_of_n(scores, values, n) == pytest.approx(np.mean(picks))
+
+
+def test_pass_at_n_by_hand():
+    assert pass_at_n(np.array([1, 0, 0, 0]), 2) == pytest.approx(1 / 2)  # 1 - C(3,2)/C(4,2)
+    assert pass_at_n(np.array([1, 1, 0, 0]), 2) == pytest.approx(5 / 6)  # 1 - C(2,2)/C(4,2)
+    assert pass_at_n(np.array([0, 1, 0]), 3) == 1.0
+    assert pass_at_n(np.array([0, 0, 0]), 2) == 0.0
+    with pytest.raises(ValueError, match=r"n = 4: must be an integer in \[1, 3\]"):
+        pass_at_n(np.array([0, 1, 0]), 4)
+
+
+def test_length_bins_by_hand():
+    bins = length_bins(
+        np.array([1, 2, 3, 4, 10]), np.array([1.0, 2.0, np.nan, 4.0, 5.0]), np.array([1, 0, 1, 0, 1]), num_bins=2
+    )
+    assert bins == [
+        {"tokens_min": 1, "tokens_max": 5, "samples": 4, "score_mean": pytest.approx(7 / 3), "accuracy": 0.5},
+        {"tokens_min": 6, "tokens_max": 10, "samples": 1, "score_mean": 5.0, "accuracy": 1.0},
+    ]
+
+
+# -- end to end -------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def trained_run(tmp_path_factory, local_ray) -> Path:
+    """A small GRPO run of one step, with a checkpoint and its final model."""
+    run_dir = tmp_path_factory.mktemp("eval") / "run"
+    run_grpo(run_dir, sampling={"max_new_tokens": 6}, training={"total_steps": 1, "checkpoint_every": 1})
+    return run_dir
+
+
+def test_eval_of_a_run_writes_its_report_and_the_selectors_pick_as_they_should(trained_run, capsys):
+    argv = ["eval", "--run-dir", str(trained_run), "--n", "1,2,4", "--num-prompts", "6", "--quiet"]
+    argv += ["rewards.functions=[{name: char_sum_verifier}]", "--selector", "train", "--selector", "shortness"]
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "final_model of run" in printed and "pass@N" in printed
+
+    out = trained_run / "eval"
+    report = json.loads((out / "eval.json").read_text())
+    samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
+    assert (out / "best_of_n.png").stat().st_size > 0 and (out / "reward_vs_length.png").stat().st_size > 0
+    assert report["model"] == str(trained_run / "final_model")
+    assert (report["prompts"], report["samples_per_prompt"], report["n"]) == (6, 4, [1, 2, 4])
+    assert list(report["selectors"]) == ["train", "shortness"]
+    assert len(samples) == 24 and report["verifier_failed_samples"] == 0
+
+    correct = np.array([s["correct"] for s in samples]).reshape(6, 4)
+    tokens = np.array([s["response_tokens"] for s in samples]).reshape(6, 4)
+    assert report["accuracy"] == pytest.approx(correct.mean())
+    for k, row in enumerate(report["pass_at_n"]):  # pass@1 is the mean accuracy; pass@4 any correct of the 4
+        assert row["n"] == [1, 2, 4][k]
+    assert report["pass_at_n"][0]["accuracy"] == pytest.approx(correct.mean())
+    assert report["pass_at_n"][2]["accuracy"] == pytest.approx(correct.any(axis=1).mean())
+
+    # the training reward is the verifier's `correct` (format has weight 0): best-of-N by it is pass@N
+    train = report["selectors"]["train"]["best_of_n"]
+    assert [r["accuracy"] for r in train] == pytest.approx([r["accuracy"] for r in report["pass_at_n"]])
+
+    # the shortness selector keeps the shortest: of all 4, exactly the shortest (ties: their mean correctness)
+    short = report["selectors"]["shortness"]["best_of_n"]
+    assert short[0]["response_tokens"] == pytest.approx(tokens.mean())
+    assert short[2]["response_tokens"] == pytest.approx(tokens.min(axis=1).mean())
+    assert short[2]["response_tokens"] <= short[1]["response_tokens"] <= short[0]["response_tokens"]
+    shortest = [correct[k][tokens[k] == tokens[k].min()].mean() for k in range(6)]
+    assert short[2]["accuracy"] == pytest.approx(np.mean(shortest))
+    assert all(s["scores"]["shortness"] == -s["response_tokens"] for s in samples)
+    bins = report["selectors"]["shortness"]["length_bins"]
+    assert sum(b["samples"] for b in bins) == 24
+
+
+def test_an_eval_whose_verifier_fails_every_sample_exits_1(trained_run, tmp_path, capsys):
+    argv = ["eval", "--checkpoint", str(trained_run / "final_model"), "--n", "1", "--num-prompts", "2"]
+    argv += ["rewards.functions=[{name: always_fails}]", "--out", str(tmp_path / "out"), "--quiet"]
+    assert main(argv) == 1
+    err = capsys.readouterr().err.splitlines()
+    assert err[-1].startswith("rlfabric: eval failed: every completion failed its verifier"), err
+    assert "verifier is down" in err[-1]
+    assert not (tmp_path / "out" / "eval.json").exists()
+
+
+# -- bad input --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "args, names",
+    [
+        (["--n", "1,0,4"], ["--n '1,0,4'", "positive integers"]),
+        (["--n", "1,x"], ["--n '1,x'"]),
+        (["--selector", "no_such_reward"], ["no_such_reward", "not a registered reward"]),
+        (["--selector", "{name: shortness, oops: 1}"], ["--selector", "oops"]),
+        (["--selector", "{name: reward_model, kwargs: {path: no/such/folder}}"], ["--selector 'reward_model'"]),
+        (["--run-dir", "no/such/run"], ["--run-dir 'no/such/run'", "no such directory"]),
+        (["--checkpoint", "./no/such/model"], ["--checkpoint"]),
+        (["--n", "1,8", "--samples", "4"], ["--samples 4", "largest N (8)"]),
+        (["--num-prompts", "0"], ["--num-prompts 0"]),
+        (["model.path=./no/such/model"], ["model.path", "./no/such/model"]),
+    ],
+)
+def test_bad_input_is_one_line_before_ray_starts(args, names, capsys):
+    if ray.is_initialized():
+        ray.shutdown()
+    assert main(["eval", *args]) == 2
+    out, err = capsys.readouterr()
+    lines = err.splitlines()
+    assert out == "" and len(lines) == 1 and lines[0].startswith("rlfabric: config error: "), lines
+    for name in names:
+        assert name in lines[0], lines
+    assert not ray.is_initialized()
+
+
+def test_a_run_dir_without_a_model_is_one_line(tmp_path, capsys):
+    (tmp_path / "config.yaml").write_text("algo: grpo\n")
+    assert main(["eval", "--run-dir", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and "holds no trained model" in err[0], err
