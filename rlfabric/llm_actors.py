@@ -1,9 +1,10 @@
 """Starting a GRPO run's actors from its config: generators, learners (and their process group), the reference
-actor, the rollout worker, and what they all ask Ray for."""
+actor, the likelihood scorer, the rollout worker, and what they all ask Ray for."""
 
 from __future__ import annotations
 
 import dataclasses
+import time
 from typing import Any
 
 import ray
@@ -13,24 +14,76 @@ from rlfabric.actor_slots import RunAbortedError
 from rlfabric.grpo_config import LLMConfig
 from rlfabric.llm_resources import SETUP_TIMEOUT_S, torch_threads
 from rlfabric.placement import ActorRequest
+from rlfabric.reward_config import RewardFunctionConfig
+from rlfabric.rewards.likelihood import POLICY
 
 
 def actor_requests(cfg: LLMConfig) -> list[ActorRequest]:
     """What every actor of the run asks Ray for, by the config section that sets it."""
     g, lc, r = cfg.generator, cfg.learner, cfg.rewards
     reference = int(cfg.grpo.kl_coef > 0 and cfg.grpo.reference == "actor")
-    return [
+    requests = [
         ActorRequest("generator", g.num_generators, {"CPU": g.num_cpus, "GPU": g.num_gpus, **g.resources}),
         ActorRequest("learner", lc.num_learners + reference, {"CPU": lc.num_cpus, "GPU": lc.num_gpus, **lc.resources}),
         ActorRequest("rewards", r.num_actors, {"CPU": r.num_cpus}),
     ]
+    specs = policy_likelihood_specs(cfg)
+    if specs:  # one scorer, shared by every policy likelihood reward
+        role = f"likelihood scorer ({specs[0][0]}.scorer_cpus/scorer_gpus)"
+        requests.append(ActorRequest(role, 1, scorer_resources(cfg)))
+    return requests
+
+
+def policy_likelihood_specs(cfg: LLMConfig) -> list[tuple[str, RewardFunctionConfig]]:
+    """(config field, spec) of each ``likelihood`` reward (training or shadow) scored with ``weights: policy``:
+    the run then starts one likelihood scorer, which they share."""
+    found = []
+    for section, specs in (
+        ("rewards.functions", cfg.rewards.functions),
+        ("rewards.shadow.functions", cfg.rewards.shadow.functions),
+    ):
+        for i, spec in enumerate(specs):
+            if spec.name == "likelihood" and spec.kwargs.get("weights", POLICY) == POLICY:
+                found.append((f"{section}[{i}].kwargs", spec))
+    return found
+
+
+def scorer_resources(cfg: LLMConfig) -> dict[str, float]:
+    """What the likelihood scorer asks Ray for: the largest ``scorer_cpus``/``scorer_gpus`` of the specs that
+    share it (0.5 CPU, no GPU by default)."""
+    specs = [spec for _, spec in policy_likelihood_specs(cfg)]
+    return {
+        "CPU": max((float(s.kwargs.get("scorer_cpus", 0.5)) for s in specs), default=0.0),
+        "GPU": max((float(s.kwargs.get("scorer_gpus", 0.0)) for s in specs), default=0.0),
+    }
+
+
+def reward_weights(cfg: LLMConfig) -> dict[str, float]:
+    """The scalar reward's weights (``rewards.scalar_weights``), and 0 for the ``<component>_version`` of each
+    policy likelihood reward that ``rewards.weights`` does not name: a version is a record, not a reward."""
+    versions = {
+        f"{spec.kwargs.get('component', 'likelihood')}_version": 0.0 for _, spec in policy_likelihood_specs(cfg)
+    }
+    return {**versions, **cfg.rewards.scalar_weights()}
+
+
+def with_scorer(specs: list[RewardFunctionConfig], scorer: str | None) -> list[dict[str, Any]]:
+    """The reward specs as the reward services get them: each policy ``likelihood`` one names the run's scorer
+    actor (``scorer``) in its kwargs."""
+    out = []
+    for spec in specs:
+        entry = dataclasses.asdict(spec)
+        if scorer and entry["name"] == "likelihood" and entry["kwargs"].get("weights", POLICY) == POLICY:
+            entry["kwargs"] = {**entry["kwargs"], "scorer": scorer}
+        out.append(entry)
+    return out
 
 
 def batch_spec(cfg: LLMConfig) -> dict[str, Any]:
     """How learners and the reference actor turn records into the packed batch (``grpo_batch``'s options)."""
     g = cfg.grpo
     return {
-        "reward_weights": cfg.rewards.scalar_weights(),
+        "reward_weights": reward_weights(cfg),
         "advantage": g.advantage,
         "scale_by_std": g.scale_by_std,
         "overlong_filter": g.overlong_filter,
@@ -130,15 +183,41 @@ def start_reference(cfg: LLMConfig, reference_dir: str | None, pad_id: int) -> A
     )
 
 
-def start_rollout_worker(cfg: LLMConfig, text_env: Any = None) -> Any:
+def start_scorer(cfg: LLMConfig, model_dir: str, name: str) -> Any:
+    """The likelihood scorer, the Ray actor named ``name``, holding ``model_dir`` (the policy's first weights)
+    until the publisher sends it the current ones; a dead predecessor's name may take a moment to come free."""
+    from rlfabric.actors.likelihood_scorer import LikelihoodScorer
+
+    resources = scorer_resources(cfg)
+    deadline = time.monotonic() + SETUP_TIMEOUT_S
+    while True:
+        try:
+            return LikelihoodScorer.options(name=name, num_cpus=resources["CPU"], num_gpus=resources["GPU"]).remote(
+                model_dir,
+                dtype=cfg.model.dtype,
+                device="cuda" if resources["GPU"] > 0 else "cpu",
+                num_threads=torch_threads(cfg, "reference"),  # it computes when the reference would: between phases
+            )
+        except ray.exceptions.ActorAlreadyExistsError:
+            if time.monotonic() > deadline:
+                raise RunAbortedError(
+                    f"the likelihood scorer could not start: the name {name!r} stayed taken for {SETUP_TIMEOUT_S:g}s"
+                ) from None
+            time.sleep(0.2)
+
+
+def start_rollout_worker(cfg: LLMConfig, text_env: Any = None, scorer: str | None = None) -> Any:
     """The rollout worker, with its reward services (the driver's reward registrations travel with it), playing
-    ``text_env`` (a ``TextEnvSource``) when the run trains on one."""
+    ``text_env`` (a ``TextEnvSource``) when the run trains on one; ``scorer`` names the likelihood scorer the
+    policy ``likelihood`` rewards call."""
     from rlfabric.actors.llm_rollout import LLMRolloutWorker
 
     r = cfg.rewards
+    shadow = dataclasses.asdict(r.shadow)
+    shadow["functions"] = with_scorer(r.shadow.functions, scorer)
     return LLMRolloutWorker.options(num_cpus=0).remote(
-        reward_functions=[dataclasses.asdict(f) for f in r.functions],
-        reward_weights=r.scalar_weights(),
+        reward_functions=with_scorer(r.functions, scorer),
+        reward_weights=reward_weights(cfg),
         num_reward_workers=r.num_workers,
         reward_timeout_s=r.timeout_s,
         reward_cpus=r.num_cpus,
@@ -147,5 +226,5 @@ def start_rollout_worker(cfg: LLMConfig, text_env: Any = None) -> Any:
         text_env=text_env,
         efficiency=dataclasses.asdict(r.efficiency),
         combine=dataclasses.asdict(r.combine),
-        shadow=dataclasses.asdict(r.shadow),
+        shadow=shadow,
     )

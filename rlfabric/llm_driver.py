@@ -19,6 +19,7 @@ import dataclasses
 import json
 import threading
 import time
+import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -36,7 +37,16 @@ from rlfabric.config import ConfigError
 from rlfabric.data import check_prompt_lengths, load_heldout, load_prompts
 from rlfabric.driver import ensure_ray
 from rlfabric.grpo_config import LLMConfig
-from rlfabric.llm_actors import actor_requests, start_generator, start_learners, start_reference, start_rollout_worker
+from rlfabric.llm_actors import (
+    actor_requests,
+    policy_likelihood_specs,
+    scorer_resources,
+    start_generator,
+    start_learners,
+    start_reference,
+    start_rollout_worker,
+    start_scorer,
+)
 from rlfabric.llm_resources import SETUP_TIMEOUT_S, openmp_env, wanted_cpus
 from rlfabric.llm_run_state import (
     FINAL_MODEL_DIR,
@@ -78,6 +88,7 @@ from rlfabric.run.resume import resumed_config
 from rlfabric.weight_publisher import WeightPublisher
 
 MAX_GENERATION_RETRIES = 3
+SCORER_NAME_PREFIX = "rlfabric-likelihood-scorer-"  # + a run's own suffix: the Ray name of its scorer
 MAX_STEPS_WITHOUT_SCORES = 3  # steps in a row in which every sample failed its reward: the run stops
 STOP_NOTICE = "rlfabric: stopping after this step, with a checkpoint when checkpointing is on (Ctrl-C again: at once)"
 
@@ -115,6 +126,9 @@ class GRPOTrainer:
         self.rollout_workers: ActorSlots | None = None
         self.learners: list[Any] = []
         self.reference: Any = None
+        # The likelihood scorer (a policy likelihood reward): a named actor the reward services find by name.
+        self.scorers: ActorSlots | None = None
+        self.scorer_name = f"{SCORER_NAME_PREFIX}{uuid.uuid4().hex[:12]}"
         self.text_env: TextEnvSource | None = None  # what the rollout worker plays, when env.id names a text env
         self.tool_servers: dict[str, Any] = {}  # supervised MCP servers by name (env.tool_servers)
         self.demonstrations: Demonstrations | None = None  # the scripted player's episodes, for a text env's warm-up
@@ -136,7 +150,12 @@ class GRPOTrainer:
             version=lambda: self.version,
         )
         self.weights = WeightPublisher(
-            cfg.learner.weight_transport, cfg.generator.timeout_s, self._fetch, self._note, self._replace_generator
+            cfg.learner.weight_transport,
+            cfg.generator.timeout_s,
+            self._fetch,
+            self._note,
+            self._replace_generator,
+            self._replace_scorer,
         )
         self._steps_without_scores = 0
         self._last_shown: list[dict[str, Any]] = []  # the last evaluation's sample completions
@@ -296,7 +315,7 @@ class GRPOTrainer:
         self.tokenizer = load_tokenizer(self.model_dir)
         self._train_reward_model()
         self._load_data()
-        ensure_ray(self.cfg.ray, wanted_cpus(self.cfg), openmp_env())
+        ensure_ray(self.cfg.ray, wanted_cpus(self.cfg) + scorer_resources(self.cfg)["CPU"], openmp_env())
         check_fits(actor_requests(self.cfg), [n["Resources"] for n in ray.nodes() if n.get("Alive")])
         if self.text_env is not None and self.cfg.env.tool_servers:
             self.tool_servers = start_tool_servers(self.cfg.env.tool_servers, self.text_env, self.demonstrations)
@@ -307,6 +326,12 @@ class GRPOTrainer:
         )
         self.learners = start_learners(self.cfg, self.model_dir, self.reference_dir)
         self.reference = start_reference(self.cfg, self.reference_dir, self.tokenizer.pad_token_id)
+        if policy_likelihood_specs(self.cfg):  # like the generators: the first model, then every published version
+            self.scorers = ActorSlots(
+                "likelihood scorer",
+                lambda slot, generation: start_scorer(self.cfg, self.base_model_dir, self.scorer_name),
+                1,
+            )
         self.rollouts.prompt_refs = {
             "train": ray.put(PromptSet(self.train_rows, self.train_ids)),
             "eval": ray.put(PromptSet(self.eval_rows, self.eval_ids)),
@@ -317,12 +342,13 @@ class GRPOTrainer:
             ray.get([g.version.remote() for g in self.generators.handles], timeout=SETUP_TIMEOUT_S)
             ray.get([w.pid.remote() for w in self.rollout_workers.handles], timeout=SETUP_TIMEOUT_S)
             ray.get([ln.get_version.remote() for ln in self.learners], timeout=SETUP_TIMEOUT_S)
+            ray.get([s.version.remote() for s in self.scorers.handles] if self.scorers else [], timeout=SETUP_TIMEOUT_S)
         except ray.exceptions.GetTimeoutError:
             raise RunAbortedError(
                 f"actors did not start within {SETUP_TIMEOUT_S:.0f}s: the cluster may lack the CPUs/GPUs asked "
                 "for (generator.num_cpus/num_gpus, learner.num_cpus/num_gpus)"
             ) from None
-        self.weights.attach(self.learners[0], self.generators, self.reference)
+        self.weights.attach(self.learners[0], self.generators, self.reference, self.scorers)
         self.weights.choose_transport()
         self._note_slow_attention()
         if state:
@@ -333,7 +359,7 @@ class GRPOTrainer:
         self._start = time.monotonic() - self._elapsed_before  # times and rates count every session
 
     def _start_rollout_worker(self) -> Any:
-        worker = start_rollout_worker(self.cfg, self.text_env)
+        worker = start_rollout_worker(self.cfg, self.text_env, self.scorer_name if self.scorers else None)
         self.rollouts.load_prompts_into(worker)
         return worker
 
@@ -380,7 +406,33 @@ class GRPOTrainer:
         self._note(f"generator {slot} replaced ({reason})")
         if self.version > 0:
             self.weights.choose_transport()  # the new one may run on another node
-            self.version = self.weights.publish([slot], timeout=SETUP_TIMEOUT_S)
+            self.version = self.weights.publish([slot], timeout=SETUP_TIMEOUT_S, scorer_slots=[])
+
+    def _replace_scorer(self, slot: int, generation: int, reason: str) -> None:
+        """A likelihood scorer that died, hung or failed its load: a new one under the same name, given the
+        current weights. Only the groups scored while it was gone fail (recorded failures)."""
+        assert self.scorers is not None
+        if not self.scorers.replace(slot, generation, reason):
+            return  # already replaced
+        self._note(f"likelihood scorer replaced ({reason})")
+        # Weights published already (even by the publication whose load failed, not yet counted in self.version):
+        # the new one gets them; else it holds the run's first model, version 0.
+        if self.weights.published is not None:
+            self.weights.choose_transport()
+            self.version = self.weights.publish([], timeout=SETUP_TIMEOUT_S, scorer_slots=[slot])
+
+    def _check_scorers(self) -> None:
+        """After a step that lost samples: a scorer that died or does not answer within the weight-load deadline
+        is replaced now, not at the next publication (a step that lost every group publishes nothing)."""
+        assert self.scorers is not None
+        for slot, generation, scorer in self.scorers.entries():
+            try:
+                ray.get(scorer.version.remote(), timeout=self.cfg.generator.timeout_s)
+                self.scorers.succeeded(slot, generation)
+            except ray.exceptions.GetTimeoutError:
+                self._replace_scorer(slot, generation, "did not answer")
+            except ray.exceptions.RayError as exc:
+                self._replace_scorer(slot, generation, error_summary(exc))
 
     def _lr(self) -> float:
         g = self.cfg.grpo
@@ -397,7 +449,7 @@ class GRPOTrainer:
             ref_logprobs = self.reference.logprobs_of.remote(step.refs, groups)
         with self._timed("update_time_s"):
             steps = [ln.train_on.remote(step.refs, groups, self._lr(), ref_logprobs) for ln in self.learners]
-            publishing = self.weights.start(range(len(self.generators)))  # queued behind the step
+            publishing = self.weights.start()  # every generator and scorer, queued behind the step
             metrics = [LEARNER_METRICS.unpack(m) for m in self._from_learners(steps, "its update")]
         with self._timed("weight_sync_time_s"):
             self.version = self.weights.finish(publishing)
@@ -514,6 +566,7 @@ class GRPOTrainer:
             "reward_worker_restarts": c.reward_worker_restarts,
             "generator_restarts": c.generator_restarts,
             "rollout_worker_restarts": c.rollout_worker_restarts,
+            **({"likelihood_scorer_restarts": self.scorers.restarts} if self.scorers is not None else {}),
             "resampled_samples": c.resampled_samples,
             **episode_totals(scored, samples),
             "step_time_s": elapsed,
@@ -560,8 +613,11 @@ class GRPOTrainer:
             self._stop_if_asked(stop)
             started = time.monotonic()
             self._step_timings = {}
+            failed_before = self.counters.failed_samples
             self.rollouts.fill()
             step = self.rollouts.gather_batch()
+            if self.scorers is not None and self.counters.failed_samples > failed_before:
+                self._check_scorers()
             metrics: dict[str, float] = {}
             if step.groups:
                 metrics = self._update(step)
@@ -693,10 +749,12 @@ class GRPOTrainer:
         except Exception:  # a dead learner cannot remove its shared-memory file: done below where it is ours
             pass
         remove_stale(sorted(self.weights.shared_files))  # a no-op for files on other nodes (not here) or already gone
-        for actor in [*generators, *workers, *self.learners, self.reference]:
+        scorers = self.scorers.handles if self.scorers else []
+        for actor in [*generators, *workers, *self.learners, self.reference, *scorers]:
             if actor is not None:
                 ray.kill(actor, no_restart=True)
         self.generators, self.rollout_workers, self.learners, self.reference = None, None, [], None
+        self.scorers = None
         stop_tool_servers(self.tool_servers)
         self.tool_servers = {}
 

@@ -13,6 +13,9 @@ Each scores a group and returns, per completion, named components in [0, 1] (``l
 * ``length``: ``length_penalty``, DAPO's soft overlong punishment (kwargs ``max_tokens``, ``cache_tokens``).
 * ``reward_model``: a Hugging Face sequence-classification model's heads as components, or an ensemble's
   (``rlfabric.rewards.reward_model``; kwargs ``path``, ``heads``, ``batch_size``, ``max_length``, ``device``).
+* ``likelihood``: the teacher-forced log-probability of a reference text after the prompt and the completion,
+  under the current policy (synced each version) or a frozen model; ``teacher_logprob``: a teacher's mean
+  log-prob of the completion (``rlfabric.rewards.likelihood``).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from collections import Counter
 from fractions import Fraction
 from typing import Any
 
+from rlfabric.rewards.likelihood import likelihood_reward, teacher_logprob_reward
 from rlfabric.rewards.math_verify import answers_match, find_answer
 from rlfabric.rewards.registry import RewardInput, register_reward
 from rlfabric.rewards.reward_model import reward_model_reward
@@ -158,6 +162,8 @@ BUILTIN_REWARDS = {
     "countdown": countdown_reward,
     "length": length_reward,
     "reward_model": reward_model_reward,
+    "likelihood": likelihood_reward,
+    "teacher_logprob": teacher_logprob_reward,
 }
 
 for _name, _fn in BUILTIN_REWARDS.items():
