@@ -227,8 +227,10 @@ def test_a_killed_scorer_costs_only_the_groups_it_was_scoring_and_is_replaced(tm
                 {"name": "likelihood", "kwargs": {"target": TARGET}},  # weights: policy by default
             ]
         },
+        learner={"weight_transport": "object_store"},  # the test above leaves it at auto: shared memory here
         training={"total_steps": 3},
     )
+    assert run.summary["weight_transport"] == "object_store"
     first, second, third = run.phase("grpo")
     # Call 1 is the initial evaluation; call 2, step 1's groups, meets a dead scorer: all 8 samples fail.
     assert first["trained_samples"] == 0 and first["failed_samples"] == 8
