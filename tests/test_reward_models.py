@@ -221,3 +221,143 @@ def test_train_rm_refuses_a_config_without_pairs_in_one_line(tmp_path, capsys):
         "rlfabric: config error: reward_model.pairs = '' is not valid for train-rm: name the preference pairs to "
         "train on"
     )
+
+
+def tiny_classifier(tokenizer, attention: str = "sdpa", seed: int = 0):
+    """A 2 x 64 Qwen2 sequence classifier with two heads and grouped KV heads, randomly initialised."""
+    from transformers import Qwen2Config, Qwen2ForSequenceClassification
+
+    config = Qwen2Config(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        pad_token_id=tokenizer.pad_token_id,
+        num_labels=2,
+        attn_implementation=attention,
+    )
+    torch.manual_seed(seed)
+    return Qwen2ForSequenceClassification(config).eval()
+
+
+def alone(model, tokenizer, prompts: list[str], completions: list[str], max_length: int | None = None) -> np.ndarray:
+    """Each prompt + completion through the model by itself (batch of one, no padding), cut to its last
+    ``max_length`` tokens: [N, heads]."""
+    rows = [tokenizer(p + c, add_special_tokens=False).input_ids for p, c in zip(prompts, completions, strict=True)]
+    with torch.no_grad():
+        return np.stack(
+            [model(input_ids=torch.tensor([row[-(max_length or len(row)) :]])).logits[0].numpy() for row in rows]
+        )
+
+
+def real_tokens_seen(model) -> list[int]:
+    """A list that collects the non-pad tokens of every input the model's decoder runs on."""
+    seen: list[int] = []
+    pad = model.config.pad_token_id
+    model.get_decoder().register_forward_pre_hook(
+        lambda _module, args, kwargs: seen.append(
+            int(((kwargs.get("input_ids", args[0] if args else None)) != pad).sum())
+        ),
+        with_kwargs=True,
+    )
+    return seen
+
+
+def shared_groups(sizes: tuple[int, ...], seed: int, prompt_chars: tuple[int, int], completion_chars: tuple[int, int]):
+    """(prompts, completions): one random prompt per group, ``sizes[g]`` completions behind it; groups
+    interleaved (sample k of every group, then k + 1...) so no group arrives contiguous."""
+    rng = np.random.default_rng(seed)
+    letters = list("abcdefghij 0123456789+=")
+    text = lambda bounds: "".join(rng.choice(letters, int(rng.integers(*bounds))))  # noqa: E731
+    groups = [(text(prompt_chars), [text(completion_chars) for _ in range(n)]) for n in sizes]
+    pairs = [(p, cs[k]) for k in range(max(sizes)) for p, cs in groups if k < len(cs)]
+    return [p for p, _ in pairs], [c for _, c in pairs]
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+@pytest.mark.parametrize("batch_size", [64, 5])
+def test_completions_behind_a_shared_prompt_score_as_prompt_plus_completion_alone(attention, batch_size):
+    from rlfabric.models.hf import build_char_tokenizer
+    from rlfabric.rewards.reward_model import score_samples
+
+    tokenizer = build_char_tokenizer()
+    model = tiny_classifier(tokenizer, attention)
+    # groups of 1 (nothing to share), 3, 8 and 5; prompts of 30-60 characters, completions of 1-40
+    prompts, completions = shared_groups((1, 3, 8, 5), seed=3, prompt_chars=(30, 60), completion_chars=(1, 40))
+    seen = real_tokens_seen(model)
+    got = score_samples(model, tokenizer, prompts, completions, batch_size, None)
+    ran = sum(seen)
+    np.testing.assert_allclose(got, alone(model, tokenizer, prompts, completions), atol=1e-4)
+    every_text = sum(len(p) + len(c) for p, c in zip(prompts, completions, strict=True))  # one token per character
+    assert ran < every_text  # some prompts ran once for several completions
+
+
+def test_one_group_runs_its_prompt_once():
+    from rlfabric.models.hf import build_char_tokenizer
+    from rlfabric.rewards.reward_model import score_samples
+
+    tokenizer = build_char_tokenizer()
+    model = tiny_classifier(tokenizer)
+    prompts, completions = shared_groups((8,), seed=4, prompt_chars=(40, 41), completion_chars=(1, 12))
+    seen = real_tokens_seen(model)
+    got = score_samples(model, tokenizer, prompts, completions, 64, None)
+    ran = list(seen)
+    np.testing.assert_allclose(got, alone(model, tokenizer, prompts, completions), atol=1e-4)
+    assert ran == [40 + sum(len(c) for c in completions)]  # one forward: the prompt once, then each completion
+
+
+def merging_tokenizer():
+    """A BPE tokenizer over a few characters with one merge, a + b -> ab: a prompt ending in a and a completion
+    starting with b tokenize apart differently than together."""
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {token: i for i, token in enumerate(["<pad>", *"abxyz =+0123", "ab"])}
+    return PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer(models.BPE(vocab=vocab, merges=[("a", "b")])), pad_token="<pad>"
+    )
+
+
+def test_samples_that_cannot_share_their_prompt_score_alone_and_still_right():
+    from rlfabric.rewards.reward_model import score_samples
+
+    tokenizer = merging_tokenizer()
+    model = tiny_classifier(tokenizer)
+    prompt, other = "xyz = 12 + 30 " * 3 + "a", "zz yy xx 0 = 1 + 2 " * 2
+    completions = [
+        "b",  # merges with the prompt's last a: tokens differ apart and together
+        "bxy",  # merges too
+        "xyz",
+        "=2+3 ab",
+        "",  # empty: the score is the prompt's last token's
+        "yyy",
+    ]
+    prompts = [prompt] * len(completions) + [other] * 3
+    completions = completions + ["0", "a" * 30, "zz"]  # with max_length 60, the second is cut at its start
+    seen = real_tokens_seen(model)
+    every_text = sum(len(tokenizer(p + c).input_ids) for p, c in zip(prompts, completions, strict=True))
+    for max_length in (None, 60):
+        got = score_samples(model, tokenizer, prompts, completions, 64, max_length)
+        ran = sum(seen)
+        seen.clear()
+        np.testing.assert_allclose(got, alone(model, tokenizer, prompts, completions, max_length), atol=1e-4)
+        seen.clear()
+        assert ran < every_text  # the samples that could share did
+
+
+def test_the_service_scores_each_groups_completions_behind_one_prompt(tmp_path):
+    from rlfabric.models.hf import build_char_tokenizer, save_pretrained
+
+    tokenizer = build_char_tokenizer()
+    model = tiny_classifier(tokenizer)
+    save_pretrained(model, tokenizer, tmp_path / "rm")
+    prompts, completions = shared_groups((4, 4, 2), seed=5, prompt_chars=(50, 80), completion_chars=(1, 20))
+    samples = [RewardInput(p, c, {}, "stop", len(c)) for p, c in zip(prompts, completions, strict=True)]
+    spec = {"name": "reward_model", "kwargs": {"path": str(tmp_path / "rm"), "heads": ["LABEL_1"]}}
+    results = RewardServiceCore([spec], 30.0).score([samples[:5], samples[5:]])
+    got = [r.components["LABEL_1"] for g in results for r in g]
+    expected = alone(model, tokenizer, prompts, completions)
+    np.testing.assert_allclose(got, expected[:, 1], atol=1e-4)

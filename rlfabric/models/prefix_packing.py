@@ -160,6 +160,16 @@ def pack_shared_prefix(
     )
 
 
+def response_ends(pack: SharedPrefixPack) -> np.ndarray:
+    """[N] flat index (into G * L) of each row's last response token, -1 where the response is empty. The
+    response tokens sit in the packed rows in the order of ``pack.row`` (row-major: the k-th position whose segment
+    is not its prefix's holds token k), so a row's last token is the largest position among its tokens."""
+    positions = np.flatnonzero((pack.segment_ids != pack.prefix_ids).ravel())
+    ends = np.full(pack.num_rows, -1, np.int64)
+    np.maximum.at(ends, pack.row, positions)
+    return ends
+
+
 def row_budget(model: Any) -> int:
     """Tokens per packed row (and per block): the model's hidden size d. The attention over a row of L tokens
     computes every score, masked or not: 4 d L FLOPs per token and layer, against about 2 x 12 d^2 for the
