@@ -6,7 +6,10 @@ generators to use) the worker
 1. asks the LLM policy, served by generator actors (``ServedLLMPolicy``), for completions of the prompts: a
    whole group per generator, one deadline over the calls;
 2. scores whole groups on its reward services (``RewardPool``: deadlines, replacement of dead or poisoned
-   services) and keeps the named components;
+   services) and keeps the named components; with ``rewards.process.split`` it first cuts each completion into
+   steps (``rlfabric.rewards.process.split_completion``, with the policy's tokenizer), so process rewards score
+   each step and their components land on the steps' token spans, the outcome components on the last (answer)
+   span;
 3. assembles one ``Trajectories`` record of the scored samples and returns it as an ObjectRef beside small
    metadata: counts, versions and per-group reward statistics, which is all the driver reads.
 
@@ -39,8 +42,10 @@ from rlfabric.models.hf import load_tokenizer
 from rlfabric.models.llm_batch import outcome_rewards
 from rlfabric.policies.batching import ActBatcher
 from rlfabric.policies.served import GeneratorsFailed, ServedLLMPolicy
+from rlfabric.reward_config import parse_split
 from rlfabric.reward_pool import RewardPool
 from rlfabric.rewards import RewardInput, RewardResult
+from rlfabric.rewards.process import split_completion
 from rlfabric.rewards.shadow import sampled_groups, verdict_counts
 from rlfabric.text_env import TextEnv, text_env_factory
 from rlfabric.tools import ERROR_KINDS
@@ -125,6 +130,14 @@ def group_statistics(group_ids: np.ndarray, rewards: np.ndarray, versions: np.nd
     return out
 
 
+def process_means(step_components: list[list[dict[str, float]] | None]) -> dict[str, float]:
+    """Each process component's mean over rows of its mean over the row's steps (a step without it counts 0):
+    what the run logs as ``reward_<component>``. Rows without step components are left out."""
+    scored = [steps for steps in step_components if steps]
+    names = sorted({k for steps in scored for step in steps for k in step})
+    return {k: float(np.mean([np.mean([step.get(k, 0.0) for step in steps]) for steps in scored])) for k in names}
+
+
 class LLMRolloutCore:
     """The worker's logic without the actor wrapper (its reward services are Ray actors all the same)."""
 
@@ -142,7 +155,11 @@ class LLMRolloutCore:
         efficiency: dict[str, Any] | None = None,
         combine: dict[str, Any] | None = None,
         shadow: dict[str, Any] | None = None,
+        process: dict[str, Any] | None = None,
+        model_dir: str | None = None,
     ) -> None:
+        """``process``: the ``rewards.process`` section (None: off); ``model_dir``: the policy's folder, whose
+        tokenizer maps step boundaries to tokens when ``process["split"]`` cuts completions into steps."""
         rewards.load_snapshot(reward_registry)
         self.pool = (
             RewardPool(
@@ -178,6 +195,13 @@ class LLMRolloutCore:
             else None  # a second reward, never used for learning (rlfabric.rewards.shadow)
         )
         self.prompt_key = prompt_key
+        self.split = process["split"] if process and parse_split(process["split"])[0] != "none" else None
+        self.decode: Callable[[Any], str] | None = None
+        if self.split is not None and text_env is None:
+            if model_dir is None:
+                raise ValueError(f"rewards.process.split = {self.split!r} needs the policy's tokenizer: no model_dir")
+            tokenizer = load_tokenizer(model_dir)
+            self.decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)  # as the generator decodes
         self.prompt_sets: dict[str, PromptSet] = {}
         self.lock = threading.Lock()  # the reward pool is not thread-safe; rollouts run concurrently
 
@@ -211,7 +235,12 @@ class LLMRolloutCore:
         return verdict_counts(np.array(train, bool), np.array(shadow, bool))
 
     def _inputs(
-        self, rows: list[dict], sampled: list[list[int]], texts: list[str], finish: list[str]
+        self,
+        rows: list[dict],
+        sampled: list[list[int]],
+        texts: list[str],
+        finish: list[str],
+        steps: list[tuple[list[str], list[int]]] | None = None,
     ) -> list[RewardInput]:
         return [
             RewardInput(
@@ -220,9 +249,16 @@ class LLMRolloutCore:
                 metadata=row_metadata(row, self.prompt_key),
                 finish_reason=reason,
                 num_tokens=len(ids),
+                steps=None if steps is None else steps[i][0],
             )
-            for row, ids, text, reason in zip(rows, sampled, texts, finish, strict=True)
+            for i, (row, ids, text, reason) in enumerate(zip(rows, sampled, texts, finish, strict=True))
         ]
+
+    def _split(self, sampled: list[list[int]], texts: list[str]) -> list[tuple[list[str], list[int]]] | None:
+        """Each completion's (step texts, step token ends) under ``rewards.process.split``; None when it is off."""
+        if self.split is None or self.decode is None:
+            return None
+        return [split_completion(ids, text, self.decode, self.split) for ids, text in zip(sampled, texts, strict=True)]
 
     def _score(self, inputs: list[RewardInput], group_size: int) -> tuple[list[RewardResult], int]:
         groups = [inputs[i : i + group_size] for i in range(0, len(inputs), group_size)]
@@ -249,13 +285,15 @@ class LLMRolloutCore:
             return {**meta, "generator_failures": failed.failures}, None
         sampled, texts, finish = acted.actions, acted.info["text"], acted.info["finish_reason"]
         generated = time.perf_counter()
-        inputs = self._inputs(rows, sampled, texts, finish)
+        steps = self._split(sampled, texts)
+        inputs = self._inputs(rows, sampled, texts, finish, steps)
         results, restarts = self._score(inputs, g)
         ok = np.array([r.error is None for r in results], bool)
         group_ids = np.repeat(np.arange(request.first_group, request.first_group + len(request.indices)), g)
         components = sorted({k for r in results if r.error is None for k in r.components})
         final = {k: [r.components.get(k, 0.0) for r, good in zip(results, ok, strict=True) if good] for k in components}
         kept = np.flatnonzero(ok)
+        process = [results[i].step_components for i in kept]
         trajectories = from_token_sequences(
             [prompt_ids[i] for i in kept],
             [sampled[i] for i in kept],
@@ -265,6 +303,8 @@ class LLMRolloutCore:
             group_ids=group_ids[kept],
             final_rewards=final,
             truncated=[finish[i] == "length" for i in kept],
+            step_ends=None if steps is None else [steps[i][1] for i in kept],
+            step_rewards=process if any(p is not None for p in process) else None,
         )
         scalar = self.scalar_rewards(trajectories)
         versions = np.array([acted.versions[i] for i in kept], np.int64)
@@ -276,7 +316,10 @@ class LLMRolloutCore:
                 "group_stats": group_statistics(
                     trajectories.group_id, scalar, versions, list(range(request.first_group, group_ids[-1] + 1))
                 ),
-                "component_means": {k: float(np.mean(v)) for k, v in final.items()} if len(kept) else {},
+                "component_means": {
+                    **({k: float(np.mean(v)) for k, v in final.items()} if len(kept) else {}),
+                    **process_means(process),
+                },
                 "response_length_mean": float(np.mean([len(ids) for ids in sampled])),
                 "reward_restarts": restarts,
                 "record_bytes": trajectories.nbytes(),
@@ -297,8 +340,10 @@ class LLMRolloutCore:
                     "metadata": row_metadata(row, self.prompt_key),
                     "components": r.components,
                     "error": r.error,
+                    **({} if steps is None else {"steps": steps[i][0]}),
+                    **({} if r.step_components is None else {"step_components": r.step_components}),
                 }
-                for row, text, r in list(zip(rows, texts, results, strict=True))[: request.keep_samples]
+                for i, (row, text, r) in enumerate(list(zip(rows, texts, results, strict=True))[: request.keep_samples])
             ]
         if request.prompt_set == "eval":  # an evaluation reports sums over its samples; nobody trains on them
             meta["correct_sum"] = float(sum(r.components.get("correct", 0.0) for r in results if r.error is None))

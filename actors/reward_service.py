@@ -1,12 +1,16 @@
 """RewardService: runs the configured reward functions on groups of completions, with a deadline per group.
 
-Every configured function scores each group; their component dicts merge into one per completion. Failures stay
-as small as they can be:
+Every configured function scores each group; their component dicts merge into one per completion. Process rewards
+(``rlfabric.rewards.process_reward``) score each completion's steps (``RewardInput.steps``, the whole completion as
+one step when it has none) and give one dict per step; theirs merge per step into
+``RewardResult.step_components``, beside the outcome components. A component name belongs to one function, outcome
+or process. Failures stay as small as they can be:
 
 * a function that gives ``Unscored(error)`` for a sample (a judge's answer that would not parse) fails that
   sample alone;
-* a function that raises (or returns something malformed) fails only that group: its samples get the error and
-  no components, and the other groups of the call are still scored;
+* a function that raises (or returns something malformed: a process reward whose list for a sample is not one
+  dict per step) fails only that group: its samples get the error and no components, and the other groups of the
+  call are still scored;
 * a group that overruns ``group_timeout_s`` fails with "timed out after Xs" and the call goes on with the next
   group. The stuck thread cannot be killed, so the service then reports itself poisoned and the pool replaces
   it once the call has returned; the groups it finished are kept.
@@ -18,6 +22,7 @@ if that run fails or overruns, every group of the call fails with its error.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import numbers
 import os
@@ -28,7 +33,15 @@ from typing import Any
 import ray
 
 from rlfabric import rewards
-from rlfabric.rewards import RewardFn, RewardInput, RewardResult, RewardSpec, Unscored, is_pointwise
+from rlfabric.rewards import (
+    RewardFn,
+    RewardInput,
+    RewardResult,
+    RewardSpec,
+    Unscored,
+    is_pointwise,
+    is_process_reward,
+)
 
 
 class GroupFailed(Exception):
@@ -47,46 +60,70 @@ class _GroupRun:
     def __init__(self, functions: list[tuple[str, RewardFn]], group: list[RewardInput]) -> None:
         self.functions, self.group = functions, group
         self.current = ""  # the function running now: named in the timeout error
-        self.components: list[dict[str, float] | Unscored] | None = None
+        self.results: list[RewardResult] | None = None
         self.error: str | None = None
         self.thread = threading.Thread(target=self._run, name="reward-group", daemon=True)
 
     def _run(self) -> None:
         try:
-            self.components = self._evaluate()
+            self.results = self._evaluate()
         except GroupFailed as exc:
             self.error = str(exc)
         except BaseException as exc:  # any failure of user code costs this group only
             self.error = f"{self.current}: {one_line(exc)}"
 
-    def _evaluate(self) -> list[dict[str, float] | Unscored]:
-        """Every function on the group, components merged per sample (``Unscored`` where a function could not
-        score it); GroupFailed on a malformed result."""
-        merged: list[dict[str, float] | Unscored] = [{} for _ in self.group]
+    def _evaluate(self) -> list[RewardResult]:
+        """Every function on the group, outcome components merged per sample and process components per step
+        (a failed result where a function gave ``Unscored``); GroupFailed on a malformed result."""
+        n = len(self.group)
+        outcome: list[dict[str, float]] = [{} for _ in range(n)]
+        steps: list[list[dict[str, float]] | None] = [None] * n
+        unscored: list[str | None] = [None] * n
         source: dict[str, str] = {}  # component -> the function that produced it
+        stepped = None  # the group with its steps filled in, for process rewards
         for name, fn in self.functions:
             self.current = name
-            out = fn(self.group)
-            if not isinstance(out, list) or len(out) != len(self.group):
+            process = is_process_reward(fn)
+            if process and stepped is None:
+                stepped = [dataclasses.replace(s, steps=s.step_texts()) for s in self.group]
+            out = fn(stepped if process else self.group)
+            if not isinstance(out, list) or len(out) != n:
                 got = f"{len(out)} results" if isinstance(out, list) else f"a {type(out).__name__}"
-                raise GroupFailed(f"{name}: returned {got} for a group of {len(self.group)}; expected a list of dicts")
-            for i, components in enumerate(out):
-                if isinstance(components, Unscored):
-                    merged[i] = (
-                        merged[i] if isinstance(merged[i], Unscored) else Unscored(f"{name}: {components.error}")
-                    )
-                    continue
-                if not isinstance(components, Mapping):
-                    raise GroupFailed(f"{name}: sample {i} got a {type(components).__name__}, expected a dict")
-                for key, value in components.items():
-                    if source.setdefault(key, name) != name:
-                        raise GroupFailed(f"component {key!r} comes from both {source[key]!r} and {name!r}")
-                    if not isinstance(value, numbers.Real) or not math.isfinite(value):
-                        raise GroupFailed(f"{name}: component {key!r} is {value!r}, expected a finite number")
-                    sample = merged[i]
-                    if not isinstance(sample, Unscored):
-                        sample[key] = float(value)
-        return merged
+                expected = "lists of per-step dicts" if process else "dicts"
+                raise GroupFailed(f"{name}: returned {got} for a group of {n}; expected a list of {expected}")
+            for i, result in enumerate(out):
+                if isinstance(result, Unscored):
+                    unscored[i] = unscored[i] or f"{name}: {result.error}"
+                elif process:
+                    assert stepped is not None
+                    texts = stepped[i].steps or []
+                    if not isinstance(result, list) or len(result) != len(texts):
+                        got = f"{len(result)} dicts" if isinstance(result, list) else f"a {type(result).__name__}"
+                        raise GroupFailed(
+                            f"{name}: sample {i} got {got}, expected a list of {len(texts)} dicts (one per step)"
+                        )
+                    steps[i] = steps[i] or [{} for _ in texts]
+                    for k, components in enumerate(result):
+                        _merge(name, f"sample {i} step {k}", components, steps[i][k], source)
+                else:
+                    _merge(name, f"sample {i}", result, outcome[i], source)
+        return [
+            RewardResult({}, error) if error is not None else RewardResult(components, None, per_step)
+            for components, per_step, error in zip(outcome, steps, unscored, strict=True)
+        ]
+
+
+def _merge(name: str, where: str, components: Any, into: dict[str, float], source: dict[str, str]) -> None:
+    """Add function ``name``'s ``components`` for one sample (or step) to ``into``; GroupFailed when they are not
+    a dict of finite numbers or name a component another function produces."""
+    if not isinstance(components, Mapping):
+        raise GroupFailed(f"{name}: {where} got a {type(components).__name__}, expected a dict")
+    for key, value in components.items():
+        if source.setdefault(key, name) != name:
+            raise GroupFailed(f"component {key!r} comes from both {source[key]!r} and {name!r}")
+        if not isinstance(value, numbers.Real) or not math.isfinite(value):
+            raise GroupFailed(f"{name}: component {key!r} is {value!r}, expected a finite number")
+        into[key] = float(value)
 
 
 class RewardServiceCore:
@@ -158,9 +195,9 @@ class RewardServiceCore:
         if run.thread.is_alive():
             self.poisoned = True
             return f"timed out after {timeout_s:g}s in reward {run.current!r}"
-        if run.components is None:
+        if run.results is None:
             return run.error or "no result"
-        return [RewardResult({}, c.error) if isinstance(c, Unscored) else RewardResult(c) for c in run.components]
+        return run.results
 
 
 def failed(group: list[RewardInput], error: str) -> list[RewardResult]:
@@ -168,17 +205,31 @@ def failed(group: list[RewardInput], error: str) -> list[RewardResult]:
 
 
 def merge_results(first: list[RewardResult], second: list[RewardResult]) -> list[RewardResult]:
-    """Per sample, the components of both, or the error of the one that failed it; a component named by both is
-    an error for the group, as it is between two per-group functions."""
-    clash = sorted({k for a, b in zip(first, second, strict=True) for k in a.components if k in b.components})
+    """Per sample, the components (and per-step components) of both, or the error of the one that failed it; a
+    component named by both is an error for the group, as it is between two per-group functions."""
+    clash = sorted({k for a, b in zip(first, second, strict=True) for k in component_names(a) & component_names(b)})
     if clash:
         return [
             RewardResult({}, f"component {clash[0]!r} comes from a pointwise and a per-group reward") for _ in first
         ]
     return [
-        RewardResult({}, a.error or b.error) if a.error or b.error else RewardResult({**a.components, **b.components})
+        RewardResult({}, a.error or b.error)
+        if a.error or b.error
+        else RewardResult({**a.components, **b.components}, None, merge_steps(a.step_components, b.step_components))
         for a, b in zip(first, second, strict=True)
     ]
+
+
+def component_names(result: RewardResult) -> set[str]:
+    """Every component a result holds, outcome and per-step."""
+    return set(result.components) | {k for step in result.step_components or [] for k in step}
+
+
+def merge_steps(a: list[dict[str, float]] | None, b: list[dict[str, float]] | None) -> list[dict[str, float]] | None:
+    """Two functions' per-step components of one sample, merged step by step (None: that side scored no steps)."""
+    if a is None or b is None:
+        return a if b is None else b
+    return [{**x, **y} for x, y in zip(a, b, strict=True)]
 
 
 @ray.remote

@@ -342,7 +342,7 @@ def validate_llm(cfg: LLMConfig) -> LLMConfig:
     if cfg.model.path == "builtin":
         builtin_alphabet(cfg.model.builtin.alphabet)
     _validate_step_credit(cfg)
-    validate_rewards(cfg.rewards, cfg.env.id)
+    validate_rewards(cfg.rewards, cfg.env.id, cfg.grpo.step_credit)
     if cfg.reward_model.pairs:
         validate_reward_model(cfg.reward_model)
     if cfg.env.id:

@@ -1,13 +1,13 @@
 """The reward sections of a GRPO config: reward functions, the efficiency penalty, how components combine,
-shadow verifiers (``rewards``) and the reward model a run trains first (``reward_model``), with their checks.
-Documented key by key in docs/config.md."""
+shadow verifiers, process rewards (``rewards``) and the reward model a run trains first (``reward_model``), with
+their checks. Documented key by key in docs/config.md."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from rlfabric.config_base import positive, require
+from rlfabric.config_base import ConfigError, positive, require
 
 
 @dataclass
@@ -58,6 +58,49 @@ class ShadowConfig:
     train_threshold: float = 0.5
 
 
+# rewards.process.split: how a completion is cut into steps (rlfabric.rewards.process.step_starts).
+SPLIT_NAMES = ("none", "newline", "blank_line")
+SPLIT_TAGS = ("tag:", "end_tag:")  # "tag:TEXT": a step starts at each TEXT; "end_tag:TEXT": one ends after each
+OUTCOME_SPANS = ("all", "answer", "none")
+PROCESS_SPANS = ("all", "reasoning", "none")
+
+
+def parse_split(value: str) -> tuple[str, str]:
+    """``rewards.process.split`` as (kind, tag text): ("newline", ""), ("tag", "<step>"), ...; ValueError naming
+    what is allowed for anything else."""
+    if value in SPLIT_NAMES:
+        return value, ""
+    for prefix in SPLIT_TAGS:
+        if isinstance(value, str) and value.startswith(prefix) and len(value) > len(prefix):
+            return prefix[:-1], value[len(prefix) :]
+    raise ValueError(
+        f"split {value!r}: must be one of {', '.join(SPLIT_NAMES)}, 'tag:TEXT' (a step starts at each TEXT) or "
+        "'end_tag:TEXT' (a step ends after each TEXT)"
+    )
+
+
+@dataclass
+class ProcessConfig:
+    # Process rewards (docs/process_rewards.md): cut each single-turn completion into steps, score the steps with
+    # the process rewards among rewards.functions (@process_reward: process_reward_model, arithmetic_steps, ...),
+    # put their components on the steps' token spans and the outcome components on the last step's (the answer
+    # span). "none": one step, the whole completion; "newline": a step ends after each line break; "blank_line":
+    # after each blank line; "tag:TEXT": a step starts at each TEXT; "end_tag:TEXT": a step ends after each TEXT.
+    # With env.id the steps are the agent's turns (keep "none").
+    split: str = "none"
+    # The spans that get the episode (outcome) term of grpo.step_credit's advantage: "all", "answer" (the last
+    # step) or "none".
+    outcome_spans: str = "all"
+    # The spans that get its step (process) term: "all", "reasoning" (every step but the last) or "none". A span
+    # that gets neither term gets no loss.
+    process_spans: str = "all"
+
+    @property
+    def masked(self) -> bool:
+        """Whether the advantage's two terms are restricted to some spans (both "all": the plain step credit)."""
+        return (self.outcome_spans, self.process_spans) != ("all", "all")
+
+
 @dataclass
 class RewardsConfig:
     functions: list[RewardFunctionConfig] = field(default_factory=lambda: [RewardFunctionConfig()])
@@ -70,6 +113,7 @@ class RewardsConfig:
     efficiency: EfficiencyConfig = field(default_factory=EfficiencyConfig)
     combine: CombineConfig = field(default_factory=CombineConfig)
     shadow: ShadowConfig = field(default_factory=ShadowConfig)
+    process: ProcessConfig = field(default_factory=ProcessConfig)
 
     @property
     def num_actors(self) -> int:
@@ -113,13 +157,15 @@ class RewardModelConfig:
     eval_every: int = 100
 
 
-def validate_rewards(r: RewardsConfig, env_id: str) -> None:
-    """Range and cross-field checks of the ``rewards`` section (``env_id``: the run's text env, "" for none)."""
+def validate_rewards(r: RewardsConfig, env_id: str, step_credit: str = "none") -> None:
+    """Range and cross-field checks of the ``rewards`` section (``env_id``: the run's text env, "" for none;
+    ``step_credit``: grpo.step_credit, which process rewards act through)."""
     for i, fn in enumerate(r.functions):
         require(bool(fn.name), f"rewards.functions[{i}].name", fn.name, "must name a reward function")
     _validate_efficiency(r.efficiency)
     _validate_combine(r.combine)
     _validate_shadow(r.shadow, env_id)
+    _validate_process(r.process, env_id, step_credit)
 
 
 def _validate_efficiency(e: EfficiencyConfig) -> None:
@@ -179,6 +225,42 @@ def _validate_shadow(sh: ShadowConfig, env_id: str) -> None:
         [f.name for f in sh.functions],
         "runs on single-turn completions for now (env.id is set: the text env gives the rewards)",
     )
+
+
+def _validate_process(p: ProcessConfig, env_id: str, step_credit: str) -> None:
+    try:
+        kind, _ = parse_split(p.split)
+    except ValueError as exc:  # "split 'x': must be ...": the reason after the colon
+        raise ConfigError(f"rewards.process.split = {p.split!r} is not valid: {str(exc).split(': ', 1)[1]}") from None
+    require(p.outcome_spans in OUTCOME_SPANS, "rewards.process.outcome_spans", p.outcome_spans, _one_of(OUTCOME_SPANS))
+    require(p.process_spans in PROCESS_SPANS, "rewards.process.process_spans", p.process_spans, _one_of(PROCESS_SPANS))
+    require(
+        (p.outcome_spans, p.process_spans) != ("none", "none"),
+        "rewards.process.process_spans",
+        p.process_spans,
+        "must not be 'none' when rewards.process.outcome_spans is 'none' too (no span would get an advantage)",
+    )
+    require(
+        kind == "none" or not env_id,
+        "rewards.process.split",
+        p.split,
+        "must be 'none' with env.id: a text env's steps are the agent's turns",
+    )
+    for path, value, default in (
+        ("rewards.process.split", p.split, "none"),
+        ("rewards.process.outcome_spans", p.outcome_spans, "all"),
+        ("rewards.process.process_spans", p.process_spans, "all"),
+    ):
+        require(
+            value == default or step_credit != "none",
+            path,
+            value,
+            "acts through per-step advantages: set grpo.step_credit (step_mix; gigpo with a text env)",
+        )
+
+
+def _one_of(names: tuple[str, ...]) -> str:
+    return f"must be one of {', '.join(names)}"
 
 
 def validate_reward_model(r: RewardModelConfig) -> None:

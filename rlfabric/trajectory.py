@@ -328,18 +328,39 @@ def from_token_sequences(
     truncated: Sequence[bool],
     agent_id: str = "agent_0",
     policy_id: str = "default",
+    step_ends: Sequence[Sequence[int]] | None = None,
+    step_rewards: Sequence[Sequence[dict[str, float]] | None] | None = None,
 ) -> Trajectories:
-    """Single-turn LLM episodes: row i = prompt i then response i, one step span over the response (``from_turns``
-    with one turn per row, whose reward components are the outcome ``final_rewards``).
+    """Single-turn LLM episodes: row i = prompt i then response i, with one step span per step of the response
+    (``from_turns`` with one turn per step).
 
     The loss mask is 1 on the response tokens; ``versions[i][t]`` is the policy version that sampled response
     token t; ``truncated[i]``: the response was cut at the length limit (else it ended, ``terminated``).
+
+    Steps (process rewards, ``rlfabric.rewards.process``): ``step_ends[i]`` is where each step of response i ends,
+    in response tokens (ascending, the last = its length; None: one step over the whole response), and
+    ``step_rewards[i]`` the process components of each of its steps (None: none). ``step_rewards[c]`` of a span is
+    its process component c, plus the row's outcome component c (``final_rewards``) on its last span, the answer
+    span; ``final_rewards`` stays the outcome components as given.
     """
     rewards = {k: np.asarray(v, np.float32) for k, v in final_rewards.items()}
-    turns = [
-        [TurnTokens(r, lp, v, rewards={k: float(c[i]) for k, c in rewards.items()})]
-        for i, (r, lp, v) in enumerate(zip(responses, logprobs, versions, strict=True))
-    ]
+    turns = []
+    for i, (r, lp, v) in enumerate(zip(responses, logprobs, versions, strict=True)):
+        ends = [len(r)] if step_ends is None else list(step_ends[i])
+        if not ends or ends[-1] != len(r) or any(b < a for a, b in zip([0, *ends], ends, strict=False)):
+            raise ValueError(
+                f"from_token_sequences: step_ends[{i}] = {ends}: must ascend to the response length {len(r)}"
+            )
+        process = None if step_rewards is None else step_rewards[i]
+        if process is not None and len(process) != len(ends):
+            raise ValueError(f"from_token_sequences: step_rewards[{i}] has {len(process)} steps, step_ends {len(ends)}")
+        row: list[TurnTokens] = []
+        for k, (start, end) in enumerate(zip([0, *ends[:-1]], ends, strict=True)):
+            components = dict(process[k]) if process is not None else {}
+            if k == len(ends) - 1:
+                components.update({c: float(value[i]) for c, value in rewards.items()})
+            row.append(TurnTokens(r[start:end], lp[start:end], v[start:end], rewards=components))
+        turns.append(row)
     out = from_turns(
         prompts,
         turns,
@@ -349,7 +370,7 @@ def from_token_sequences(
         agent_id=agent_id,
         policy_id=policy_id,
     )
-    out.final_rewards = rewards  # as given, every component kept (from_turns sums what the turns carry)
+    out.final_rewards = rewards  # the outcome components as given, every one kept (from_turns sums the steps')
     return out
 
 

@@ -321,11 +321,14 @@ def _run_until_training(code: str, namespace: dict[str, Any]) -> dict[str, Any]:
 
 
 def _reward_inputs(*samples: dict[str, Any]) -> list[Any]:
-    """RewardInputs made with exactly the fields docs/llm.md lists for them."""
+    """RewardInputs made with exactly the fields docs/llm.md lists for them (those with a default: when given)."""
     from rlfabric.rewards import RewardInput
 
     listed = _documented_classes()["RewardInput"]
-    return [RewardInput(**{name: sample[name] for name, _ in listed[0]}) for sample in samples]
+    return [
+        RewardInput(**{name: sample[name] for name, optional in listed[0] if name in sample or not optional})
+        for sample in samples
+    ]
 
 
 def _documented_classes() -> dict[str, tuple[list[tuple[str, bool]], list[tuple[str, list[str]]]]]:

@@ -18,6 +18,11 @@ them):
 
 Standard deviations are unbiased (as ``rlfabric.algorithms.grpo.grpo_advantages``), and a group of one gets 0.
 The estimators are registered by name in ``rlfabric.objectives.STEP_CREDITS`` (config ``grpo.step_credit``).
+
+Single-turn rows cut into steps (process rewards, ``rlfabric.rewards.process``) use the same estimators: their
+steps are a row's reasoning steps and its answer (the last step), r_t the process rewards of each step plus the
+outcome rewards on the answer. ``span_masked_advantages`` sends the episode (outcome) term and the step (process)
+term to different spans (``rewards.process.outcome_spans`` / ``process_spans``).
 """
 
 from __future__ import annotations
@@ -73,6 +78,25 @@ def episode_advantages(
     return group_normalize(episode_rewards, np.asarray(group_ids).tolist(), scale_by_std=scale_by_std, eps=eps)
 
 
+def gigpo_step_term(
+    step_rows: np.ndarray,
+    group_ids: np.ndarray,
+    step_rewards: np.ndarray,
+    state_keys: np.ndarray,
+    *,
+    gamma: float = 0.95,
+    scale_by_std: bool = True,
+    eps: float = EPS,
+) -> np.ndarray:
+    """GiGPO's step term A^S_t, [S] float64: the discounted step return G_t normalised within t's step group (the
+    steps of t's group whose state key equals t's); see ``gigpo_advantages``."""
+    rows = np.asarray(step_rows, np.int64)
+    groups = np.asarray(group_ids, np.int64)
+    returns = discounted_step_returns(rows, step_rewards, gamma)
+    step_groups = [(int(g), k) for g, k in zip(groups[rows].tolist(), list(state_keys), strict=True)]
+    return group_normalize(returns, step_groups, scale_by_std=scale_by_std, eps=eps)
+
+
 def gigpo_advantages(
     step_rows: np.ndarray,
     group_ids: np.ndarray,
@@ -90,7 +114,7 @@ def gigpo_advantages(
         A_t = A^E_{row(t)} + omega * A^S_t
         A^E_i = (R_i - mean_g R) / (std_g R + eps)                       (episode_advantages)
         G_t = sum_{k>=0} gamma^k r_{t+k}                                  (discounted_step_returns)
-        A^S_t = (G_t - mean_{t' in sg(t)} G_t') / (std_{t' in sg(t)} G_t' + eps)
+        A^S_t = (G_t - mean_{t' in sg(t)} G_t') / (std_{t' in sg(t)} G_t' + eps)   (gigpo_step_term)
 
     sg(t), the step group of t: the steps of the same group's episodes (any row of group g, t's own included)
     whose state key equals t's: the same env state reached in several episodes, where the turns taken from it
@@ -98,12 +122,27 @@ def gigpo_advantages(
     Without ``scale_by_std`` both terms are centred only (Dr. GRPO style).
     """
     rows = np.asarray(step_rows, np.int64)
-    groups = np.asarray(group_ids, np.int64)
-    a_episode = episode_advantages(episode_rewards, groups, scale_by_std=scale_by_std, eps=eps)
-    returns = discounted_step_returns(rows, step_rewards, gamma)
-    step_groups = [(int(g), k) for g, k in zip(groups[rows].tolist(), list(state_keys), strict=True)]
-    a_step = group_normalize(returns, step_groups, scale_by_std=scale_by_std, eps=eps)
+    a_episode = episode_advantages(episode_rewards, group_ids, scale_by_std=scale_by_std, eps=eps)
+    a_step = gigpo_step_term(rows, group_ids, step_rewards, state_keys, gamma=gamma, scale_by_std=scale_by_std, eps=eps)
     return (a_episode[rows] + omega * a_step).astype(np.float32)
+
+
+def step_mix_step_term(
+    step_rows: np.ndarray,
+    group_ids: np.ndarray,
+    step_rewards: np.ndarray,
+    state_keys: np.ndarray | None = None,
+    *,
+    gamma: float = 0.95,
+    scale_by_std: bool = True,
+    eps: float = EPS,
+) -> np.ndarray:
+    """The step + trajectory mix's step term A^T_t, [S] float64: the discounted step return G_t normalised over
+    ALL steps of t's group (``state_keys`` is not read); see ``step_mix_advantages``."""
+    rows = np.asarray(step_rows, np.int64)
+    groups = np.asarray(group_ids, np.int64)
+    returns = discounted_step_returns(rows, step_rewards, gamma)
+    return group_normalize(returns, groups[rows].tolist(), scale_by_std=scale_by_std, eps=eps)
 
 
 def step_mix_advantages(
@@ -124,11 +163,43 @@ def step_mix_advantages(
     state keys, and it credits a step for a return higher than the group's steps' at any point of their episodes.
     """
     rows = np.asarray(step_rows, np.int64)
-    groups = np.asarray(group_ids, np.int64)
-    a_episode = episode_advantages(episode_rewards, groups, scale_by_std=scale_by_std, eps=eps)
-    returns = discounted_step_returns(rows, step_rewards, gamma)
-    a_steps = group_normalize(returns, groups[rows].tolist(), scale_by_std=scale_by_std, eps=eps)
+    a_episode = episode_advantages(episode_rewards, group_ids, scale_by_std=scale_by_std, eps=eps)
+    a_steps = step_mix_step_term(rows, group_ids, step_rewards, gamma=gamma, scale_by_std=scale_by_std, eps=eps)
     return (a_episode[rows] + omega * a_steps).astype(np.float32)
+
+
+# The step terms of the shipped step credits by their grpo.step_credit names, for advantages whose two terms reach
+# different spans (``span_masked_advantages``): fn(step_rows, group_ids, step_rewards, state_keys, *, gamma,
+# scale_by_std) -> [S].
+STEP_TERMS = {"gigpo": gigpo_step_term, "step_mix": step_mix_step_term}
+
+
+def answer_steps(step_rows: np.ndarray) -> np.ndarray:
+    """[S] bool: True at each row's last step, the answer span (the steps of a row in order, as producers write
+    them); every other step of the row is a reasoning step."""
+    rows = np.asarray(step_rows, np.int64)
+    return np.append(rows[1:] != rows[:-1], True) if len(rows) else np.zeros(0, bool)
+
+
+def span_masked_advantages(
+    step_rows: np.ndarray,
+    episode_term: np.ndarray,
+    step_term: np.ndarray,
+    outcome_on: np.ndarray,
+    process_on: np.ndarray,
+    *,
+    omega: float = 1.0,
+) -> np.ndarray:
+    """A step credit whose two terms reach different spans (``rewards.process``), [S] float32:
+
+        A_t = [t in O] * A^E_{row(t)} + omega * [t in P] * A^S_t
+
+    A^E [N] the episode (outcome) term (``episode_advantages``), A^S [S] the step (process) term (``STEP_TERMS``),
+    O = ``outcome_on`` and P = ``process_on`` [S] bool: the spans each term reaches (all, the answer span, the
+    reasoning spans or none; ``answer_steps``). With O and P every span it is the step credit itself."""
+    rows = np.asarray(step_rows, np.int64)
+    episode = np.where(outcome_on, np.asarray(episode_term, np.float64)[rows], 0.0)
+    return (episode + omega * np.where(process_on, step_term, 0.0)).astype(np.float32)
 
 
 def step_group_share(step_rows: np.ndarray, group_ids: np.ndarray, state_keys: np.ndarray) -> float:

@@ -14,7 +14,15 @@ import torch
 
 from rlfabric.algorithms.grpo import compute_advantages
 from rlfabric.algorithms.reward_combination import combine_rewards
-from rlfabric.algorithms.step_credit import efficiency_penalty, step_advantages_to_tokens, step_group_share
+from rlfabric.algorithms.step_credit import (
+    STEP_TERMS,
+    answer_steps,
+    efficiency_penalty,
+    episode_advantages,
+    span_masked_advantages,
+    step_advantages_to_tokens,
+    step_group_share,
+)
 from rlfabric.models.sequences import is_row_column, pack_sequences
 from rlfabric.objectives import NO_STEP_CREDIT, STATE_KEYED_STEP_CREDITS, STEP_CREDITS
 from rlfabric.trajectory import Trajectories, concat, drifted_rows, sampled_version
@@ -64,6 +72,7 @@ def grpo_batch(
     step_gamma: float = 0.95,
     efficiency: dict[str, Any] | None = None,
     combine: dict[str, Any] | None = None,
+    process: dict[str, Any] | None = None,
 ) -> dict[str, np.ndarray]:
     """The packed GRPO batch of the chosen groups: the scalar reward of ``outcome_rewards`` (the components
     combined as ``combine`` says, plus the efficiency penalty), advantages by ``advantage``
@@ -72,7 +81,9 @@ def grpo_batch(
 
     ``advantages`` is [N] (one per row) with ``step_credit`` "none", else [N, R] per token: each step span's tokens
     get its step's advantage (``rlfabric.objectives.STEP_CREDITS``, omega ``step_credit_weight``, gamma
-    ``step_gamma``; step rewards weighted like the scalar reward), every other token 0.
+    ``step_gamma``; step rewards weighted like the scalar reward), every other token 0. ``process``
+    (``rewards.process``) may send the advantage's episode (outcome) term and step (process) term to different
+    spans (``step_credit_advantages``); a span that gets neither has no loss.
 
     Rows that fail the trace check (``drifted_rows``: their tokens are not what the generator sampled) get no loss;
     ``batch["drifted_rows"]`` counts them and ``batch["drift_report"]`` describes the first. ``episode_id`` and
@@ -90,12 +101,15 @@ def grpo_batch(
         )
         batch["advantages"] = advantages.numpy().astype(np.float32)
     else:
-        step_advantages = step_credit_advantages(
-            traj, rewards, reward_weights, step_credit, advantage, step_credit_weight, step_gamma, scale_by_std
+        step_advantages, trained = step_credit_advantages(
+            traj, rewards, reward_weights, step_credit, advantage, step_credit_weight, step_gamma, scale_by_std, process
         )
         assert traj.prompt_length is not None and traj.step_spans is not None
         width = batch["response_mask"].shape[1]
         batch["advantages"] = step_advantages_to_tokens(traj.step_spans, traj.prompt_length, step_advantages, width)
+        if not trained.all():  # spans neither term reaches: no loss there
+            untrained = step_advantages_to_tokens(traj.step_spans, traj.prompt_length, (~trained).astype(float), width)
+            batch["response_mask"][untrained > 0] = 0.0
         if step_credit in STATE_KEYED_STEP_CREDITS:
             assert traj.state_keys is not None
             batch["step_group_share"] = np.float32(
@@ -171,10 +185,14 @@ def step_credit_advantages(
     omega: float,
     gamma: float,
     scale_by_std: bool,
-) -> np.ndarray:
-    """[S] per-step advantages by the step credit's name (``rlfabric.objectives.STEP_CREDITS``): episode rewards
-    ``rewards`` [N], step rewards weighted by ``reward_weights``, the record's state keys. A ValueError in one line
-    naming ``grpo.step_credit`` when the record cannot give what the estimator needs."""
+    process: dict[str, Any] | None = None,
+) -> tuple[np.ndarray, np.ndarray]:
+    """([S] per-step advantages, [S] bool: the steps that get any of it) by the step credit's name
+    (``rlfabric.objectives.STEP_CREDITS``): episode rewards ``rewards`` [N], step rewards weighted by
+    ``reward_weights``, the record's state keys. With ``process`` (``rewards.process``) sending the episode
+    (outcome) term and the step (process) term to some spans only, ``span_masked_advantages`` of the two terms
+    (``STEP_TERMS``; the answer span is each row's last step). A ValueError in one line naming the field when the
+    record or the step credit cannot give what is asked."""
     if advantage != "grpo":
         raise ValueError(
             f"grpo.step_credit = {step_credit!r} needs grpo.advantage 'grpo' (its episode term), not {advantage!r}"
@@ -186,19 +204,32 @@ def step_credit_advantages(
         )
     if traj.step_spans is None:
         raise ValueError(f"grpo.step_credit = {step_credit!r} needs step spans in the trajectory record")
+    rows = traj.step_spans[:, 0]
     state_keys = traj.state_keys
     if state_keys is None:
-        state_keys = np.full(len(traj.step_spans), None, dtype=object)
-    return STEP_CREDITS.resolve(step_credit)(
-        traj.step_spans[:, 0],
-        traj.group_id,
-        traj.step_total_reward(reward_weights),
-        rewards,
-        state_keys,
-        omega=omega,
-        gamma=gamma,
-        scale_by_std=scale_by_std,
+        state_keys = np.full(len(rows), None, dtype=object)
+    step_rewards = traj.step_total_reward(reward_weights)
+    every = np.ones(len(rows), bool)
+    spans = (process or {}).get("outcome_spans", "all"), (process or {}).get("process_spans", "all")
+    if spans == ("all", "all"):
+        credit = STEP_CREDITS.resolve(step_credit)
+        return credit(
+            rows, traj.group_id, step_rewards, rewards, state_keys, omega=omega, gamma=gamma, scale_by_std=scale_by_std
+        ), every
+    if step_credit not in STEP_TERMS:
+        raise ValueError(
+            f"rewards.process.outcome_spans/process_spans need a step credit with a separate step term "
+            f"({', '.join(STEP_TERMS)}), not grpo.step_credit = {step_credit!r}"
+        )
+    answer = answer_steps(rows)
+    outcome_on = {"all": every, "answer": answer, "none": ~every}[spans[0]]
+    process_on = {"all": every, "reasoning": ~answer, "none": ~every}[spans[1]]
+    step_term = STEP_TERMS[step_credit](
+        rows, traj.group_id, step_rewards, state_keys, gamma=gamma, scale_by_std=scale_by_std
     )
+    episode_term = episode_advantages(rewards, traj.group_id, scale_by_std=scale_by_std)
+    advantages = span_masked_advantages(rows, episode_term, step_term, outcome_on, process_on, omega=omega)
+    return advantages, outcome_on | process_on
 
 
 def pad_rows_for_learners(batch: dict[str, np.ndarray], world_size: int) -> dict[str, np.ndarray]:

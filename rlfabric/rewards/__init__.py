@@ -1,10 +1,14 @@
 """Reward functions: the group contract, the registry, math answer checking and the built-in rewards.
 
 Importing this package registers the built-ins (``math``, ``arithmetic``, ``countdown``, ``length``,
-``reward_model``).
+``reward_model``, and the process rewards of ``rlfabric.rewards.process``: ``process_reward_model``,
+``arithmetic_steps``).
 """
 
-from rlfabric.rewards import builtin  # noqa: F401 - registers the built-in rewards
+from rlfabric.rewards import (
+    builtin,  # noqa: F401 - registers the built-in rewards
+    process,  # noqa: F401 - registers the built-in process rewards
+)
 from rlfabric.rewards.math_verify import answers_match, extract_answer, normalize_answer
 from rlfabric.rewards.registry import (
     RewardFn,
@@ -14,9 +18,11 @@ from rlfabric.rewards.registry import (
     RewardSpec,
     Unscored,
     is_pointwise,
+    is_process_reward,
     list_rewards,
     load_snapshot,
     pointwise,
+    process_reward,
     register_reward,
     resolve_reward,
     snapshot,
@@ -33,9 +39,11 @@ __all__ = [
     "extract_answer",
     "list_rewards",
     "is_pointwise",
+    "is_process_reward",
     "load_snapshot",
     "normalize_answer",
     "pointwise",
+    "process_reward",
     "register_reward",
     "resolve_reward",
     "snapshot",

@@ -8,6 +8,14 @@ leave-one-out rewards fit the same contract as per-sample verifiers:
 A function may give ``Unscored(error)`` instead of a dict for a sample it could not score (a judge whose answer
 would not parse after its retries): that sample alone is recorded as failed, the rest of its group is kept.
 
+A function marked ``@process_reward`` scores the **steps** of each completion (``RewardInput.steps``: the step
+texts, which tile the completion) and gives one dict per step instead of one per completion:
+
+    fn(inputs: list[RewardInput], **kwargs) -> list[list[dict[str, float]]]   # per input, one dict per step
+
+(or ``Unscored`` for a sample). Process rewards and outcome rewards run side by side: each completion's result has
+its outcome components and its per-step components (``RewardResult.step_components``).
+
 A function marked ``@pointwise`` scores each sample on its own (a reward model's forward pass): the reward service
 hands it every sample of a call at once, across groups, so it can batch them. A function may carry
 ``check_kwargs(**kwargs)``, which ``resolve_reward`` calls on the driver, so a bad argument (a model path that
@@ -43,6 +51,13 @@ class RewardInput:
     metadata: dict[str, Any]  # the dataset row minus the prompt (e.g. {"answer": "47"})
     finish_reason: str  # "stop" | "length"
     num_tokens: int
+    # The completion's steps (rewards.process.split), whose concatenation is the completion; None: one step, the
+    # whole completion (what process rewards then see). Outcome rewards may ignore it.
+    steps: list[str] | None = None
+
+    def step_texts(self) -> list[str]:
+        """The steps a process reward scores: ``steps``, or the whole completion as one step."""
+        return list(self.steps) if self.steps is not None else [self.completion]
 
 
 @dataclass(frozen=True)
@@ -62,6 +77,9 @@ class RewardResult:
 
     components: dict[str, float]  # empty when failed
     error: str | None = None  # one line: "ExcType: message" or "timed out after Xs" when scoring failed
+    # Process rewards' components, one dict per step of the completion; None when no process reward ran (or the
+    # sample failed).
+    step_components: list[dict[str, float]] | None = None
 
 
 @dataclass(frozen=True)
@@ -111,6 +129,17 @@ def pointwise(fn: Callable[..., list[dict[str, float]]]) -> Callable[..., list[d
 
 def is_pointwise(fn: Callable[..., Any]) -> bool:
     return bool(getattr(fn, "pointwise", False))
+
+
+def process_reward(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Mark ``fn`` as a process reward: it reads each input's ``steps`` and returns, per input, a list of one
+    component dict per step (or ``Unscored``). It may also be ``@pointwise``."""
+    fn.scores_steps = True  # type: ignore[attr-defined]
+    return fn
+
+
+def is_process_reward(fn: Callable[..., Any]) -> bool:
+    return bool(getattr(fn, "scores_steps", False))
 
 
 def register_reward(name: str, fn: Callable[..., list[dict[str, float]]]) -> None:
@@ -167,6 +196,7 @@ def _bind(fn: Callable[..., Any], spec: RewardSpec, field: str) -> RewardFn:
         return fn
     bound = functools.partial(fn, **spec.kwargs)
     bound.pointwise = is_pointwise(fn)  # type: ignore[attr-defined]
+    bound.scores_steps = is_process_reward(fn)  # type: ignore[attr-defined]
     return bound
 
 
