@@ -95,11 +95,6 @@ class ProcessConfig:
     # that gets neither term gets no loss.
     process_spans: str = "all"
 
-    @property
-    def masked(self) -> bool:
-        """Whether the advantage's two terms are restricted to some spans (both "all": the plain step credit)."""
-        return (self.outcome_spans, self.process_spans) != ("all", "all")
-
 
 @dataclass
 class RewardsConfig:
