@@ -44,7 +44,7 @@ from rlfabric.llm_run_state import FINAL_MODEL_DIR, INITIAL_MODEL_DIR, latest_ch
 from rlfabric.models.hf import check_model_source, model_max_positions
 from rlfabric.placement import ActorRequest, check_fits
 from rlfabric.policies.served import GeneratorsFailed, ServedLLMPolicy
-from rlfabric.reward_model_training import REWARD_MODEL_DIR, point_at_run_reward_model, run_reward_model_specs
+from rlfabric.reward_model_stage import REWARD_MODEL_DIR, point_at_run_reward_model, run_reward_model_specs
 from rlfabric.reward_pool import RewardPool
 from rlfabric.rewards import RewardInput, RewardResult, RewardSpec
 from rlfabric.run.log import CONFIG_FILE, SUMMARY_FILE

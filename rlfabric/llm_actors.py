@@ -12,6 +12,7 @@ import ray
 from rlfabric import rewards
 from rlfabric.actor_slots import RunAbortedError
 from rlfabric.grpo_config import LLMConfig
+from rlfabric.judge import JUDGE_CPUS
 from rlfabric.llm_resources import SETUP_TIMEOUT_S, torch_threads
 from rlfabric.placement import ActorRequest
 from rlfabric.reward_config import RewardFunctionConfig
@@ -31,7 +32,36 @@ def actor_requests(cfg: LLMConfig) -> list[ActorRequest]:
     if specs:  # one scorer, shared by every policy likelihood reward
         role = f"likelihood scorer ({specs[0][0]}.scorer_cpus/scorer_gpus)"
         requests.append(ActorRequest(role, 1, scorer_resources(cfg)))
+    for field, spec in judge_specs(cfg):  # each reward worker that runs a judge starts its own judge generators
+        workers = 1 if field.startswith("rewards.shadow") else r.num_workers
+        count = workers * spec.kwargs.get("num_generators", 1)
+        requests.append(
+            ActorRequest(f"judge generators ({field}.num_generators/num_cpus)", count, judge_resources(spec))
+        )
     return requests
+
+
+def wanted_cpus(cfg: LLMConfig) -> float:
+    """CPUs every actor of this config asks for (``actor_requests``), plus one for the driver."""
+    return sum(r.count * r.resources.get("CPU", 0.0) for r in actor_requests(cfg)) + 1
+
+
+def judge_specs(cfg: LLMConfig) -> list[tuple[str, RewardFunctionConfig]]:
+    """(config field, spec) of each ``judge`` reward, training or shadow."""
+    return [
+        (f"{section}[{i}].kwargs", spec)
+        for section, specs in (
+            ("rewards.functions", cfg.rewards.functions),
+            ("rewards.shadow.functions", cfg.rewards.shadow.functions),
+        )
+        for i, spec in enumerate(specs)
+        if spec.name == "judge"
+    ]
+
+
+def judge_resources(spec: RewardFunctionConfig) -> dict[str, float]:
+    """What one judge generator asks Ray for (``judge_reward``'s ``num_cpus``, 0.5 by default)."""
+    return {"CPU": float(spec.kwargs.get("num_cpus", JUDGE_CPUS))}
 
 
 def policy_likelihood_specs(cfg: LLMConfig) -> list[tuple[str, RewardFunctionConfig]]:
@@ -93,6 +123,7 @@ def batch_spec(cfg: LLMConfig) -> dict[str, Any]:
         "step_gamma": g.step_gamma,
         "efficiency": dataclasses.asdict(cfg.rewards.efficiency),
         "combine": dataclasses.asdict(cfg.rewards.combine),
+        "process": dataclasses.asdict(cfg.rewards.process),
     }
 
 
@@ -206,10 +237,13 @@ def start_scorer(cfg: LLMConfig, model_dir: str, name: str) -> Any:
             time.sleep(0.2)
 
 
-def start_rollout_worker(cfg: LLMConfig, text_env: Any = None, scorer: str | None = None) -> Any:
+def start_rollout_worker(
+    cfg: LLMConfig, text_env: Any = None, scorer: str | None = None, model_dir: str | None = None
+) -> Any:
     """The rollout worker, with its reward services (the driver's reward registrations travel with it), playing
     ``text_env`` (a ``TextEnvSource``) when the run trains on one; ``scorer`` names the likelihood scorer the
-    policy ``likelihood`` rewards call."""
+    policy ``likelihood`` rewards call; ``model_dir`` is the policy's folder, whose tokenizer maps process-reward
+    steps to tokens."""
     from rlfabric.actors.llm_rollout import LLMRolloutWorker
 
     r = cfg.rewards
@@ -227,4 +261,6 @@ def start_rollout_worker(cfg: LLMConfig, text_env: Any = None, scorer: str | Non
         efficiency=dataclasses.asdict(r.efficiency),
         combine=dataclasses.asdict(r.combine),
         shadow=shadow,
+        process=dataclasses.asdict(r.process),
+        model_dir=model_dir,
     )

@@ -40,14 +40,14 @@ from rlfabric.grpo_config import LLMConfig
 from rlfabric.llm_actors import (
     actor_requests,
     policy_likelihood_specs,
-    scorer_resources,
     start_generator,
     start_learners,
     start_reference,
     start_rollout_worker,
     start_scorer,
+    wanted_cpus,
 )
-from rlfabric.llm_resources import SETUP_TIMEOUT_S, openmp_env, wanted_cpus
+from rlfabric.llm_resources import SETUP_TIMEOUT_S, openmp_env
 from rlfabric.llm_run_state import (
     FINAL_MODEL_DIR,
     FIXED_ON_RESUME,
@@ -76,7 +76,7 @@ from rlfabric.models.hf import check_model_source, model_max_positions
 from rlfabric.models.llm_batch import pad_rows_for_learners
 from rlfabric.models.shared_weights import remove_stale
 from rlfabric.placement import check_fits
-from rlfabric.reward_model_training import ensure_reward_model, point_at_run_reward_model
+from rlfabric.reward_model_stage import ensure_reward_model, point_at_run_reward_model
 from rlfabric.rewards.shadow import SHADOW_COUNTS, shadow_rates
 from rlfabric.rollout_scheduler import RolloutScheduler, StepBatch
 from rlfabric.run.checkpoints import CHECKPOINT_DIR
@@ -315,7 +315,7 @@ class GRPOTrainer:
         self.tokenizer = load_tokenizer(self.model_dir)
         self._train_reward_model()
         self._load_data()
-        ensure_ray(self.cfg.ray, wanted_cpus(self.cfg) + scorer_resources(self.cfg)["CPU"], openmp_env())
+        ensure_ray(self.cfg.ray, wanted_cpus(self.cfg), openmp_env())
         check_fits(actor_requests(self.cfg), [n["Resources"] for n in ray.nodes() if n.get("Alive")])
         if self.text_env is not None and self.cfg.env.tool_servers:
             self.tool_servers = start_tool_servers(self.cfg.env.tool_servers, self.text_env, self.demonstrations)
@@ -359,7 +359,9 @@ class GRPOTrainer:
         self._start = time.monotonic() - self._elapsed_before  # times and rates count every session
 
     def _start_rollout_worker(self) -> Any:
-        worker = start_rollout_worker(self.cfg, self.text_env, self.scorer_name if self.scorers else None)
+        worker = start_rollout_worker(
+            self.cfg, self.text_env, self.scorer_name if self.scorers else None, model_dir=self.model_dir
+        )
         self.rollouts.load_prompts_into(worker)
         return worker
 

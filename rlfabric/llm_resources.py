@@ -14,16 +14,6 @@ SETUP_TIMEOUT_S = 300.0  # for actors to start and answer, and for the questions
 OPENMP_SPIN_COUNT = "100000"
 
 
-def wanted_cpus(cfg: LLMConfig) -> float:
-    """CPUs every actor of this config asks for, plus one for the driver."""
-    return (
-        cfg.generator.num_generators * cfg.generator.num_cpus
-        + cfg.learner.num_learners * cfg.learner.num_cpus
-        + cfg.rewards.num_actors * cfg.rewards.num_cpus
-        + 1
-    )
-
-
 def concurrent_actors(cfg: LLMConfig, role: str) -> int:
     """How many generator/learner/reference actors compute at the same time as one of ``role``.
 

@@ -125,7 +125,7 @@ class RewardsConfig:
 class RewardModelConfig:
     # "classifier": a sequence-classification reward model, one output per head, trained with Bradley-Terry
     # ({name: reward_model} serves it). "judge": a generative judge, a causal LM trained to write the verdicts the
-    # judge service asks for (rlfabric.rewards.judge; {name: judge} serves it on its own generators).
+    # judge service asks for (rlfabric.judge; {name: judge} serves it on its own generators).
     kind: Literal["classifier", "judge"] = "classifier"
     # Preference pairs to train a reward model from before RL ("": none; rlfabric.reward_model_training): a
     # .jsonl/.parquet file of {prompt, chosen, rejected[, head]} rows, or task:arithmetic_pairs. Its model is

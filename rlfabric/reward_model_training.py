@@ -16,7 +16,6 @@ format, where ``{name: reward_model, kwargs: {path: ...}}`` serves it.
 
 from __future__ import annotations
 
-import dataclasses
 import shutil
 import time
 from collections.abc import Callable, Sequence
@@ -223,101 +222,3 @@ def train_reward_model(
     save_pretrained(model.eval(), tokenizer, out_dir)
     shutil.rmtree(out_dir / "backbone", ignore_errors=True)
     return scores
-
-
-# -- the stage in a run ----------------------------------------------------------------------------------------
-
-REWARD_MODEL_DIR = "reward_model"  # where a run keeps the reward model it trained
-REWARD_MODEL_SPEC = "reward_model"
-
-
-def run_reward_model_specs(functions: Sequence[Any]) -> list[int]:
-    """The indices of ``rewards.functions`` entries that mean the run's own reward model: ``reward_model``
-    without a ``path``."""
-    return [i for i, f in enumerate(functions) if f.name == REWARD_MODEL_SPEC and not f.kwargs.get("path")]
-
-
-def point_at_run_reward_model(cfg: Any, run_dir: Path) -> list[int]:
-    """With ``reward_model.pairs`` set, give every ``reward_model`` spec without a path the run's reward model
-    folder (``run_dir/reward_model``, trained by ``ensure_reward_model``); the indices it changed."""
-    if not cfg.reward_model.pairs:
-        return []
-    indices = run_reward_model_specs(cfg.rewards.functions)
-    for i in indices:
-        cfg.rewards.functions[i].kwargs["path"] = str(run_dir / REWARD_MODEL_DIR)
-    return indices
-
-
-def ensure_reward_model(cfg: Any, run_dir: Path, tokenizer: Any, log: Callable[[dict[str, Any]], None]) -> Path | None:
-    """The run's reward model folder, trained now from ``reward_model.pairs`` unless it is there already (a
-    resumed run keeps the one it trained); None when the config trains none."""
-    if not cfg.reward_model.pairs:
-        return None
-    folder = run_dir / REWARD_MODEL_DIR
-    if not (folder / "config.json").is_file():
-        b, rm = cfg.model.builtin, cfg.reward_model
-        sizes = dataclasses.replace(
-            b, num_layers=rm.num_layers or b.num_layers, hidden_size=rm.hidden_size or b.hidden_size
-        )
-        train_reward_model(
-            cfg.reward_model,
-            base=cfg.model.path,
-            builtin=sizes,
-            tokenizer=tokenizer,
-            out_dir=folder,
-            seed=cfg.training.seed,
-            log=log,
-        )
-    return folder
-
-
-def policy_tokenizer(cfg: Any) -> Any:
-    """The tokenizer of ``model.path`` (the builtin character tokenizer of ``model.builtin.alphabet``): the reward
-    model reads text the way the policy writes it."""
-    from rlfabric.grpo_config import builtin_alphabet
-    from rlfabric.models.hf import build_char_tokenizer, load_tokenizer
-
-    if cfg.model.path == "builtin":
-        return build_char_tokenizer(builtin_alphabet(cfg.model.builtin.alphabet))
-    return load_tokenizer(cfg.model.path)
-
-
-def train_reward_model_run(cfg: Any, run_dir: Path, quiet: bool = False) -> dict[str, Any]:
-    """``rlfabric train-rm``: the reward-model stage of ``cfg`` alone, in ``run_dir`` (config snapshot,
-    metrics.jsonl, TensorBoard, summary.json; the model in ``run_dir/reward_model``). Returns the summary."""
-    from rlfabric.run.log import RunLog, write_summary
-    from rlfabric.run.progress import grpo_progress_line, phase_progress, tensorboard_view
-
-    if not cfg.reward_model.pairs:
-        raise ConfigError("reward_model.pairs = '' is not valid for train-rm: name the preference pairs to train on")
-    if (run_dir / REWARD_MODEL_DIR / "config.json").is_file():
-        raise ConfigError(f"--run-dir {str(run_dir)!r} already holds a reward model; choose another directory")
-    log = RunLog(
-        run_dir,
-        cfg,
-        quiet=quiet,
-        step_key="rm_step",
-        progress_line=lambda row: grpo_progress_line(row, *phase_progress(cfg, row)[:1]),
-        tensorboard_view=tensorboard_view,
-    )
-    started = time.perf_counter()
-    rows: list[dict[str, Any]] = []  # the held-out rankings, for the summary
-
-    def log_row(row: dict[str, Any]) -> None:
-        log.log({"iteration": 0, **row})
-        if row["phase"] == "rm_eval":
-            rows.append(row)
-
-    try:
-        folder = ensure_reward_model(cfg, run_dir, policy_tokenizer(cfg), log_row)
-    finally:
-        log.close()
-    summary = {
-        "reward_model": str(folder),
-        "heads": list(cfg.reward_model.heads),
-        **{f"{k}_initial": v for k, v in rows[0].items() if k.startswith("rm_eval_accuracy")},
-        **{f"{k}_final": v for k, v in rows[-1].items() if k.startswith("rm_eval_accuracy")},
-        "time_total_s": round(time.perf_counter() - started, 1),
-    }
-    write_summary(run_dir, summary)
-    return summary

@@ -102,7 +102,10 @@ def loads(blob: bytes) -> dict[str, Any]:
 
 def describe_sources(registrations: dict[str, Any], entry_points: dict[str, Any]) -> dict[str, str]:
     """Name -> where it comes from: a registration in this process, or an installed package's entry point."""
-    out = {name: f"registered ({getattr(fn, '__module__', '?')})" for name, fn in registrations.items()}
+    out = {
+        name: f"registered ({fn.split(':')[0] if isinstance(fn, str) else getattr(fn, '__module__', '?')})"
+        for name, fn in registrations.items()
+    }
     for name, ep in entry_points.items():
         dist = ep.dist.name if ep.dist is not None else "?"
         out.setdefault(name, f"entry point {ep.value} (package {dist})")

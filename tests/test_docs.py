@@ -157,7 +157,7 @@ def test_every_example_config_is_valid():
     from rlfabric.config import load_config
     from rlfabric.data import TASK_PREFIX, load_prompts
     from rlfabric.registry import resolve
-    from rlfabric.reward_model_training import run_reward_model_specs
+    from rlfabric.reward_model_stage import run_reward_model_specs
     from rlfabric.rewards import resolve_reward
 
     examples = sorted((ROOT / "examples").glob("*.yaml"))

@@ -69,6 +69,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "rlfabric.reward_pool",
             "rlfabric.policies.served",  # the LLM policy: calls generator actors
             "rlfabric.policies.game_llm",  # a language model playing an agent of a game, through generator actors
+            "rlfabric.judge",  # the LLM-judge reward: calls its own generator actors
         ),
     ),
     (
@@ -84,7 +85,11 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "rlfabric.llm_actors",  # starting the run's actors from its config
             "rlfabric.llm_text_env",  # a run on a text env: its checks before actors start
             "rlfabric.llm_sft",  # the supervised warm-up's batches
-            "rlfabric.reward_model_training",  # train-rm: a reward model from preference pairs, a run's first stage
+            "rlfabric.reward_model_training",  # a Bradley-Terry reward model from preference pairs
+            "rlfabric.judge_training",  # a generative judge from preference pairs, on the judge service's prompts
+            "rlfabric.reward_model_stage",  # train-rm, and a run's first stage: its reward model or judge
+            "rlfabric.evaluation",  # rlfabric eval: best-of-N with any reward as the selector, reward by length
+            "rlfabric.eval_report",  # the eval's table and plots
             "rlfabric.rollout_scheduler",  # which prompts go out, which groups come back to train on
             "rlfabric.weight_publisher",  # learner 0's weights to the generators
             "rlfabric.run",  # the run skeleton: outputs, checkpoints, resume, progress, plots, Ctrl-C

@@ -16,6 +16,8 @@ Each scores a group and returns, per completion, named components in [0, 1] (``l
 * ``likelihood``: the teacher-forced log-probability of a reference text after the prompt and the completion,
   under the current policy (synced each version) or a frozen model; ``teacher_logprob``: a teacher's mean
   log-prob of the completion (``rlfabric.rewards.likelihood``).
+* ``judge``: an LLM judge on its own generator actors scores a rubric's criteria, pointwise, pairwise or listwise
+  (``rlfabric.judge``; kwargs ``model``, ``mode``, ``criteria``, ``retries`` ...).
 """
 
 from __future__ import annotations
@@ -164,6 +166,7 @@ BUILTIN_REWARDS = {
     "reward_model": reward_model_reward,
     "likelihood": likelihood_reward,
     "teacher_logprob": teacher_logprob_reward,
+    "judge": "rlfabric.judge:judge_reward",  # calls its own generator actors: imported where it is first used
 }
 
 for _name, _fn in BUILTIN_REWARDS.items():

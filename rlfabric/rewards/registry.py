@@ -113,7 +113,7 @@ class RewardSpec:
 
 ENTRY_POINT_GROUP = "rlfabric.rewards"
 
-_REGISTRY: dict[str, RewardFn] = {}
+_REGISTRY: dict[str, RewardFn | str] = {}  # a name -> its function, or the path to import it from
 
 
 class RewardNotFoundError(ConfigError):
@@ -142,12 +142,15 @@ def is_process_reward(fn: Callable[..., Any]) -> bool:
     return bool(getattr(fn, "scores_steps", False))
 
 
-def register_reward(name: str, fn: Callable[..., list[dict[str, float]]]) -> None:
-    """Register ``fn(inputs, **kwargs) -> list[dict[str, float]]`` under ``name`` for the driver and reward actors."""
+def register_reward(name: str, fn: Callable[..., list[dict[str, float]]] | str) -> None:
+    """Register ``fn(inputs, **kwargs) -> list[dict[str, float]]`` under ``name`` for the driver and reward actors.
+
+    ``fn`` may be a ``"package.module:function"`` path instead, imported when the name is first resolved: a
+    reward that calls actors (an LLM judge on its generators) lives above this package and registers so."""
     if not isinstance(name, str) or not name or ":" in name:
         raise ValueError(f"register_reward: name {name!r} is not valid: a non-empty string without ':'")
-    if not callable(fn):
-        raise TypeError(f"register_reward({name!r}, ...): fn must be callable, got {type(fn).__name__}")
+    if not callable(fn) and not (isinstance(fn, str) and ":" in fn):
+        raise TypeError(f"register_reward({name!r}, ...): fn must be callable or 'package.module:function', got {fn!r}")
     _REGISTRY[name] = fn
 
 
@@ -156,8 +159,14 @@ def _entry_points() -> dict[str, importlib.metadata.EntryPoint]:
 
 
 def _lookup(name: str, field: str) -> Callable[..., Any]:
-    if name in _REGISTRY:
-        return _REGISTRY[name]
+    registered = _REGISTRY.get(name)
+    if isinstance(registered, str):  # registered by path: imported now
+        fn = shipping.import_callable(registered)
+        if fn is None:
+            raise RewardNotFoundError(f"{field} = {name!r}: its function {registered!r} cannot be imported")
+        return fn
+    if registered is not None:
+        return registered
     eps = _entry_points()
     if name in eps:
         return eps[name].load()
