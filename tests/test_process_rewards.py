@@ -1,6 +1,7 @@
 """Process rewards: completions cut into steps whose token spans are exact, per-step scores from functions and a
 process reward model landing on those spans, and advantages from per-step rewards (outcome on the answer span,
-process on the reasoning spans) checked against hand-computed numbers.
+process on the reasoning spans) checked against hand-computed numbers, and a short GRPO run whose config carries the
+process settings to the rollout worker and the learner.
 
 The step functions live in this test file, which the reward actors cannot import: they arrive through the
 registry snapshot.
@@ -8,7 +9,9 @@ registry snapshot.
 
 from __future__ import annotations
 
+import json
 import math
+import re
 
 import numpy as np
 import pytest
@@ -432,3 +435,83 @@ def test_process_settings_load():
     cfg = load_config(None, ["rewards.process.split=tag:<step>", "grpo.step_credit=step_mix"])
     assert cfg.rewards.process.split == "tag:<step>"
     assert cfg.rewards.process.outcome_spans == "all" and cfg.rewards.process.process_spans == "all"
+
+
+# -- a GRPO run: the config's process settings reach the rollout worker and the learner --------------------------
+
+
+@process_reward
+def line_shape(inputs: list[RewardInput]) -> list:
+    """Per step its length in characters, and whether the completion is a single step."""
+    return [[{"line_chars": float(len(s)), "single_step": float(len(x.steps) == 1)} for s in x.steps] for x in inputs]
+
+
+register_reward("line_shape", line_shape)
+
+
+def newline_steps(text: str) -> list[str]:
+    """The documented ``newline`` split, written out: a step ends after each run of line breaks; a step of only
+    whitespace joins the step after it (the last such step joins the one before)."""
+    pieces = re.findall(r"[^\n]*\n+|[^\n]+", text)
+    steps: list[str] = []
+    carry = ""
+    for piece in pieces:
+        if piece.strip():
+            steps.append(carry + piece)
+            carry = ""
+        else:
+            carry += piece
+    if carry:
+        steps = [*steps[:-1], steps[-1] + carry] if steps else [carry]
+    return steps or [""]
+
+
+def test_newline_steps_as_documented():
+    assert newline_steps("12+35=47\n47+7=54") == ["12+35=47\n", "47+7=54"]
+    assert newline_steps("\n\nok\n\n12\n") == ["\n\nok\n\n", "12\n"]
+    assert newline_steps("a\n \n") == ["a\n \n"] and newline_steps("") == [""] and newline_steps("\n") == ["\n"]
+
+
+def test_a_grpo_run_splits_scores_and_trains_on_the_reasoning_spans(local_ray, tmp_path):
+    from grpo_runs import run_grpo
+
+    # A supervised warm-up on two demonstrations per prompt, one of two lines ("3+4\n7") and one of one line ("7"),
+    # so that sampled completions are of one step or of several; the alphabet holds just the prompts' characters and
+    # the chat template's.
+    rows = [{"prompt": f"{a}+{b}=", "work": [f"{a}+{b}\n{a + b}", f"{a + b}"]} for a in range(10) for b in range(10)]
+    (tmp_path / "sums.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    # The outcome trains no span and the process term only the reasoning spans (all steps but the last): a
+    # completion of one step has no loss, so its row's advantages are all 0 and the learner skips it.
+    run = run_grpo(
+        tmp_path / "run",
+        model={"builtin": {"alphabet": "0123456789+=" + "systemuserassistant: \n", "max_positions": 96}},
+        data={"train": str(tmp_path / "sums.jsonl")},
+        sampling={"max_new_tokens": 20},
+        sft={"steps": 60, "lr": 0.01, "answer_key": "work"},
+        rewards={
+            "functions": [{"name": "line_shape"}, {"name": "last_char_is_digit"}],
+            "weights": {"single_step": 0.0},
+            "process": {"split": "newline", "outcome_spans": "none", "process_spans": "reasoning"},
+        },
+        grpo={"step_credit": "step_mix", "step_gamma": 0.0, "skip_zero_advantage_rows": True, "entropy_coef": 0.0},
+    )
+    grpo = run.phase("grpo")
+    assert len(grpo) == 3 and run.summary["trained_samples"] == 24
+    for row in grpo:
+        # the process components reached the run's metrics
+        assert row["reward_line_chars"] > 0 and 0 <= row["reward_single_step"] <= 1 and "reward_correct" in row
+        # the rollout worker split (without rewards.process every completion is one step: single_step 1)
+        assert row["reward_single_step"] < 1
+        # the learner got rewards.process (with the default all/all a one-step row trains): the rows it skipped
+        # are at least those of one step (a multi-step row is skipped too where its group's steps score alike)
+        assert row["skipped_rows"] >= round(row["reward_single_step"] * 8)
+        assert row["trained_rows"] + row["skipped_rows"] == 8 and math.isfinite(row["pg_loss"])
+    assert sum(round(row["reward_single_step"] * 8) for row in grpo) > 0  # so the check above could fail
+    assert any(row["pg_loss"] != 0 for row in grpo)  # nonzero advantages reached the loss
+    shown = [json.loads(line) for line in (run.run_dir / "samples.jsonl").read_text().splitlines()]
+    assert len(shown) == 8 and any(len(s["steps"]) > 1 for s in shown)
+    for s in shown:
+        steps = newline_steps(s["completion"])
+        assert s["steps"] == steps
+        assert s["step_components"] == [{"line_chars": len(t), "single_step": float(len(steps) == 1)} for t in steps]
+        assert s["components"] == {"correct": float(s["completion"][-1:].isdigit())}
