@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from rlfabric.actor_slots import error_summary
 from rlfabric.rewards.judge_format import (
     MODES,
     Rubric,
@@ -65,10 +66,11 @@ class JudgeGenerators:
     """``num_generators`` generator actors serving the judge model, started in this process."""
 
     def __init__(self, model: str, num_generators: int, num_cpus: float, timeout_s: float, seed: int) -> None:
-        from rlfabric.models.hf import load_tokenizer
+        from rlfabric.models.hf import load_tokenizer, model_max_positions
 
         self.model, self.num_cpus, self.timeout_s, self.seed = model, num_cpus, timeout_s, seed
         self.tokenizer = load_tokenizer(model)
+        self.max_positions = model_max_positions(model)
         self.stats = JudgeStats()
         self.lock = threading.Lock()  # groups of one reward worker are judged one at a time; keep it so
         self.actors = [self._start(k) for k in range(num_generators)]
@@ -81,10 +83,19 @@ class JudgeGenerators:
 
     def generate(self, prompts: Sequence[str], params: dict[str, Any]) -> list[str | None]:
         """The judge's answer to each prompt; None where its generator died or missed the deadline (that
-        generator is started again)."""
+        generator is started again). New tokens are capped to what the judge's context leaves after the longest
+        prompt; a prompt that leaves none, or a request the engine refuses, is a ValueError (its group fails)."""
         import ray
 
         ids = [self.tokenizer(p, add_special_tokens=False).input_ids for p in prompts]
+        if self.max_positions is not None:
+            room = self.max_positions - max(len(x) for x in ids)
+            if room < 1:
+                raise ValueError(
+                    f"a judge prompt of {max(len(x) for x in ids)} tokens leaves no room for a verdict in the "
+                    f"judge's {self.max_positions} positions"
+                )
+            params = {**params, "max_new_tokens": min(params["max_new_tokens"], room)}
         shares = [list(range(k, len(ids), len(self.actors))) for k in range(len(self.actors))]
         with self.lock:
             calls = [
@@ -96,6 +107,8 @@ class JudgeGenerators:
             for k, share, ref in calls:
                 try:
                     completions = ray.get(ref, timeout=self.timeout_s)
+                except ray.exceptions.RayTaskError as exc:  # the engine refused the request: the process is fine
+                    raise ValueError(f"the judge's generator refused the request: {error_summary(exc)}") from None
                 except (ray.exceptions.RayError, TimeoutError):
                     ray.kill(self.actors[k], no_restart=True)
                     self.actors[k] = self._start(k)

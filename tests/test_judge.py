@@ -186,6 +186,17 @@ def test_a_killed_judge_generator_is_started_again_and_its_prompts_asked_again(j
     assert [[r.components["judge_answer"] for r in g] for g in results] == [[float(x) for x in row] for row in RIGHT]
 
 
+def test_a_judge_prompt_longer_than_the_judges_context_fails_its_group_in_one_line(judge_dir, local_ray):
+    long = [RewardInput("12+35=", "4" * 300, {}, "stop", 300), RewardInput("12+35=", "47", {}, "stop", 2)]
+    results = RewardServiceCore([judge_spec(judge_dir, mode="pointwise")], group_timeout_s=120).score(
+        [long, groups()[0]]
+    )
+    assert [r.error for r in results[0]] == [
+        "judge: ValueError: a judge prompt of 321 tokens leaves no room for a verdict in the judge's 128 positions"
+    ] * 2
+    assert all(r.error is None for r in results[1])
+
+
 def test_bad_judge_kwargs_are_one_config_error_naming_the_spec(judge_dir, tmp_path):
     cases = [
         ({"model": str(tmp_path)}, "must be a Hugging Face causal-LM folder"),
