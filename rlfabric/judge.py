@@ -22,7 +22,6 @@ Failures cost only their samples. A verdict that does not parse is asked again, 
 
 from __future__ import annotations
 
-import inspect
 import os
 import threading
 from collections.abc import Mapping, Sequence
@@ -44,7 +43,7 @@ from rlfabric.rewards.judge_format import (
     pointwise_prompt,
     win_rates,
 )
-from rlfabric.rewards.registry import RewardInput, Unscored
+from rlfabric.rewards.registry import RewardInput, Unscored, arguments_with_defaults
 
 JUDGE_CPUS = 0.5  # what one judge generator asks Ray for, unless num_cpus says otherwise
 _POOLS: dict[tuple[Any, ...], JudgeGenerators] = {}
@@ -271,8 +270,7 @@ def component_name(prefix: str, criterion: str) -> str:
 def check_judge_kwargs(**kwargs: Any) -> None:
     """ValueError naming the first bad argument of ``judge_reward`` (the registry turns it into a ConfigError
     naming the spec); arguments left out take the function's defaults."""
-    defaults = {name: p.default for name, p in inspect.signature(judge_reward).parameters.items() if name != "inputs"}
-    a = {**defaults, **kwargs}
+    a = arguments_with_defaults(judge_reward, kwargs)
     model, mode, criteria, scale, opponents = a["model"], a["mode"], a["criteria"], a["scale"], a["opponents"]
     retries, temperature, retry_temperature = a["retries"], a["temperature"], a["retry_temperature"]
     max_new_tokens, num_generators, num_cpus, timeout_s = (

@@ -227,11 +227,7 @@ class GRPOTrainer:
         build_small_model_dir(
             path,
             seed=self.cfg.training.seed,
-            num_layers=b.num_layers,
-            hidden_size=b.hidden_size,
-            num_heads=b.num_heads,
-            max_positions=b.max_positions,
-            alphabet=b.alphabet,
+            **dataclasses.asdict(b),  # the builtin section's fields are the builder's arguments
         )
         return str(path)
 

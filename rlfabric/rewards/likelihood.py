@@ -44,7 +44,7 @@ from typing import Any
 
 import numpy as np
 
-from rlfabric.rewards.registry import RewardInput, pointwise
+from rlfabric.rewards.registry import RewardInput, arguments_with_defaults, pointwise
 
 POLICY = "policy"
 REDUCTIONS = ("mean", "sum", "mean_prob")
@@ -218,22 +218,13 @@ def _check_common(batch_size: Any, max_length: Any, device: Any, component: Any)
 # -- the reward functions ---------------------------------------------------------------------------------------
 
 
-def check_likelihood_kwargs(
-    target: str = "answer",
-    weights: str = POLICY,
-    separator: str = "",
-    reduce: str = "mean",
-    improvement: bool = False,
-    component: str = "likelihood",
-    batch_size: int = 16,
-    max_length: int | None = None,
-    device: str = "cpu",
-    timeout_s: float = 60.0,
-    scorer: str = "",
-    scorer_cpus: float = 0.5,
-    scorer_gpus: float = 0.0,
-) -> None:
-    """Checked on the driver before any actor starts (``scorer`` is filled in by the driver later)."""
+def check_likelihood_kwargs(**kwargs: Any) -> None:
+    """Checked on the driver before any actor starts (``scorer`` is filled in by the driver later); arguments left
+    out take ``likelihood_reward``'s defaults."""
+    a = arguments_with_defaults(likelihood_reward, kwargs)
+    target, weights, separator, reduce = a["target"], a["weights"], a["separator"], a["reduce"]
+    improvement, component, batch_size, max_length = a["improvement"], a["component"], a["batch_size"], a["max_length"]
+    device, timeout_s, scorer_cpus, scorer_gpus = a["device"], a["timeout_s"], a["scorer_cpus"], a["scorer_gpus"]
     if not isinstance(target, str) or not target:
         raise ValueError(f"target = {target!r}: name a metadata key (answer) or give a template ('= {{answer}}')")
     try:

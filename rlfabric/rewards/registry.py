@@ -127,6 +127,14 @@ def pointwise(fn: Callable[..., list[dict[str, float]]]) -> Callable[..., list[d
     return fn
 
 
+def arguments_with_defaults(fn: Callable[..., Any], kwargs: Mapping[str, Any]) -> dict[str, Any]:
+    """``kwargs`` over the defaults of ``fn``'s keyword parameters (the group, its first parameter, left out): what
+    a ``check_kwargs`` hook checks, without repeating the reward's signature."""
+    params = list(inspect.signature(fn).parameters.values())[1:]
+    defaults = {p.name: p.default for p in params if p.default is not inspect.Parameter.empty}
+    return {**defaults, **kwargs}
+
+
 def is_pointwise(fn: Callable[..., Any]) -> bool:
     return bool(getattr(fn, "pointwise", False))
 
