@@ -356,7 +356,7 @@ class GRPOTrainer:
 
     def _start_rollout_worker(self) -> Any:
         worker = start_rollout_worker(
-            self.cfg, self.text_env, self.scorer_name if self.scorers else None, model_dir=self.model_dir
+            self.cfg, self.text_env, self.scorer_name if self.scorers else None, model_dir=self.base_model_dir
         )
         self.rollouts.load_prompts_into(worker)
         return worker
