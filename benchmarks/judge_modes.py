@@ -82,11 +82,11 @@ def measure(model: Path, mode: str, groups: list[list], seed: int) -> dict:
     """Score ``groups`` with the judge in ``mode`` through the reward service's core; the judge pool's counters
     before and after (a pool of its own per mode: ``seed`` keys it)."""
     from rlfabric.actors.reward_service import RewardServiceCore
-    from rlfabric.judge import judge_generators
+    from rlfabric.judge import JUDGE_CPUS, JUDGE_TIMEOUT_S, judge_generators
 
     spec = {"name": "judge", "kwargs": {"model": str(model), "mode": mode, "criteria": ["answer"], "seed": seed}}
     service = RewardServiceCore([spec], group_timeout_s=600)
-    pool = judge_generators(str(model), 1, 0.5, 60.0, seed)
+    pool = judge_generators(str(model), 1, JUDGE_CPUS, JUDGE_TIMEOUT_S, seed)
     service.score(groups[:1])  # warm-up: the actor has started and the engine has run once
     before = dict(vars(pool.stats))
     started = time.perf_counter()

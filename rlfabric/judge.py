@@ -17,13 +17,16 @@ every mode. Components are ``<prefix>_<criterion>`` (``judge_answer``) in
 Failures cost only their samples. A verdict that does not parse is asked again, up to ``retries`` more times, at
 ``retry_temperature`` (the first try is at ``temperature``, 0 = greedy); a sample still without a verdict is
 ``Unscored`` (recorded as failed, its error quoting what the judge wrote). A judge generator that dies or misses
-``timeout_s`` is killed and started again; the prompts it held count as unparsed for that try.
+``timeout_s`` (one deadline per call) is killed and started again; the prompts it held count as unparsed for that
+try. Keep ``timeout_s`` x (``retries`` + 1) under ``rewards.timeout_s``, the reward worker's deadline per group. A
+prompt too long for the judge's context fails its samples at once (``NoRoom``).
 """
 
 from __future__ import annotations
 
 import os
 import threading
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -46,8 +49,18 @@ from rlfabric.rewards.judge_format import (
 from rlfabric.rewards.registry import RewardInput, Unscored, arguments_with_defaults
 
 JUDGE_CPUS = 0.5  # what one judge generator asks Ray for, unless num_cpus says otherwise
+# A judge call's deadline: with its retries, under the reward worker's deadline per group (rewards.timeout_s, 30 s),
+# so a stuck judge generator is replaced by the judge, not by killing the reward worker and its judge pool.
+JUDGE_TIMEOUT_S = 20.0
 _POOLS: dict[tuple[Any, ...], JudgeGenerators] = {}
 _POOLS_LOCK = threading.Lock()
+
+
+@dataclass(frozen=True)
+class NoRoom:
+    """A judge prompt too long for the judge's context: its samples fail with ``error``, without a try."""
+
+    error: str
 
 
 @dataclass
@@ -80,32 +93,38 @@ class JudgeGenerators:
         options = {"max_batch_size": 256, "device": "cpu", "seed": self.seed + k}
         return Generator.options(num_cpus=self.num_cpus).remote("torch", self.model, options, num_threads=1)
 
-    def generate(self, prompts: Sequence[str], params: dict[str, Any]) -> list[str | None]:
-        """The judge's answer to each prompt; None where its generator died or missed the deadline (that
-        generator is started again). New tokens are capped to what the judge's context leaves after the longest
-        prompt; a prompt that leaves none, or a request the engine refuses, is a ValueError (its group fails)."""
+    def generate(self, prompts: Sequence[str], params: dict[str, Any]) -> list[str | NoRoom | None]:
+        """The judge's answer to each prompt; ``NoRoom`` for a prompt that leaves no room for a verdict in the
+        judge's context (not sent); None where its generator died or missed the call's deadline (that generator is
+        started again). New tokens are capped to what the context leaves after the longest prompt sent; a request
+        the engine refuses is a ValueError (its group fails)."""
         import ray
 
         ids = [self.tokenizer(p, add_special_tokens=False).input_ids for p in prompts]
+        out: list[str | NoRoom | None] = [None] * len(prompts)
+        sent = list(range(len(ids)))
         if self.max_positions is not None:
-            room = self.max_positions - max(len(x) for x in ids)
-            if room < 1:
-                raise ValueError(
-                    f"a judge prompt of {max(len(x) for x in ids)} tokens leaves no room for a verdict in the "
-                    f"judge's {self.max_positions} positions"
+            for i in [i for i in sent if len(ids[i]) >= self.max_positions]:
+                out[i] = NoRoom(
+                    f"a judge prompt of {len(ids[i])} tokens leaves no room for a verdict in the judge's "
+                    f"{self.max_positions} positions"
                 )
+            sent = [i for i in sent if out[i] is None]
+            if not sent:
+                return out
+            room = self.max_positions - max(len(ids[i]) for i in sent)
             params = {**params, "max_new_tokens": min(params["max_new_tokens"], room)}
-        shares = [list(range(k, len(ids), len(self.actors))) for k in range(len(self.actors))]
+        shares = [sent[k :: len(self.actors)] for k in range(len(self.actors))]
         with self.lock:
+            deadline = time.monotonic() + self.timeout_s  # one deadline for the call, however many generators
             calls = [
                 (k, share, self.actors[k].generate.remote([ids[i] for i in share], params))
                 for k, share in enumerate(shares)
                 if share
             ]
-            out: list[str | None] = [None] * len(prompts)
             for k, share, ref in calls:
                 try:
-                    completions = ray.get(ref, timeout=self.timeout_s)
+                    completions = ray.get(ref, timeout=max(0.0, deadline - time.monotonic()))
                 except ray.exceptions.RayTaskError as exc:  # the engine refused the request: the process is fine
                     raise ValueError(f"the judge's generator refused the request: {error_summary(exc)}") from None
                 except (ray.exceptions.RayError, TimeoutError):
@@ -116,8 +135,8 @@ class JudgeGenerators:
                 for i, completion in zip(share, completions, strict=True):
                     out[i] = completion["text"]
                     self.stats.generated_tokens += len(completion["token_ids"])
-            self.stats.calls += len(prompts)
-            self.stats.prompt_tokens += sum(len(x) for x in ids)
+            self.stats.calls += len(sent)
+            self.stats.prompt_tokens += sum(len(ids[i]) for i in sent)
         return out
 
 
@@ -146,7 +165,7 @@ class _Asks:
     prompts: list[str]
     parse: Any  # answer text -> parsed value or None
     results: list[Any] = field(default_factory=list)
-    last_answers: list[str | None] = field(default_factory=list)
+    last_answers: list[str | NoRoom | None] = field(default_factory=list)
 
 
 def ask_with_retries(
@@ -164,6 +183,9 @@ def ask_with_retries(
         answers = pool.generate([asks.prompts[i] for i in pending], try_params)
         still = []
         for i, answer in zip(pending, answers, strict=True):
+            if isinstance(answer, NoRoom):  # asking again cannot help
+                asks.last_answers[i] = answer
+                continue
             parsed = asks.parse(answer) if answer is not None else None
             asks.last_answers[i] = answer if answer is not None else asks.last_answers[i]
             if parsed is None:
@@ -174,7 +196,9 @@ def ask_with_retries(
         pending = still
 
 
-def _failure(answer: str | None, tries: int) -> Unscored:
+def _failure(answer: str | NoRoom | None, tries: int) -> Unscored:
+    if isinstance(answer, NoRoom):
+        return Unscored(answer.error)
     said = "no answer (its generator failed)" if answer is None else f"it wrote {answer[:60]!r}"
     return Unscored(f"no verdict that parses after {tries} tries; {said}")
 
@@ -212,11 +236,13 @@ def judge_group(
         return [r if r is not None else _failure(failed, tries) for r in rates]
     # listwise: one prompt for the group; what a try leaves unread is asked again in the next whole-group call
     scores: list[dict[str, float] | None] = [None] * len(inputs)
-    answer: str | None = None
+    answer: str | NoRoom | None = None
     text = listwise_prompt(inputs[0].prompt, [s.completion for s in inputs], rubric)
     for attempt in range(tries):
         try_params = params if attempt == 0 else {**params, "temperature": retry_temperature}
         answer = pool.generate([text], try_params)[0]
+        if isinstance(answer, NoRoom):
+            break
         parsed = parse_listwise(answer, len(inputs), rubric) if answer is not None else [None] * len(inputs)
         scores = [s if s is not None else p for s, p in zip(scores, parsed, strict=True)]
         if all(s is not None for s in scores):
@@ -246,7 +272,7 @@ def judge_reward(
     max_new_tokens: int | None = None,
     num_generators: int = 1,
     num_cpus: float = JUDGE_CPUS,
-    timeout_s: float = 60.0,
+    timeout_s: float = JUDGE_TIMEOUT_S,
     seed: int = 0,
 ) -> list[dict[str, float] | Unscored]:
     """Score one group with an LLM judge (module docstring); components ``<prefix>_<criterion>``."""

@@ -6,6 +6,8 @@ it; ``rlfabric train-rm`` runs this stage alone."""
 from __future__ import annotations
 
 import dataclasses
+import os
+import shutil
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -54,7 +56,8 @@ def point_at_run_reward_model(cfg: Any, run_dir: Path) -> list[int]:
 
 def ensure_reward_model(cfg: Any, run_dir: Path, tokenizer: Any, log: Callable[[dict[str, Any]], None]) -> Path | None:
     """The run's reward model folder, trained now from ``reward_model.pairs`` unless it is there already (a
-    resumed run keeps the one it trained); None when the config trains none."""
+    resumed run keeps the one it trained); None when the config trains none. It is trained in a folder of its own
+    and renamed when complete, so a stage cut short leaves no folder a resumed run would take for a model."""
     if not cfg.reward_model.pairs:
         return None
     folder = run_dir / REWARD_MODEL_DIR
@@ -63,11 +66,15 @@ def ensure_reward_model(cfg: Any, run_dir: Path, tokenizer: Any, log: Callable[[
         sizes = dataclasses.replace(
             b, num_layers=rm.num_layers or b.num_layers, hidden_size=rm.hidden_size or b.hidden_size
         )
-        common = {"base": cfg.model.path, "builtin": sizes, "tokenizer": tokenizer, "out_dir": folder, "log": log}
+        partial = folder.with_name(folder.name + ".partial")
+        shutil.rmtree(partial, ignore_errors=True)
+        common = {"base": cfg.model.path, "builtin": sizes, "tokenizer": tokenizer, "out_dir": partial, "log": log}
         if rm.kind == "judge":
             train_judge(rm, seed=cfg.training.seed, max_candidates=cfg.grpo.group_size, **common)
         else:
             train_reward_model(rm, seed=cfg.training.seed, **common)
+        shutil.rmtree(folder, ignore_errors=True)
+        os.replace(partial, folder)
     return folder
 
 

@@ -17,7 +17,7 @@ from rlfabric.actors.reward_service import RewardServiceCore
 from rlfabric.cli import main
 from rlfabric.config import ConfigError
 from rlfabric.grpo_config import DEFAULT_ALPHABET
-from rlfabric.judge import judge_generators, judge_stats
+from rlfabric.judge import JUDGE_CPUS, JUDGE_TIMEOUT_S, judge_generators, judge_stats
 from rlfabric.rewards import RewardInput, resolve_reward
 from rlfabric.rewards.judge_format import (
     comparison_pairs,
@@ -179,22 +179,22 @@ def test_a_killed_judge_generator_is_started_again_and_its_prompts_asked_again(j
 
     spec = judge_spec(judge_dir, mode="pointwise", seed=7)  # a pool of its own
     service = RewardServiceCore([spec], group_timeout_s=120)
-    pool = judge_generators(str(judge_dir), 1, 0.5, 60.0, 7)
+    pool = judge_generators(str(judge_dir), 1, JUDGE_CPUS, JUDGE_TIMEOUT_S, 7)
     ray.kill(pool.actors[0], no_restart=True)
     results = service.score(groups())
     assert pool.stats.restarts == 1
     assert [[r.components["judge_answer"] for r in g] for g in results] == [[float(x) for x in row] for row in RIGHT]
 
 
-def test_a_judge_prompt_longer_than_the_judges_context_fails_its_group_in_one_line(judge_dir, local_ray):
+def test_a_judge_prompt_longer_than_the_judges_context_fails_its_sample_at_once(judge_dir, local_ray):
     long = [RewardInput("12+35=", "4" * 300, {}, "stop", 300), RewardInput("12+35=", "47", {}, "stop", 2)]
-    results = RewardServiceCore([judge_spec(judge_dir, mode="pointwise")], group_timeout_s=120).score(
-        [long, groups()[0]]
+    before = judge_stats().calls
+    results = RewardServiceCore([judge_spec(judge_dir, mode="pointwise")], group_timeout_s=120).score([long])
+    assert results[0][0].error == (
+        "judge: a judge prompt of 321 tokens leaves no room for a verdict in the judge's 128 positions"
     )
-    assert [r.error for r in results[0]] == [
-        "judge: ValueError: a judge prompt of 321 tokens leaves no room for a verdict in the judge's 128 positions"
-    ] * 2
-    assert all(r.error is None for r in results[1])
+    assert results[0][1].components == {"judge_answer": 1.0}
+    assert judge_stats().calls - before == 1  # the long prompt was never sent, nor asked again
 
 
 def test_bad_judge_kwargs_are_one_config_error_naming_the_spec(judge_dir, tmp_path):

@@ -361,3 +361,33 @@ def test_the_service_scores_each_groups_completions_behind_one_prompt(tmp_path):
     got = [r.components["LABEL_1"] for g in results for r in g]
     expected = alone(model, tokenizer, prompts, completions)
     np.testing.assert_allclose(got, expected[:, 1], atol=1e-4)
+
+
+def test_a_reward_model_stage_cut_short_leaves_no_folder_a_resumed_run_would_take(tmp_path):
+    from rlfabric.config import config_from_dict
+    from rlfabric.reward_model_stage import REWARD_MODEL_DIR, ensure_reward_model, policy_tokenizer
+
+    cfg = config_from_dict(
+        {
+            "model": {"path": "builtin", "builtin": {"num_layers": 1, "hidden_size": 32}},
+            "reward_model": {
+                "pairs": "task:arithmetic_pairs?max_operand=9",
+                "num_pairs": 40,
+                "num_eval": 20,
+                "heads": ["answer"],
+                "lm_steps": 2,
+                "steps": 3,
+                "eval_every": 3,
+            },
+        }
+    )
+
+    def stop_at_the_first_ranking_step(row: dict) -> None:
+        if row["phase"] == "rm":
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        ensure_reward_model(cfg, tmp_path, policy_tokenizer(cfg), stop_at_the_first_ranking_step)
+    assert not (tmp_path / REWARD_MODEL_DIR).exists()
+    folder = ensure_reward_model(cfg, tmp_path, policy_tokenizer(cfg), lambda row: None)  # trained again, whole
+    assert (folder / "model.safetensors").is_file() and not (tmp_path / "reward_model.partial").exists()

@@ -1,5 +1,5 @@
 """What an LLM judge is shown and what it must answer: rubric prompts and verdict parsing, for the judge service
-(``rlfabric.rewards.judge``) and for training a judge on the same prompts (``rlfabric.judge_training``).
+(``rlfabric.judge``) and for training a judge on the same prompts (``rlfabric.judge_training``).
 
 A rubric is a list of criteria (``answer``, ``format``, each optionally with a description) and a scale: a
 criterion's score is an integer 0..scale, divided by the scale to make a component in [0, 1]. Three modes:
