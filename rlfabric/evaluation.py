@@ -38,15 +38,22 @@ from rlfabric.config import ConfigError, load_config
 from rlfabric.data import check_prompt_lengths, load_heldout, load_prompts, row_metadata
 from rlfabric.driver import ensure_ray
 from rlfabric.grpo_config import LLMConfig
-from rlfabric.llm_actors import start_generator
+from rlfabric.llm_actors import judge_request, reward_weights, start_generator
 from rlfabric.llm_resources import SETUP_TIMEOUT_S, openmp_env
 from rlfabric.llm_run_state import FINAL_MODEL_DIR, INITIAL_MODEL_DIR, latest_checkpoint, read_trainer_state
 from rlfabric.models.hf import check_model_source, model_max_positions
 from rlfabric.placement import ActorRequest, check_fits
 from rlfabric.policies.served import GeneratorsFailed, ServedLLMPolicy
-from rlfabric.reward_model_stage import REWARD_MODEL_DIR, point_at_run_reward_model, run_reward_model_specs
+from rlfabric.reward_config import RewardFunctionConfig
+from rlfabric.reward_model_stage import (
+    REWARD_MODEL_DIR,
+    RUN_MODEL_SPECS,
+    point_at_run_reward_model,
+    run_reward_model_specs,
+)
 from rlfabric.reward_pool import RewardPool
 from rlfabric.rewards import RewardInput, RewardResult, RewardSpec
+from rlfabric.rewards.likelihood import POLICY
 from rlfabric.run.log import CONFIG_FILE, SUMMARY_FILE
 from rlfabric.run.progress import format_eta
 
@@ -114,20 +121,61 @@ def parse_selector(text: str, field: str = "--selector") -> Selector:
     return Selector(value, RewardSpec(value))
 
 
-def check_selectors(selectors: list[Selector], run_dir: Path | None) -> list[Selector]:
-    """Unique labels, ``reward_model`` without a path pointed at the run's own reward model, every reward
-    resolvable on this process (one ConfigError naming the selector, before any actor starts)."""
+def check_selectors(selectors: list[Selector], run_dir: Path | None, run_model_kind: str) -> list[Selector]:
+    """Unique labels; with a run, a spec that means the run's own model (``reward_model`` without a path,
+    ``judge`` without a model) pointed at its ``reward_model/``, which is a ``run_model_kind``
+    (``reward_model.kind``: ``RUN_MODEL_SPECS`` says which spec serves it); every reward resolvable on this
+    process and an outcome reward (one ConfigError naming the selector, before any actor starts)."""
     out: list[Selector] = []
     for i, sel in enumerate(selectors):
         taken = {VERIFIER, *(s.label for s in out)}
         label = sel.label if sel.label not in taken else f"{sel.label}#{i}"
-        spec = sel.spec
+        spec, field = sel.spec, f"--selector {sel.label!r}"
         if spec is not None and run_dir is not None and run_reward_model_specs([spec]):
-            spec = RewardSpec(spec.name, {**spec.kwargs, "path": str(run_dir / REWARD_MODEL_DIR)})
-        if spec is not None:
-            rewards.resolve_reward(spec, f"--selector {sel.label!r}")
+            name, key = RUN_MODEL_SPECS[run_model_kind]
+            if spec.name != name:
+                own = next(k for n, k in RUN_MODEL_SPECS.values() if n == spec.name)
+                raise ConfigError(
+                    f"{field}: {spec.name!r} without its model means the run's own model, which is a "
+                    f"{run_model_kind} (reward_model.kind), served by {{name: {name}}}: give it kwargs.{own}"
+                )
+            spec = RewardSpec(spec.name, {**spec.kwargs, key: str(run_dir / REWARD_MODEL_DIR)})
+        if spec is not None and rewards.is_process_reward(rewards.resolve_reward(spec, field)):
+            # Its scores are per step (step_components), which best-of-N has no single number from.
+            raise ConfigError(
+                f"{field}: {spec.name!r} is a process reward (it scores each step of a completion); a selector "
+                "must give an outcome score per completion: choose an outcome reward, or 'train'"
+            )
         out.append(Selector(label, spec, sel.weights))
     return out
+
+
+def with_evaluated_policy(spec: dict[str, Any], model_dir: str) -> dict[str, Any]:
+    """``spec`` (``{name, kwargs}``), a ``likelihood`` reward with ``weights: policy`` (the default) scoring with
+    ``model_dir`` instead: the policy is frozen during an evaluation, so the current policy is the evaluated
+    model, loaded by the reward workers like any frozen model (no likelihood scorer actor)."""
+    kwargs = spec.get("kwargs") or {}
+    if spec["name"] != "likelihood" or kwargs.get("weights", POLICY) != POLICY:
+        return spec
+    return {**spec, "kwargs": {**kwargs, "weights": model_dir}}
+
+
+def eval_actor_requests(cfg: LLMConfig, pools: dict[str, list[dict[str, Any]]]) -> list[ActorRequest]:
+    """What an evaluation's actors ask Ray for: the generators, ``rewards.num_workers`` reward workers per pool
+    (``pools``: label -> reward specs), and the judge generators each of those workers starts for a ``judge``
+    spec (``llm_actors.judge_request``, as training counts them)."""
+    g, r = cfg.generator, cfg.rewards
+    requests = [
+        ActorRequest("generator", g.num_generators, {"CPU": g.num_cpus, "GPU": g.num_gpus, **g.resources}),
+        ActorRequest("rewards", r.num_workers * len(pools), {"CPU": r.num_cpus}),
+    ]
+    for label, specs in pools.items():
+        for i, spec in enumerate(specs):
+            if spec["name"] == "judge":
+                field = f"rewards.functions[{i}].kwargs" if label == VERIFIER else f"--selector {label!r} kwargs"
+                judge = RewardFunctionConfig(spec["name"], dict(spec.get("kwargs") or {}))
+                requests.append(judge_request(field, judge, r.num_workers))
+    return requests
 
 
 def find_policy(run_dir: str | None, checkpoint: str | None) -> PolicySource:
@@ -216,7 +264,7 @@ class BestOfNEval:
         if not selectors:
             raise ConfigError("--selector: at least one selector is needed")
         self.cfg, self.policy, self.out_dir = cfg, policy, Path(out_dir)
-        self.selectors = check_selectors(selectors, policy.run_dir)
+        self.selectors = check_selectors(selectors, policy.run_dir, cfg.reward_model.kind)
         self.num_prompts = num_prompts or cfg.data.num_eval
         self.correct, self.seed = correct, cfg.training.seed if seed is None else seed
         self.config_source = config_source
@@ -269,11 +317,9 @@ class BestOfNEval:
         g, r = self.cfg.generator, self.cfg.rewards
         pools = {VERIFIER: [dataclasses.asdict(f) for f in r.functions]}
         pools.update({s.label: [s.spec.to_dict()] for s in self.selectors if s.spec is not None})
-        requests = [
-            ActorRequest("generator", g.num_generators, {"CPU": g.num_cpus, "GPU": g.num_gpus, **g.resources}),
-            ActorRequest("rewards", r.num_workers * len(pools), {"CPU": r.num_cpus}),
-        ]
-        wanted = g.num_generators * g.num_cpus + r.num_workers * len(pools) * r.num_cpus + 1
+        pools = {label: [with_evaluated_policy(spec, model_dir) for spec in specs] for label, specs in pools.items()}
+        requests = eval_actor_requests(self.cfg, pools)
+        wanted = sum(q.count * q.resources.get("CPU", 0.0) for q in requests) + 1  # and one for this driver
         ensure_ray(self.cfg.ray, wanted, openmp_env())
         check_fits(requests, [node["Resources"] for node in ray.nodes() if node.get("Alive")])
         self.generators = [start_generator(self.cfg, model_dir, self.seed + i) for i in range(g.num_generators)]
@@ -342,8 +388,9 @@ class BestOfNEval:
     # -- the report ---------------------------------------------------------------------------------------------
 
     def _training_scores(self, verifier: list[RewardResult]) -> np.ndarray:
-        """[M] the scalar reward the run trains on, from one prompt's verifier components (``rewards.weights``
-        and ``rewards.combine``, plus the efficiency penalty when on); NaN where scoring failed."""
+        """[M] the scalar reward the run trains on, from one prompt's verifier components (the weights training
+        uses, ``llm_actors.reward_weights``, and ``rewards.combine``, plus the efficiency penalty when on); NaN
+        where scoring failed."""
         r = self.cfg.rewards
         scored = [i for i, res in enumerate(verifier) if res.error is None]
         out = np.full(len(verifier), np.nan)
@@ -355,7 +402,7 @@ class BestOfNEval:
         c = r.combine
         bounds = {k: (float(v[0]), float(v[1])) for k, v in c.clip.items()}
         total = combine_rewards(
-            comps, groups, r.scalar_weights(), clip=bounds, gates=c.gates, normalize=c.normalize
+            comps, groups, reward_weights(self.cfg), clip=bounds, gates=c.gates, normalize=c.normalize
         ).astype(np.float64)
         e = r.efficiency
         if e.weight > 0:

@@ -32,12 +32,8 @@ def actor_requests(cfg: LLMConfig) -> list[ActorRequest]:
     if specs:  # one scorer, shared by every policy likelihood reward
         role = f"likelihood scorer ({specs[0][0]}.scorer_cpus/scorer_gpus)"
         requests.append(ActorRequest(role, 1, scorer_resources(cfg)))
-    for field, spec in judge_specs(cfg):  # each reward worker that runs a judge starts its own judge generators
-        workers = 1 if field.startswith("rewards.shadow") else r.num_workers
-        count = workers * spec.kwargs.get("num_generators", 1)
-        requests.append(
-            ActorRequest(f"judge generators ({field}.num_generators/num_cpus)", count, judge_resources(spec))
-        )
+    for field, spec in judge_specs(cfg):
+        requests.append(judge_request(field, spec, 1 if field.startswith("rewards.shadow") else r.num_workers))
     return requests
 
 
@@ -62,6 +58,13 @@ def judge_specs(cfg: LLMConfig) -> list[tuple[str, RewardFunctionConfig]]:
 def judge_resources(spec: RewardFunctionConfig) -> dict[str, float]:
     """What one judge generator asks Ray for (``judge_reward``'s ``num_cpus``, 0.5 by default)."""
     return {"CPU": float(spec.kwargs.get("num_cpus", JUDGE_CPUS))}
+
+
+def judge_request(field: str, spec: RewardFunctionConfig, workers: int) -> ActorRequest:
+    """The judge generators of one ``judge`` spec (``field`` names its kwargs) served by ``workers`` reward
+    workers: each worker starts its own ``num_generators``, each asking for ``judge_resources``."""
+    count = workers * spec.kwargs.get("num_generators", 1)
+    return ActorRequest(f"judge generators ({field}.num_generators/num_cpus)", count, judge_resources(spec))
 
 
 def policy_likelihood_specs(cfg: LLMConfig) -> list[tuple[str, RewardFunctionConfig]]:

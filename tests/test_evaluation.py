@@ -1,6 +1,7 @@
 """``rlfabric eval``: the best-of-N expectations against hand-computed values and subset enumeration, an evaluation
-of a small trained run end to end (files, their structure, and what a selector with a known choice picks), and
-bad input as one line before Ray starts."""
+of a small trained run end to end (files, their structure, and what a selector with a known choice picks), a
+policy likelihood reward scored with the evaluated model, what the actors ask Ray for, selectors that mean the
+run's own model, and bad input as one line before Ray starts."""
 
 from __future__ import annotations
 
@@ -15,7 +16,9 @@ from grpo_runs import run_grpo
 
 from rlfabric.algorithms.best_of_n import best_of_n, length_bins, pass_at_n, pick_probabilities
 from rlfabric.cli import main
-from rlfabric.rewards import RewardInput, register_reward
+from rlfabric.config import ConfigError, config_from_dict
+from rlfabric.evaluation import VERIFIER, check_selectors, eval_actor_requests, parse_selector
+from rlfabric.rewards import RewardInput, process_reward, register_reward
 
 
 def char_sum_verifier(inputs: list[RewardInput]) -> list[dict[str, float]]:
@@ -32,9 +35,15 @@ def always_fails(inputs: list[RewardInput]) -> list[dict[str, float]]:
     raise RuntimeError("verifier is down")
 
 
+@process_reward
+def step_count(inputs: list[RewardInput]) -> list[list[dict[str, float]]]:
+    return [[{"step": 1.0} for _ in x.step_texts()] for x in inputs]
+
+
 register_reward("char_sum_verifier", char_sum_verifier)
 register_reward("shortness", shortness)
 register_reward("always_fails", always_fails)
+register_reward("step_count", step_count)
 
 
 # -- the math ---------------------------------------------------------------------------------------------------
@@ -159,6 +168,64 @@ def test_an_eval_whose_verifier_fails_every_sample_exits_1(trained_run, tmp_path
     assert not (tmp_path / "out" / "eval.json").exists()
 
 
+def test_a_policy_likelihood_reward_scores_with_the_evaluated_model(trained_run, tmp_path):
+    # weights: policy (the default) in the verifier and as a selector: the policy is frozen, so its log-probs are
+    # the evaluated model's, checked against a forward pass of that model by hand
+    import torch
+
+    from rlfabric.models.hf import load_causal_lm, load_tokenizer
+
+    argv = ["eval", "--run-dir", str(trained_run), "--n", "1,2", "--num-prompts", "2", "--quiet"]
+    argv += ["--out", str(tmp_path), "rewards.functions=[{name: char_sum_verifier}, {name: likelihood}]"]
+    argv += ["--selector", "{name: likelihood, kwargs: {target: answer, reduce: sum}, label: ll}"]
+    assert main(argv) == 0
+    report = json.loads((tmp_path / "eval.json").read_text())
+    samples = [json.loads(line) for line in (tmp_path / "samples.jsonl").read_text().splitlines()]
+    assert report["verifier_failed_samples"] == 0 and report["selectors"]["ll"]["failed_samples"] == 0
+
+    model_dir = trained_run / "final_model"
+    model, tokenizer = load_causal_lm(model_dir), load_tokenizer(model_dir)
+    for sample in samples:
+        a, b = sample["prompt"][:-1].split("+")
+        context = tokenizer(sample["prompt"] + sample["completion"], add_special_tokens=False).input_ids
+        target = tokenizer(str(int(a) + int(b)), add_special_tokens=False).input_ids
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor([context + target])).logits[0]
+        per_token = [torch.log_softmax(logits[len(context) + t - 1], -1)[tok].item() for t, tok in enumerate(target)]
+        assert sample["components"]["likelihood"] == pytest.approx(np.mean(per_token), abs=1e-4)
+        assert sample["scores"]["ll"] == pytest.approx(np.sum(per_token), abs=1e-4)
+
+
+def test_judge_generators_are_counted_in_what_an_eval_asks_ray_for():
+    cfg = config_from_dict({"algo": "grpo", "rewards": {"num_workers": 3, "num_cpus": 0.25}})
+    judge = {"name": "judge", "kwargs": {"model": "j", "num_generators": 2, "num_cpus": 1.5}}
+    pools = {VERIFIER: [{"name": "arithmetic"}, {"name": "judge", "kwargs": {"model": "j"}}], "jd": [judge]}
+    requests = {r.role: (r.count, r.resources) for r in eval_actor_requests(cfg, pools)}
+    assert requests["rewards"] == (6, {"CPU": 0.25})  # 3 workers for each of the 2 pools
+    # every worker of a pool with a judge starts its own judge generators: 0.5 CPU and one generator by default
+    assert requests["judge generators (rewards.functions[1].kwargs.num_generators/num_cpus)"] == (3, {"CPU": 0.5})
+    assert requests["judge generators (--selector 'jd' kwargs.num_generators/num_cpus)"] == (6, {"CPU": 1.5})
+    assert len(requests) == 4
+
+
+def test_a_selector_without_its_model_is_the_runs_own_model_of_its_kind(tmp_path):
+    (tmp_path / "reward_model").mkdir()
+    (tmp_path / "reward_model" / "config.json").write_text("{}")
+    [judge] = check_selectors([parse_selector("judge")], tmp_path, "judge")
+    assert judge.spec.kwargs == {"model": str(tmp_path / "reward_model")}
+    with pytest.raises(ConfigError, match=r"--selector 'reward_model'.* judge \(reward_model.kind\).*kwargs.path"):
+        check_selectors([parse_selector("reward_model")], tmp_path, "judge")
+    with pytest.raises(ConfigError, match=r"--selector 'j': 'judge' .* classifier \(reward_model.kind\).*kwargs.model"):
+        check_selectors([parse_selector("{name: judge, label: j}")], tmp_path, "classifier")
+
+
+def test_a_selector_of_the_other_kind_than_the_runs_model_is_one_line(trained_run, capsys):
+    argv = ["eval", "--run-dir", str(trained_run), "reward_model.kind=judge", "--selector", "reward_model"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and "--selector 'reward_model'" in err[0] and "reward_model.kind" in err[0], err
+
+
 # -- bad input --------------------------------------------------------------------------------------------------
 
 
@@ -170,6 +237,8 @@ def test_an_eval_whose_verifier_fails_every_sample_exits_1(trained_run, tmp_path
         (["--selector", "no_such_reward"], ["no_such_reward", "not a registered reward"]),
         (["--selector", "{name: shortness, oops: 1}"], ["--selector", "oops"]),
         (["--selector", "{name: reward_model, kwargs: {path: no/such/folder}}"], ["--selector 'reward_model'"]),
+        (["--selector", "arithmetic_steps"], ["--selector 'arithmetic_steps'", "process reward", "outcome score"]),
+        (["--selector", "{name: step_count, label: s}"], ["--selector 's'", "process reward", "outcome score"]),
         (["--run-dir", "no/such/run"], ["--run-dir 'no/such/run'", "no such directory"]),
         (["--checkpoint", "./no/such/model"], ["--checkpoint"]),
         (["--n", "1,8", "--samples", "4"], ["--samples 4", "largest N (8)"]),
