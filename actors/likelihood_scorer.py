@@ -3,8 +3,9 @@
 A GRPO run starts one when a ``likelihood`` reward asks for ``weights: policy`` (``rlfabric.rewards.likelihood``).
 It is a Ray named actor: the reward services find it by the name the driver gives the reward's kwargs
 (``scorer``), so a replacement under the same name serves them at once. The driver's ``WeightPublisher`` hands it
-every published version (object store or shared memory, as the generators get them) and replaces it when it dies
-or misses its load deadline; every score carries the policy version that computed it.
+every published version (object store or shared memory, as the generators get them); ``rlfabric.likelihood_scorers``
+starts it and replaces it when it dies or misses its load deadline. Every score carries the policy version that
+computed it. It runs one call at a time: a caller that stops waiting cancels its call (``get_or_cancel``).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from rlfabric.models.hf import load_causal_lm, load_tokenizer
 from rlfabric.models.shared_weights import SharedFlatWeights
 from rlfabric.models.weights import as_state_dict
 from rlfabric.rewards.likelihood import target_logprobs
+from rlfabric.rewards.registry import Unscored
 
 
 @ray.remote
@@ -43,9 +45,9 @@ class LikelihoodScorer:
 
     def score(
         self, contexts: list[str], targets: list[str], batch_size: int, max_length: int | None = None
-    ) -> tuple[list[np.ndarray], int]:
-        """(each target's per-token log-probs given its context, the policy version of the weights used):
-        ``rlfabric.rewards.likelihood.target_logprobs``."""
+    ) -> tuple[list[np.ndarray | Unscored], int]:
+        """(each target's per-token log-probs given its context, or ``Unscored`` for a pair that cannot be scored;
+        the policy version of the weights used): ``rlfabric.rewards.likelihood.target_logprobs``."""
         logprobs = target_logprobs(self.model, self.tokenizer, contexts, targets, batch_size, max_length)
         return logprobs, self.policy_version
 

@@ -1,10 +1,10 @@
 """Starting a GRPO run's actors from its config: generators, learners (and their process group), the reference
-actor, the likelihood scorer, the rollout worker, and what they all ask Ray for."""
+actor, the rollout worker, and what they all ask Ray for (the likelihood scorer too, which
+``rlfabric.likelihood_scorers`` starts)."""
 
 from __future__ import annotations
 
 import dataclasses
-import time
 from typing import Any
 
 import ray
@@ -215,29 +215,6 @@ def start_reference(cfg: LLMConfig, reference_dir: str | None, pad_id: int) -> A
         pad_id=pad_id,
         sequence_packing=lc.sequence_packing,
     )
-
-
-def start_scorer(cfg: LLMConfig, model_dir: str, name: str) -> Any:
-    """The likelihood scorer, the Ray actor named ``name``, holding ``model_dir`` (the policy's first weights)
-    until the publisher sends it the current ones; a dead predecessor's name may take a moment to come free."""
-    from rlfabric.actors.likelihood_scorer import LikelihoodScorer
-
-    resources = scorer_resources(cfg)
-    deadline = time.monotonic() + SETUP_TIMEOUT_S
-    while True:
-        try:
-            return LikelihoodScorer.options(name=name, num_cpus=resources["CPU"], num_gpus=resources["GPU"]).remote(
-                model_dir,
-                dtype=cfg.model.dtype,
-                device="cuda" if resources["GPU"] > 0 else "cpu",
-                num_threads=torch_threads(cfg, "reference"),  # it computes when the reference would: between phases
-            )
-        except ray.exceptions.ActorAlreadyExistsError:
-            if time.monotonic() > deadline:
-                raise RunAbortedError(
-                    f"the likelihood scorer could not start: the name {name!r} stayed taken for {SETUP_TIMEOUT_S:g}s"
-                ) from None
-            time.sleep(0.2)
 
 
 def start_rollout_worker(

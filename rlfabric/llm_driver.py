@@ -19,7 +19,6 @@ import dataclasses
 import json
 import threading
 import time
-import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -37,14 +36,13 @@ from rlfabric.config import ConfigError
 from rlfabric.data import check_prompt_lengths, load_heldout, load_prompts
 from rlfabric.driver import ensure_ray
 from rlfabric.grpo_config import LLMConfig
+from rlfabric.likelihood_scorers import LikelihoodScorers
 from rlfabric.llm_actors import (
     actor_requests,
-    policy_likelihood_specs,
     start_generator,
     start_learners,
     start_reference,
     start_rollout_worker,
-    start_scorer,
     wanted_cpus,
 )
 from rlfabric.llm_resources import SETUP_TIMEOUT_S, openmp_env
@@ -88,7 +86,6 @@ from rlfabric.run.resume import resumed_config
 from rlfabric.weight_publisher import WeightPublisher
 
 MAX_GENERATION_RETRIES = 3
-SCORER_NAME_PREFIX = "rlfabric-likelihood-scorer-"  # + a run's own suffix: the Ray name of its scorer
 MAX_STEPS_WITHOUT_SCORES = 3  # steps in a row in which every sample failed its reward: the run stops
 STOP_NOTICE = "rlfabric: stopping after this step, with a checkpoint when checkpointing is on (Ctrl-C again: at once)"
 
@@ -126,9 +123,6 @@ class GRPOTrainer:
         self.rollout_workers: ActorSlots | None = None
         self.learners: list[Any] = []
         self.reference: Any = None
-        # The likelihood scorer (a policy likelihood reward): a named actor the reward services find by name.
-        self.scorers: ActorSlots | None = None
-        self.scorer_name = f"{SCORER_NAME_PREFIX}{uuid.uuid4().hex[:12]}"
         self.text_env: TextEnvSource | None = None  # what the rollout worker plays, when env.id names a text env
         self.tool_servers: dict[str, Any] = {}  # supervised MCP servers by name (env.tool_servers)
         self.demonstrations: Demonstrations | None = None  # the scripted player's episodes, for a text env's warm-up
@@ -157,6 +151,8 @@ class GRPOTrainer:
             self._replace_generator,
             self._replace_scorer,
         )
+        # The likelihood scorer (a policy likelihood reward): a named actor the reward services find by name.
+        self.scorers = LikelihoodScorers(cfg, self.weights, self._note)
         self._steps_without_scores = 0
         self._last_shown: list[dict[str, Any]] = []  # the last evaluation's sample completions
         self._phase_start: dict[Any, tuple[float, int]] = {}  # when each phase's progress began, for its ETA
@@ -322,12 +318,7 @@ class GRPOTrainer:
         )
         self.learners = start_learners(self.cfg, self.model_dir, self.reference_dir)
         self.reference = start_reference(self.cfg, self.reference_dir, self.tokenizer.pad_token_id)
-        if policy_likelihood_specs(self.cfg):  # like the generators: the first model, then every published version
-            self.scorers = ActorSlots(
-                "likelihood scorer",
-                lambda slot, generation: start_scorer(self.cfg, self.base_model_dir, self.scorer_name),
-                1,
-            )
+        self.scorers.start(self.base_model_dir)  # like the generators: the first model, then every published version
         self.rollouts.prompt_refs = {
             "train": ray.put(PromptSet(self.train_rows, self.train_ids)),
             "eval": ray.put(PromptSet(self.eval_rows, self.eval_ids)),
@@ -338,13 +329,13 @@ class GRPOTrainer:
             ray.get([g.version.remote() for g in self.generators.handles], timeout=SETUP_TIMEOUT_S)
             ray.get([w.pid.remote() for w in self.rollout_workers.handles], timeout=SETUP_TIMEOUT_S)
             ray.get([ln.get_version.remote() for ln in self.learners], timeout=SETUP_TIMEOUT_S)
-            ray.get([s.version.remote() for s in self.scorers.handles] if self.scorers else [], timeout=SETUP_TIMEOUT_S)
+            ray.get([s.version.remote() for s in self.scorers.handles], timeout=SETUP_TIMEOUT_S)
         except ray.exceptions.GetTimeoutError:
             raise RunAbortedError(
                 f"actors did not start within {SETUP_TIMEOUT_S:.0f}s: the cluster may lack the CPUs/GPUs asked "
                 "for (generator.num_cpus/num_gpus, learner.num_cpus/num_gpus)"
             ) from None
-        self.weights.attach(self.learners[0], self.generators, self.reference, self.scorers)
+        self.weights.attach(self.learners[0], self.generators, self.reference, self.scorers.slots)
         self.weights.choose_transport()
         self._note_slow_attention()
         if state:
@@ -355,9 +346,7 @@ class GRPOTrainer:
         self._start = time.monotonic() - self._elapsed_before  # times and rates count every session
 
     def _start_rollout_worker(self) -> Any:
-        worker = start_rollout_worker(
-            self.cfg, self.text_env, self.scorer_name if self.scorers else None, model_dir=self.base_model_dir
-        )
+        worker = start_rollout_worker(self.cfg, self.text_env, self.scorers.reward_name, model_dir=self.base_model_dir)
         self.rollouts.load_prompts_into(worker)
         return worker
 
@@ -407,30 +396,8 @@ class GRPOTrainer:
             self.version = self.weights.publish([slot], timeout=SETUP_TIMEOUT_S, scorer_slots=[])
 
     def _replace_scorer(self, slot: int, generation: int, reason: str) -> None:
-        """A likelihood scorer that died, hung or failed its load: a new one under the same name, given the
-        current weights. Only the groups scored while it was gone fail (recorded failures)."""
-        assert self.scorers is not None
-        if not self.scorers.replace(slot, generation, reason):
-            return  # already replaced
-        self._note(f"likelihood scorer replaced ({reason})")
-        # Weights published already (even by the publication whose load failed, not yet counted in self.version):
-        # the new one gets them; else it holds the run's first model, version 0.
-        if self.weights.published is not None:
-            self.weights.choose_transport()
-            self.version = self.weights.publish([], timeout=SETUP_TIMEOUT_S, scorer_slots=[slot])
-
-    def _check_scorers(self) -> None:
-        """After a step that lost samples: a scorer that died or does not answer within the weight-load deadline
-        is replaced now, not at the next publication (a step that lost every group publishes nothing)."""
-        assert self.scorers is not None
-        for slot, generation, scorer in self.scorers.entries():
-            try:
-                ray.get(scorer.version.remote(), timeout=self.cfg.generator.timeout_s)
-                self.scorers.succeeded(slot, generation)
-            except ray.exceptions.GetTimeoutError:
-                self._replace_scorer(slot, generation, "did not answer")
-            except ray.exceptions.RayError as exc:
-                self._replace_scorer(slot, generation, error_summary(exc))
+        version = self.scorers.replace(slot, generation, reason)  # the version published to the new one, if any
+        self.version = self.version if version is None else version
 
     def _lr(self) -> float:
         g = self.cfg.grpo
@@ -564,7 +531,7 @@ class GRPOTrainer:
             "reward_worker_restarts": c.reward_worker_restarts,
             "generator_restarts": c.generator_restarts,
             "rollout_worker_restarts": c.rollout_worker_restarts,
-            **({"likelihood_scorer_restarts": self.scorers.restarts} if self.scorers is not None else {}),
+            **self.scorers.metrics(),
             "resampled_samples": c.resampled_samples,
             **episode_totals(scored, samples),
             "step_time_s": elapsed,
@@ -614,8 +581,9 @@ class GRPOTrainer:
             failed_before = self.counters.failed_samples
             self.rollouts.fill()
             step = self.rollouts.gather_batch()
-            if self.scorers is not None and self.counters.failed_samples > failed_before:
-                self._check_scorers()
+            if self.counters.failed_samples > failed_before:  # a scorer that died or hangs: replaced now
+                for slot, generation, reason in self.scorers.unanswered():
+                    self._replace_scorer(slot, generation, reason)
             metrics: dict[str, float] = {}
             if step.groups:
                 metrics = self._update(step)
@@ -747,12 +715,11 @@ class GRPOTrainer:
         except Exception:  # a dead learner cannot remove its shared-memory file: done below where it is ours
             pass
         remove_stale(sorted(self.weights.shared_files))  # a no-op for files on other nodes (not here) or already gone
-        scorers = self.scorers.handles if self.scorers else []
-        for actor in [*generators, *workers, *self.learners, self.reference, *scorers]:
+        for actor in [*generators, *workers, *self.learners, self.reference]:
             if actor is not None:
                 ray.kill(actor, no_restart=True)
+        self.scorers.close()
         self.generators, self.rollout_workers, self.learners, self.reference = None, None, [], None
-        self.scorers = None
         stop_tool_servers(self.tool_servers)
         self.tool_servers = {}
 

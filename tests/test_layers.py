@@ -83,6 +83,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "rlfabric.llm_run_state",  # a GRPO run's checkpoint state, counters and KL reference entry
             "rlfabric.llm_resources",  # CPUs, torch threads, OpenMP wait policy, setup deadline
             "rlfabric.llm_actors",  # starting the run's actors from its config
+            "rlfabric.likelihood_scorers",  # the likelihood scorer of a run: started, replaced, checked
             "rlfabric.llm_text_env",  # a run on a text env: its checks before actors start
             "rlfabric.llm_sft",  # the supervised warm-up's batches
             "rlfabric.reward_model_training",  # a Bradley-Terry reward model from preference pairs

@@ -1,8 +1,10 @@
 """Likelihood rewards: a frozen model's and the synced policy's teacher-forced log-probability of a reference text,
-checked against forward passes done here by hand; bad kwargs; the scorer's resources; a killed scorer survived."""
+checked against forward passes done here by hand; a sample that cannot be scored fails alone; a scorer call past
+its deadline is cancelled; bad kwargs; the scorer's resources; a killed scorer survived."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -14,14 +16,17 @@ import ray
 import torch
 from grpo_runs import BASE, TINY, merged, run_grpo
 
+from rlfabric.actors.likelihood_scorer import LikelihoodScorer
 from rlfabric.actors.reward_service import RewardServiceCore
 from rlfabric.config import ConfigError, config_from_dict
+from rlfabric.likelihood_scorers import SCORER_NAME_PREFIX
 from rlfabric.llm_actors import actor_requests
-from rlfabric.llm_driver import SCORER_NAME_PREFIX, GRPOTrainer
+from rlfabric.llm_driver import GRPOTrainer
 from rlfabric.llm_run_state import FINAL_MODEL_DIR, INITIAL_MODEL_DIR, SAMPLES_FILE, checkpoints
 from rlfabric.models.hf import build_small_model_dir
 from rlfabric.placement import check_fits
-from rlfabric.rewards import RewardInput, pointwise, register_reward, resolve_reward
+from rlfabric.rewards import RewardInput, Unscored, pointwise, register_reward, resolve_reward
+from rlfabric.rewards.likelihood import get_or_cancel
 
 TARGET = "= {answer}"  # the reference answer after the completion
 
@@ -91,6 +96,37 @@ def test_a_row_longer_than_max_length_keeps_the_target_whole_and_the_end_of_the_
     assert got["likelihood"] == pytest.approx(expected, abs=1e-4)
 
 
+def test_a_sample_that_cannot_be_scored_fails_alone_and_the_others_are_scored(model_dir):
+    good = [sample("3+4=", "7", "7"), sample("10+25=", "35", "35")]
+    empty_answer = sample("3+4=", "7", "")
+    no_answer = RewardInput("3+4=", "7", {"question": "3+4"}, "stop", 1)
+    too_long = sample("3+4=", "7", "1" * 12)  # 12 target tokens (one per character) fill max_length 12
+    frozen = {"weights": str(model_dir), "max_length": 12}  # target: the answer itself
+    service = RewardServiceCore([{"name": "likelihood", "kwargs": frozen}], 30.0)
+    (first, empty, missing), (long, second) = service.score([[good[0], empty_answer, no_answer], [too_long, good[1]]])
+    assert empty.error == "likelihood: the target is empty: nothing to score"
+    assert missing.error.startswith("likelihood: target 'answer' needs metadata['answer']; this sample's metadata")
+    assert "the target's 12 tokens fill the 12" in long.error
+    for s, r in ((good[0], first), (good[1], second)):
+        assert r.error is None, r.error
+        expected = direct_logprobs(model_dir, s.prompt + s.completion, s.metadata["answer"]).mean()
+        assert r.components["likelihood"] == pytest.approx(expected, abs=1e-4)
+
+    # improvement: a baseline that cannot be scored (no prompt before the target) fails its sample alone.
+    gain = RewardServiceCore([{"name": "likelihood", "kwargs": {**frozen, "improvement": True}}], 30.0)
+    ((no_prompt, scored),) = gain.score([[sample("", "7", "7"), good[0]]])
+    assert no_prompt.error.startswith("likelihood: with the prompt alone as context (improvement): cannot score")
+    with_it = direct_logprobs(model_dir, "3+4=7", "7").mean()
+    assert scored.components["likelihood"] == pytest.approx(with_it - direct_logprobs(model_dir, "3+4=", "7").mean())
+
+    # teacher_logprob: a completion that fills the teacher's context, or follows an empty prompt, fails alone.
+    teacher = RewardServiceCore([{"name": "teacher_logprob", "kwargs": {"path": str(model_dir), "max_length": 8}}], 30)
+    ((fits, overlong, unprompted),) = teacher.score([[good[0], sample("3+4=", "7" * 8, "7"), sample("", "7", "7")]])
+    assert fits.components["teacher_logprob"] == pytest.approx(direct_logprobs(model_dir, "3+4=", "7").mean(), abs=1e-4)
+    assert "the completion as the teacher's target" in overlong.error and "8 tokens fill the 8" in overlong.error
+    assert "the context is empty" in unprompted.error
+
+
 CHECKED_FIELD = r"rewards\.functions\[1\]\.kwargs"
 
 
@@ -134,7 +170,47 @@ def test_the_policy_scorer_is_counted_with_the_resources_its_kwargs_ask_for():
     assert not [r for r in actor_requests(frozen_only) if r.role.startswith("likelihood scorer")]
 
 
-# -- the synced policy, through a real GRPO run -------------------------------------------------------------------
+# -- the synced policy: the scorer actor, then a real GRPO run ---------------------------------------------------
+
+
+@ray.remote(num_cpus=0)
+class Gate:
+    """A call that returns once ``open`` is called."""
+
+    def __init__(self) -> None:
+        self.opened = asyncio.Event()
+
+    async def wait(self) -> None:
+        await self.opened.wait()
+
+    async def open(self) -> None:
+        self.opened.set()
+
+
+def test_a_scorer_call_past_its_deadline_is_cancelled_and_a_row_it_cannot_score_fails_alone(model_dir, local_ray):
+    scorer = LikelihoodScorer.options(name="test-scorer", num_cpus=0).remote(str(model_dir))  # kept: it lives
+    kwargs = {"weights": "policy", "scorer": "test-scorer", "max_length": 12, "timeout_s": 60}
+    reward = resolve_reward({"name": "likelihood", "kwargs": kwargs})
+    good = sample("3+4=", "7", "7")
+    scored, empty = reward([good, sample("3+4=", "7", "")])
+    assert scored["likelihood_version"] == 0
+    assert scored["likelihood"] == pytest.approx(direct_logprobs(model_dir, "3+4=7", "7").mean(), abs=1e-4)
+    assert empty == Unscored("the target is empty: nothing to score")
+
+    # The scorer runs one call at a time: held in a weight load that waits on the gate, it answers nothing.
+    gate = Gate.remote()
+    held = scorer.update_weights.remote([gate.wait.remote()], 1)  # fails once the gate opens: it only holds
+    with pytest.raises(ray.exceptions.GetTimeoutError):  # the deadline passes whatever it is: nothing answers
+        resolve_reward({"name": "likelihood", "kwargs": {**kwargs, "timeout_s": 0.5}})([good])
+    late = scorer.score.remote(["3+4=7"], ["7"], 1)
+    with pytest.raises(ray.exceptions.GetTimeoutError):
+        get_or_cancel(late, 0.5)
+    ray.get(gate.open.remote())
+    with pytest.raises(ray.exceptions.RayTaskError):
+        ray.get(held)
+    with pytest.raises(ray.exceptions.TaskCancelledError):  # dropped from the queue: it never runs
+        ray.get(late)
+    assert reward([good])[0]["likelihood"] == pytest.approx(scored["likelihood"])
 
 
 def record_scored(inputs: list[RewardInput], *, path: str) -> list[dict[str, float]]:

@@ -24,6 +24,9 @@ and concatenated, so the target's tokens are the same whatever the completion en
 the target's tokens only, at temperature 1. A row longer than the model's context keeps its last tokens (the
 target whole, the context cut from the left).
 
+A sample that cannot be scored (its target empty or missing from the metadata, a target that fills the model's
+context, an empty context) gets ``Unscored`` with the reason: that sample alone is a recorded failure.
+
 ``weights`` says whose log-probs: ``policy``, the current policy's, computed by the run's likelihood scorer actor
 (``rlfabric.actors.likelihood_scorer``), which receives every published version like a generator; the score then
 carries ``<component>_version``, the policy version that computed it (weight 0 in the scalar reward unless
@@ -44,7 +47,7 @@ from typing import Any
 
 import numpy as np
 
-from rlfabric.rewards.registry import RewardInput, arguments_with_defaults, pointwise
+from rlfabric.rewards.registry import RewardInput, Unscored, arguments_with_defaults, pointwise
 
 POLICY = "policy"
 REDUCTIONS = ("mean", "sum", "mean_prob")
@@ -70,7 +73,7 @@ def reduce_logprobs(token_logprobs: np.ndarray, reduce: str) -> float:
 def scoring_row(context: Sequence[int], target: Sequence[int], limit: int | None) -> tuple[list[int], int]:
     """(token ids, index of the first target token): ``context + target``, the context cut from the left so the
     row has at most ``limit`` tokens. The target stays whole, and at least one context token precedes it (the
-    position that predicts its first token)."""
+    position that predicts its first token); ValueError when that cannot be."""
     if not target:
         raise ValueError("the target is empty: nothing to score")
     keep = len(context) if limit is None else min(len(context), limit - len(target))
@@ -88,9 +91,10 @@ def target_logprobs(
     targets: Sequence[str],
     batch_size: int,
     max_length: int | None = None,
-) -> list[np.ndarray]:
+) -> list[np.ndarray | Unscored]:
     """Per pair, the target's per-token log-probs [T] given its context, teacher-forced:
-    l_t = log softmax(logits at the position before y_t)[y_t].
+    l_t = log softmax(logits at the position before y_t)[y_t]; ``Unscored`` (why, one line) for a pair that
+    ``scoring_row`` cannot make a row of, so one bad pair costs only itself.
 
     Rows are sorted by length and cut into batches of ``batch_size``, each right-padded to its longest (a causal
     model's real positions never see the padding after them); ``max_length`` (default: the model's context,
@@ -100,11 +104,15 @@ def target_logprobs(
     from rlfabric.models.sequences import right_padded
 
     limit = max_length or getattr(model.config, "max_position_embeddings", None)
-    encoded = [
-        scoring_row(_ids(tokenizer, c), _ids(tokenizer, t), limit) for c, t in zip(contexts, targets, strict=True)
-    ]
-    order = np.argsort([len(row) for row, _ in encoded], kind="stable")
-    out: list[np.ndarray] = [np.zeros(0, np.float32)] * len(encoded)
+    out: list[np.ndarray | Unscored] = []
+    encoded: dict[int, tuple[list[int], int]] = {}
+    for i, (context, target) in enumerate(zip(contexts, targets, strict=True)):
+        try:
+            encoded[i] = scoring_row(_ids(tokenizer, context), _ids(tokenizer, target), limit)
+            out.append(np.zeros(0, np.float32))
+        except ValueError as exc:
+            out.append(Unscored(str(exc)))
+    order = sorted(encoded, key=lambda i: len(encoded[i][0]))  # stable: equal lengths keep their order
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     device = next(model.parameters()).device
     with torch.inference_mode():
@@ -130,15 +138,19 @@ def _ids(tokenizer: Any, text: str) -> list[int]:
 
 def target_text(target: str, metadata: Mapping[str, Any]) -> str:
     """The text to score for one sample: ``metadata[target]``, or ``target`` with its ``{key}`` fields filled
-    from the metadata when it has any."""
+    from the metadata when it has any. ValueError (one line) when this sample's metadata cannot fill it."""
     keys = _template_keys(target)
     missing = [k for k in (keys or [target]) if k not in metadata]
     if missing:
-        raise KeyError(
-            f"reward 'likelihood': target {target!r} needs metadata[{missing[0]!r}]; this sample's metadata has "
-            f"{sorted(metadata)}"
+        raise ValueError(
+            f"target {target!r} needs metadata[{missing[0]!r}]; this sample's metadata has {sorted(metadata)}"
         )
-    return target.format_map(metadata) if keys else str(metadata[target])
+    if not keys:
+        return str(metadata[target])
+    try:
+        return target.format_map(metadata)
+    except (ValueError, TypeError, KeyError, IndexError, AttributeError) as exc:  # a format spec the value refuses
+        raise ValueError(f"target {target!r} cannot be filled from this sample's metadata: {exc}") from None
 
 
 def _template_keys(target: str) -> list[str]:
@@ -147,11 +159,11 @@ def _template_keys(target: str) -> list[str]:
 
 
 def likelihood_pairs(
-    inputs: Sequence[RewardInput], target: str, separator: str, improvement: bool
+    inputs: Sequence[RewardInput], targets: Sequence[str], separator: str, improvement: bool
 ) -> tuple[list[str], list[str]]:
-    """(contexts, targets) to score: prompt + completion + separator per sample, then, with ``improvement``, the
-    prompt + separator baselines after them."""
-    targets = [target_text(target, s.metadata) for s in inputs]
+    """(contexts, targets) to score, given each sample's target text: prompt + completion + separator per sample,
+    then, with ``improvement``, the prompt + separator baselines after them."""
+    targets = list(targets)
     contexts = [s.prompt + s.completion + separator for s in inputs]
     if improvement:
         return contexts + [s.prompt + separator for s in inputs], targets + targets
@@ -183,10 +195,10 @@ def load_frozen(path: str, device: str) -> tuple[Any, Any]:
 
 def score_with_scorer(
     scorer: str, contexts: list[str], targets: list[str], batch_size: int, max_length: int | None, timeout_s: float
-) -> tuple[list[np.ndarray], int]:
-    """(per-pair token log-probs, policy version) from the run's likelihood scorer, the Ray actor named
-    ``scorer``, waiting at most ``timeout_s`` per batch of ``batch_size`` pairs. A scorer that is gone or missed
-    the deadline raises: the call's groups fail, and the driver replaces the scorer."""
+) -> tuple[list[np.ndarray | Unscored], int]:
+    """(per-pair token log-probs or ``Unscored``, policy version) from the run's likelihood scorer, the Ray actor
+    named ``scorer``, waiting at most ``timeout_s`` per batch of ``batch_size`` pairs. A scorer that is gone or
+    missed the deadline raises: the call's groups fail, and the driver replaces the scorer."""
     import ray
 
     if not scorer:
@@ -196,8 +208,21 @@ def score_with_scorer(
         )
     handle = ray.get_actor(scorer)  # by name on every call: a replaced scorer keeps its name
     deadline = timeout_s * math.ceil(len(contexts) / batch_size)
-    logprobs, version = ray.get(handle.score.remote(contexts, targets, batch_size, max_length), timeout=deadline)
+    logprobs, version = get_or_cancel(handle.score.remote(contexts, targets, batch_size, max_length), deadline)
     return logprobs, int(version)
+
+
+def get_or_cancel(ref: Any, timeout_s: float) -> Any:
+    """``ray.get(ref)`` within ``timeout_s``; past it the call is cancelled, then GetTimeoutError. The scorer
+    runs one call at a time: a timed-out call left in its queue would still run and delay every call behind it
+    (other reward workers'), which would time out in turn."""
+    import ray
+
+    try:
+        return ray.get(ref, timeout=timeout_s)
+    except ray.exceptions.GetTimeoutError:
+        ray.cancel(ref)  # a queued call is dropped; a running one is not interrupted
+        raise
 
 
 def _is_model_dir(path: str) -> bool:
@@ -269,25 +294,42 @@ def likelihood_reward(
     scorer: str = "",
     scorer_cpus: float = 0.5,
     scorer_gpus: float = 0.0,
-) -> list[dict[str, float]]:
+) -> list[dict[str, float] | Unscored]:
     """``component``: each sample's score as the module docstring says; with ``weights: policy`` also
     ``<component>_version``. ``scorer_cpus``/``scorer_gpus`` size the scorer actor (the driver reads them),
     ``device`` places a frozen model in the reward actor, ``timeout_s`` bounds the wait for the scorer per batch."""
-    contexts, targets = likelihood_pairs(inputs, target, separator, improvement)
+    out: list[dict[str, float] | Unscored] = [{} for _ in inputs]  # each sample's entry is set below
+    texts: dict[int, str] = {}  # the samples whose target could be filled in
+    for i, s in enumerate(inputs):
+        try:
+            texts[i] = target_text(target, s.metadata)
+        except ValueError as exc:
+            out[i] = Unscored(str(exc))
+    kept = list(texts)
+    if not kept:
+        return out
+    contexts, targets = likelihood_pairs([inputs[i] for i in kept], list(texts.values()), separator, improvement)
     version = None
     if weights == POLICY:
         logprobs, version = score_with_scorer(scorer, contexts, targets, batch_size, max_length, timeout_s)
     else:
         model, tokenizer = load_frozen(weights, resolve_device(device))
         logprobs = target_logprobs(model, tokenizer, contexts, targets, batch_size, max_length)
-    scores = [reduce_logprobs(lp, reduce) for lp in logprobs]
-    n = len(inputs)
-    if improvement:  # the same target with no completion before it: what the reasoning adds
-        scores = [with_it - without for with_it, without in zip(scores[:n], scores[n:], strict=True)]
-    out = [{component: score} for score in scores]
-    if version is not None:
-        for sample in out:
-            sample[f"{component}_version"] = float(version)
+    n = len(kept)
+    for k, i in enumerate(kept):
+        with_it = logprobs[k]
+        without = logprobs[n + k] if improvement else None  # the same target with no completion before it
+        if isinstance(with_it, Unscored):
+            out[i] = with_it
+        elif isinstance(without, Unscored):
+            out[i] = Unscored(f"with the prompt alone as context (improvement): {without.error}")
+        else:
+            score = reduce_logprobs(with_it, reduce)
+            if without is not None:  # what the reasoning adds
+                score -= reduce_logprobs(without, reduce)
+            out[i] = {component: score}
+            if version is not None:
+                out[i][f"{component}_version"] = float(version)
     return out
 
 
@@ -316,10 +358,11 @@ def teacher_logprob_reward(
     batch_size: int = 16,
     max_length: int | None = None,
     device: str = "cpu",
-) -> list[dict[str, float]]:
+) -> list[dict[str, float] | Unscored]:
     """``component``: the mean log-prob per token that the teacher at ``path`` gives each sample's completion
     after its prompt, (1/T) sum_t log pi_teacher(y_t | prompt, y_<t), y the completion re-tokenized by the
-    teacher's tokenizer. An empty completion scores 0 (nothing to distill)."""
+    teacher's tokenizer. An empty completion scores 0 (nothing to distill); a completion that does not fit the
+    teacher's context after a prompt token (or follows an empty prompt) is ``Unscored``."""
     model, tokenizer = load_frozen(path, resolve_device(device))
     scored = [i for i, s in enumerate(inputs) if s.completion]
     logprobs = target_logprobs(
@@ -330,9 +373,12 @@ def teacher_logprob_reward(
         batch_size,
         max_length,
     )
-    out = [{component: 0.0} for _ in inputs]
+    out: list[dict[str, float] | Unscored] = [{component: 0.0} for _ in inputs]
     for i, lp in zip(scored, logprobs, strict=True):
-        out[i][component] = reduce_logprobs(lp, "mean")
+        if isinstance(lp, Unscored):
+            out[i] = Unscored(f"the completion as the teacher's target: {lp.error}")
+        else:
+            out[i] = {component: reduce_logprobs(lp, "mean")}
     return out
 
 
