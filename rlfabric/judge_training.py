@@ -28,10 +28,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from rlfabric.config import ConfigError
-from rlfabric.data import load_heldout, load_prompts
 from rlfabric.models.sequences import right_padded
-from rlfabric.reward_model_training import PAIR_COLUMNS, base_language_model, warm_up_backbone
+from rlfabric.reward_model_training import (
+    base_language_model,
+    load_pair_rows,
+    optimizer_step,
+    pair_head,
+    warm_up_backbone,
+)
 from rlfabric.rewards.judge_format import (
     MODES,
     listwise_prompt,
@@ -87,15 +91,7 @@ def examples_of(
     rng = np.random.default_rng(seed)
     out: list[JudgeExample] = []
     for i, row in enumerate(rows):
-        for column in PAIR_COLUMNS:
-            if not isinstance(row.get(column), str):
-                raise ConfigError(
-                    f"{field}: row {i} has no text column {column!r} (a pair is {', '.join(PAIR_COLUMNS)})"
-                )
-        head = row.get("head", heads[0])
-        if head not in heads:
-            raise ConfigError(f"{field}: row {i} trains head {head!r}, not one of reward_model.heads {list(heads)}")
-        out.extend(judge_examples(row, head, rng, max_candidates))
+        out.extend(judge_examples(row, pair_head(row, i, heads, field), rng, max_candidates))
     return out
 
 
@@ -151,10 +147,7 @@ def train_judge(
     from rlfabric.models.hf import save_pretrained
 
     field = "reward_model.pairs"
-    train_rows = load_prompts(rm.pairs, num_rows=rm.num_pairs, seed=seed, field=field)
-    if not train_rows:
-        raise ConfigError(f"{field} = {rm.pairs!r}: holds no pairs")
-    heldout_rows = load_heldout(rm.pairs, train_rows=train_rows, num_rows=rm.num_eval, seed=seed, field=field)
+    train_rows, heldout_rows = load_pair_rows(rm.pairs, rm.num_pairs, rm.num_eval, seed)
     train = examples_of(train_rows, rm.heads, seed, max_candidates, field)
     heldout = examples_of(heldout_rows, rm.heads, seed + 1, max_candidates, field)
     sizes = dataclasses.replace(builtin, max_positions=max(builtin.max_positions, judge_positions(train, tokenizer)))
@@ -184,10 +177,7 @@ def train_judge(
         rows = rng.choice(len(train), size=min(rm.batch_size, len(train)), replace=False)
         ids, mask, labels = encode_examples(tokenizer, [train[i] for i in rows])
         loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
-        optimizer.zero_grad()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
+        optimizer_step(model, optimizer, loss)
         timed({"phase": "rm", "rm_step": step, "rm_loss": float(loss.detach())})
         if step % rm.eval_every == 0 or step == rm.steps:
             scores = evaluate(step)

@@ -47,34 +47,53 @@ class PreferencePairs:
         return len(self.chosen)
 
 
+def pair_head(row: dict[str, Any], i: int, heads: Sequence[str], field: str) -> str:
+    """The head row ``i`` trains (the first head when it names none); a ConfigError naming ``field``, the row and
+    the column for a row that is not a pair."""
+    for column in PAIR_COLUMNS:
+        if not isinstance(row.get(column), str):
+            raise ConfigError(f"{field}: row {i} has no text column {column!r} (a pair is {', '.join(PAIR_COLUMNS)})")
+    name = row.get("head", heads[0])
+    if name not in heads:
+        raise ConfigError(f"{field}: row {i} trains head {name!r}, not one of reward_model.heads {list(heads)}")
+    return name
+
+
 def preference_pairs(rows: Sequence[dict[str, Any]], heads: Sequence[str], field: str) -> PreferencePairs:
     """The rows as pairs; a ConfigError naming ``field``, the row and the column for a row that is not one."""
     chosen, rejected, head = [], [], []
     for i, row in enumerate(rows):
-        for column in PAIR_COLUMNS:
-            if not isinstance(row.get(column), str):
-                raise ConfigError(
-                    f"{field}: row {i} has no text column {column!r} (a pair is {', '.join(PAIR_COLUMNS)})"
-                )
-        name = row.get("head", heads[0])
-        if name not in heads:
-            raise ConfigError(f"{field}: row {i} trains head {name!r}, not one of reward_model.heads {list(heads)}")
+        name = pair_head(row, i, heads, field)
         chosen.append(row["prompt"] + row["chosen"])
         rejected.append(row["prompt"] + row["rejected"])
         head.append(heads.index(name))
     return PreferencePairs(chosen, rejected, np.asarray(head, np.int64))
 
 
-def load_pairs(
-    spec: str, num_pairs: int, num_eval: int, heads: Sequence[str], seed: int
-) -> tuple[PreferencePairs, PreferencePairs]:
-    """Training pairs and held-out pairs (whose prompts are not training prompts) from ``spec``."""
+def load_pair_rows(spec: str, num_pairs: int, num_eval: int, seed: int) -> tuple[list[dict], list[dict]]:
+    """Training rows and held-out rows (whose prompts are not training prompts) of ``spec``
+    (``reward_model.pairs``)."""
     field = "reward_model.pairs"
     train = load_prompts(spec, num_rows=num_pairs, seed=seed, field=field)
     if not train:
         raise ConfigError(f"{field} = {spec!r}: holds no pairs")
-    heldout = load_heldout(spec, train_rows=train, num_rows=num_eval, seed=seed, field=field)
-    return preference_pairs(train, heads, field), preference_pairs(heldout, heads, field)
+    return train, load_heldout(spec, train_rows=train, num_rows=num_eval, seed=seed, field=field)
+
+
+def load_pairs(
+    spec: str, num_pairs: int, num_eval: int, heads: Sequence[str], seed: int
+) -> tuple[PreferencePairs, PreferencePairs]:
+    """Training pairs and held-out pairs (whose prompts are not training prompts) from ``spec``."""
+    train, heldout = load_pair_rows(spec, num_pairs, num_eval, seed)
+    return preference_pairs(train, heads, "reward_model.pairs"), preference_pairs(heldout, heads, "reward_model.pairs")
+
+
+def optimizer_step(model: Any, optimizer: Any, loss: Any) -> None:
+    """One update on ``loss``, the gradient's norm clipped to 1 (every stage of reward-model and judge training)."""
+    optimizer.zero_grad()
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    optimizer.step()
 
 
 def base_language_model(base: str, tokenizer: Any, builtin: Any, seed: int) -> Any:
@@ -142,10 +161,7 @@ def warm_up_backbone(
         rows = rng.choice(len(texts), size=min(2 * rm.batch_size, len(texts)), replace=False)
         ids, mask = encode(tokenizer, [texts[i] + tokenizer.eos_token for i in rows], tokenizer.pad_token_id)
         loss = model(input_ids=ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100)).loss
-        optimizer.zero_grad()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
+        optimizer_step(model, optimizer, loss)
         log({"phase": "rm_lm", "rm_lm_step": step, "rm_lm_loss": float(loss.detach())})
 
 
@@ -205,10 +221,7 @@ def train_reward_model(
         rows = rng.choice(len(train), size=min(rm.batch_size, len(train)), replace=False)
         chosen, rejected = pair_scores(model, tokenizer, train, rows)
         loss = bradley_terry_loss(chosen, rejected, rm.margin)
-        optimizer.zero_grad()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
+        optimizer_step(model, optimizer, loss)
         timed(
             {
                 "phase": "rm",

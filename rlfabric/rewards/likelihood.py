@@ -48,6 +48,7 @@ from typing import Any
 import numpy as np
 
 from rlfabric.rewards.registry import RewardInput, Unscored, arguments_with_defaults, pointwise
+from rlfabric.rewards.reward_model import check_device, resolve_device
 
 POLICY = "policy"
 REDUCTIONS = ("mean", "sum", "mean_prob")
@@ -173,14 +174,6 @@ def likelihood_pairs(
 # -- where the weights live -------------------------------------------------------------------------------------
 
 
-def resolve_device(device: str) -> str:
-    if device == "auto":
-        import torch
-
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    return device
-
-
 def load_frozen(path: str, device: str) -> tuple[Any, Any]:
     """(model, tokenizer) of the causal LM at ``path``, loaded once per process and kept."""
     key = (str(path), device)
@@ -234,8 +227,7 @@ def _check_common(batch_size: Any, max_length: Any, device: Any, component: Any)
         raise ValueError(f"batch_size = {batch_size!r}: must be an integer >= 1")
     if max_length is not None and (not isinstance(max_length, int) or max_length < 2):
         raise ValueError(f"max_length = {max_length!r}: must be null or an integer >= 2")
-    if device not in ("cpu", "cuda", "auto") and not str(device).startswith("cuda:"):
-        raise ValueError(f"device = {device!r}: expected cpu, cuda, cuda:N or auto")
+    check_device(device)
     if not isinstance(component, str) or not component:
         raise ValueError(f"component = {component!r}: must be a non-empty component name")
 

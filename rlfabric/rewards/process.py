@@ -28,7 +28,6 @@ components. ``arithmetic_steps`` is a function one: each step ``expression=value
 
 from __future__ import annotations
 
-import os
 import re
 from collections.abc import Callable, Sequence
 
@@ -41,6 +40,7 @@ from rlfabric.rewards.reward_model import (
     check_reward_model_kwargs,
     ensemble_components,
     load_reward_model,
+    model_paths,
     resolve_device,
     score_samples,
 )
@@ -135,10 +135,6 @@ def split_completion(
 # -- process rewards ------------------------------------------------------------------------------------------
 
 
-def _model_paths(path: str | Sequence[str]) -> list[str]:
-    return [str(path)] if isinstance(path, (str, os.PathLike)) else [str(p) for p in path]
-
-
 def check_process_reward_model_kwargs(
     path: str | Sequence[str] = "",
     heads: Sequence[str] | None = None,
@@ -147,7 +143,7 @@ def check_process_reward_model_kwargs(
     device: str = "cpu",
 ) -> None:
     """Checked on the driver before any actor starts: ``reward_model``'s checks, and a path is required."""
-    if not _model_paths(path) or not all(_model_paths(path)):
+    if not model_paths(path) or not all(model_paths(path)):
         raise ValueError("path: give the folder of a sequence-classification process reward model (or a list)")
     check_reward_model_kwargs(path, heads, batch_size, max_length, device)
 
@@ -172,7 +168,7 @@ def process_reward_model(
     prompts = [sample.prompt for sample, s in zip(inputs, steps, strict=True) for _ in s]
     prefixes = ["".join(s[: k + 1]) for s in steps for k in range(len(s))]
     resolved = resolve_device(device)
-    loaded = [load_reward_model(p, resolved) for p in _model_paths(path)]
+    loaded = [load_reward_model(p, resolved) for p in model_paths(path)]
     names = loaded[0][2]
     scores = np.stack(
         [score_samples(model, tok, prompts, prefixes, batch_size, max_length) for model, tok, _ in loaded]

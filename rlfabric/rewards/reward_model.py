@@ -49,7 +49,14 @@ def head_names(id2label: dict[Any, str] | None, num_labels: int) -> list[str]:
     return labels
 
 
+def check_device(device: Any) -> None:
+    """ValueError unless ``device`` is cpu, cuda, cuda:N or auto (the model-backed rewards' ``device``)."""
+    if device not in ("cpu", "cuda", "auto") and not str(device).startswith("cuda:"):
+        raise ValueError(f"device = {device!r}: expected cpu, cuda, cuda:N or auto")
+
+
 def resolve_device(device: str) -> str:
+    """``auto``: the GPU when this process has one, else the CPU; any other device as it is."""
     if device == "auto":
         import torch
 
@@ -277,7 +284,8 @@ def ensemble_components(scores: np.ndarray, heads: Sequence[str]) -> list[dict[s
     return out
 
 
-def _paths(path: str | Sequence[str]) -> list[str]:
+def model_paths(path: str | Sequence[str]) -> list[str]:
+    """A ``path`` kwarg as a list of folders: one folder, or an ensemble's."""
     return [path] if isinstance(path, (str, os.PathLike)) else [str(p) for p in path]
 
 
@@ -289,7 +297,7 @@ def check_reward_model_kwargs(
     device: str = "cpu",
 ) -> None:
     """Checked on the driver before any actor starts: every path a model folder whose heads include ``heads``."""
-    paths = _paths(path)
+    paths = model_paths(path)
     if not paths or not all(paths):
         raise ValueError(
             "path: give the folder of a sequence-classification model (or a list of them: an ensemble), "
@@ -299,8 +307,7 @@ def check_reward_model_kwargs(
         raise ValueError(f"batch_size = {batch_size!r}: must be an integer >= 1")
     if max_length is not None and (not isinstance(max_length, int) or max_length < 1):
         raise ValueError(f"max_length = {max_length!r}: must be null or an integer >= 1")
-    if device not in ("cpu", "cuda", "auto") and not str(device).startswith("cuda:"):
-        raise ValueError(f"device = {device!r}: expected cpu, cuda, cuda:N or auto")
+    check_device(device)
     from transformers import AutoConfig
 
     names = None
@@ -332,7 +339,7 @@ def reward_model_reward(
     """Each sample's prompt + completion scored by the model(s) at ``path``; components as the module docstring."""
     prompts, completions = [s.prompt for s in inputs], [s.completion for s in inputs]
     resolved = resolve_device(device)
-    loaded = [load_reward_model(p, resolved) for p in _paths(path)]
+    loaded = [load_reward_model(p, resolved) for p in model_paths(path)]
     names = loaded[0][2]
     scores = np.stack(
         [score_samples(model, tok, prompts, completions, batch_size, max_length) for model, tok, _ in loaded]
