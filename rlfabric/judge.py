@@ -27,7 +27,7 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -297,45 +297,38 @@ def check_judge_kwargs(**kwargs: Any) -> None:
     """ValueError naming the first bad argument of ``judge_reward`` (the registry turns it into a ConfigError
     naming the spec); arguments left out take the function's defaults."""
     a = arguments_with_defaults(judge_reward, kwargs)
-    model, mode, criteria, scale, opponents = a["model"], a["mode"], a["criteria"], a["scale"], a["opponents"]
-    retries, temperature, retry_temperature = a["retries"], a["temperature"], a["retry_temperature"]
-    max_new_tokens, num_generators, num_cpus, timeout_s = (
-        a["max_new_tokens"],
-        a["num_generators"],
-        a["num_cpus"],
-        a["timeout_s"],
-    )
-    prefix = a["prefix"]
+    model = a["model"]
     if not model or not os.path.isfile(os.path.join(model, "config.json")):
         raise ValueError(f"model = {model!r}: must be a Hugging Face causal-LM folder (with config.json)")
-    if mode not in MODES:
-        raise ValueError(f"mode = {mode!r}: must be one of {', '.join(MODES)}")
-    make_rubric(criteria, scale)
-    checks = (
-        ("opponents", opponents, opponents is None or (isinstance(opponents, int) and opponents >= 1), ">= 1 or null"),
-        ("retries", retries, isinstance(retries, int) and retries >= 0, "an integer >= 0"),
-        ("temperature", temperature, isinstance(temperature, (int, float)) and temperature >= 0, ">= 0"),
-        (
-            "retry_temperature",
-            retry_temperature,
-            isinstance(retry_temperature, (int, float)) and retry_temperature > 0,
-            "> 0",
-        ),
-        (
-            "max_new_tokens",
-            max_new_tokens,
-            max_new_tokens is None or (isinstance(max_new_tokens, int) and max_new_tokens >= 1),
-            ">= 1 or null",
-        ),
-        ("num_generators", num_generators, isinstance(num_generators, int) and num_generators >= 1, "an integer >= 1"),
-        ("num_cpus", num_cpus, isinstance(num_cpus, (int, float)) and num_cpus > 0, "> 0"),
-        ("timeout_s", timeout_s, isinstance(timeout_s, (int, float)) and timeout_s > 0, "> 0"),
-    )
-    for name, value, ok, allowed in checks:
-        if not ok:
-            raise ValueError(f"{name} = {value!r}: must be {allowed}")
-    if not isinstance(prefix, str):
-        raise ValueError(f"prefix = {prefix!r}: must be a string ('' for the criteria's own names)")
+    if a["mode"] not in MODES:
+        raise ValueError(f"mode = {a['mode']!r}: must be one of {', '.join(MODES)}")
+    make_rubric(a["criteria"], a["scale"])
+    for name, ok, allowed in _NUMBER_CHECKS:
+        if not ok(a[name]):
+            raise ValueError(f"{name} = {a[name]!r}: must be {allowed}")
+    if not isinstance(a["prefix"], str):
+        raise ValueError(f"prefix = {a['prefix']!r}: must be a string ('' for the criteria's own names)")
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float))
+
+
+def _integer(value: Any) -> bool:
+    return isinstance(value, int)
+
+
+# (argument, test, what is allowed) of judge_reward's numeric arguments
+_NUMBER_CHECKS: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
+    ("opponents", lambda v: v is None or (_integer(v) and v >= 1), ">= 1 or null"),
+    ("retries", lambda v: _integer(v) and v >= 0, "an integer >= 0"),
+    ("temperature", lambda v: _number(v) and v >= 0, ">= 0"),
+    ("retry_temperature", lambda v: _number(v) and v > 0, "> 0"),
+    ("max_new_tokens", lambda v: v is None or (_integer(v) and v >= 1), ">= 1 or null"),
+    ("num_generators", lambda v: _integer(v) and v >= 1, "an integer >= 1"),
+    ("num_cpus", lambda v: _number(v) and v > 0, "> 0"),
+    ("timeout_s", lambda v: _number(v) and v > 0, "> 0"),
+)
 
 
 judge_reward.check_kwargs = check_judge_kwargs  # type: ignore[attr-defined]
