@@ -41,7 +41,7 @@ from rlfabric.grpo_config import LLMConfig
 from rlfabric.llm_actors import judge_request, reward_weights, start_generator
 from rlfabric.llm_resources import SETUP_TIMEOUT_S, openmp_env
 from rlfabric.llm_run_state import FINAL_MODEL_DIR, INITIAL_MODEL_DIR, latest_checkpoint, read_trainer_state
-from rlfabric.models.hf import check_model_source, model_max_positions
+from rlfabric.models.hf import check_model_source, encode_prompt, model_max_positions
 from rlfabric.placement import ActorRequest, check_fits
 from rlfabric.policies.served import GeneratorsFailed, ServedLLMPolicy
 from rlfabric.reward_config import RewardFunctionConfig
@@ -300,11 +300,7 @@ class BestOfNEval:
             d.eval or d.train, train_rows=train, num_rows=self.num_prompts, seed=seed, prompt_key=d.prompt_key
         )
         tokenizer = load_tokenizer(model_dir)
-        if d.chat_template:
-            chats = [[{"role": "user", "content": r[d.prompt_key]}] for r in rows]
-            ids = [list(tokenizer.apply_chat_template(c, add_generation_prompt=True, tokenize=True)) for c in chats]
-        else:
-            ids = [list(tokenizer(r[d.prompt_key], add_special_tokens=False).input_ids) for r in rows]
+        ids = [encode_prompt(tokenizer, r[d.prompt_key], d.chat_template) for r in rows]
         check_prompt_lengths(
             {"data.eval": ids},
             max_new_tokens=self.cfg.sampling.max_new_tokens,

@@ -70,7 +70,7 @@ from rlfabric.llm_text_env import (
     text_env_source,
     tool_server_restarts,
 )
-from rlfabric.models.hf import check_model_source, model_max_positions
+from rlfabric.models.hf import check_model_source, encode_prompt, model_max_positions
 from rlfabric.models.llm_batch import pad_rows_for_learners
 from rlfabric.models.shared_weights import remove_stale
 from rlfabric.placement import check_fits
@@ -240,15 +240,6 @@ class GRPOTrainer:
         for i in self.trained_reward_specs:
             rewards.resolve_reward(dataclasses.asdict(self.cfg.rewards.functions[i]), f"rewards.functions[{i}]")
 
-    def _encode(self, text: str) -> list[int]:
-        if self.cfg.data.chat_template:
-            return list(
-                self.tokenizer.apply_chat_template(
-                    [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True
-                )
-            )
-        return list(self.tokenizer(text, add_special_tokens=False).input_ids)
-
     def _load_data(self) -> None:
         d, seed = self.cfg.data, self.cfg.training.seed
         self.train_rows = load_prompts(d.train, num_rows=d.num_train, seed=seed, prompt_key=d.prompt_key)
@@ -266,8 +257,8 @@ class GRPOTrainer:
                 self.demonstrations = Demonstrations(self.text_env, self.cfg.sft.player, self.tokenizer)
             self.train_ids, self.eval_ids = [[] for _ in self.train_rows], [[] for _ in self.eval_rows]
             return
-        self.train_ids = [self._encode(r[d.prompt_key]) for r in self.train_rows]
-        self.eval_ids = [self._encode(r[d.prompt_key]) for r in self.eval_rows]
+        self.train_ids = [encode_prompt(self.tokenizer, r[d.prompt_key], d.chat_template) for r in self.train_rows]
+        self.eval_ids = [encode_prompt(self.tokenizer, r[d.prompt_key], d.chat_template) for r in self.eval_rows]
         check_prompt_lengths(  # prompts that cannot fit the model's context fail here, not in a generator
             {"data.train": self.train_ids, "data.eval": self.eval_ids},
             max_new_tokens=self.cfg.sampling.max_new_tokens,

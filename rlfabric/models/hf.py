@@ -141,6 +141,15 @@ def check_model_source(path: str, field: str = "model.path", cache_dir: str | Pa
         ) from None
 
 
+def encode_prompt(tokenizer: Any, text: str, chat_template: bool) -> list[int]:
+    """A dataset prompt's token ids: as a user turn of the tokenizer's chat template with the assistant's turn
+    opened (``data.chat_template``), else the text's own tokens without special tokens."""
+    if chat_template:
+        chat = [{"role": "user", "content": text}]
+        return list(tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=True))
+    return list(tokenizer(text, add_special_tokens=False).input_ids)
+
+
 def model_max_positions(path: str | Path) -> int | None:
     """The context length of the model at ``path`` (its config's ``max_position_embeddings``); None if unstated."""
     from transformers import AutoConfig
