@@ -158,3 +158,16 @@ def test_closed_form_logp_and_entropy_match_torch_distributions():
     categorical = torch.distributions.Categorical(logits=logits)
     torch.testing.assert_close(logp, categorical.log_prob(picks))
     torch.testing.assert_close(entropy, categorical.entropy())
+
+
+def test_a_prompt_through_the_chat_template_is_the_token_ids_of_the_rendered_turn():
+    from rlfabric.models.hf import build_char_tokenizer, encode_prompt
+
+    tokenizer = build_char_tokenizer()
+    # the character template: "user: " + text + "<eos>\n", then the assistant's turn opened
+    rendered = "user: 1+2=<eos>\nassistant: "
+    expected = tokenizer(rendered, add_special_tokens=False).input_ids
+    assert encode_prompt(tokenizer, "1+2=", chat_template=True) == expected
+    assert (
+        encode_prompt(tokenizer, "1+2=", chat_template=False) == tokenizer("1+2=", add_special_tokens=False).input_ids
+    )

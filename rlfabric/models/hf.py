@@ -146,7 +146,9 @@ def encode_prompt(tokenizer: Any, text: str, chat_template: bool) -> list[int]:
     opened (``data.chat_template``), else the text's own tokens without special tokens."""
     if chat_template:
         chat = [{"role": "user", "content": text}]
-        return list(tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=True))
+        # return_dict=False: transformers 5 returns a BatchEncoding by default, whose list is its keys
+        ids = tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=True, return_dict=False)
+        return list(ids)
     return list(tokenizer(text, add_special_tokens=False).input_ids)
 
 
