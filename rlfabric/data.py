@@ -62,8 +62,10 @@ def load_heldout(
     seed: int = 0,
     prompt_key: str = "prompt",
     field: str = "data.eval",
+    count_field: str = "data.num_eval",
 ) -> list[dict[str, Any]]:
-    """Evaluation rows whose prompts appear neither in ``train_rows`` nor twice among themselves.
+    """Evaluation rows whose prompts appear neither in ``train_rows`` nor twice among themselves (``count_field``:
+    the setting that asked for ``num_rows``, named when there are fewer).
 
     A generated task draws them with seeds derived from ``seed`` (so the same spec as training gives other rows),
     round after round until ``num_rows`` new prompts turn up; a file keeps its rows whose prompt is new.
@@ -74,7 +76,7 @@ def load_heldout(
         if num_rows is not None and len(rows) < num_rows:
             raise ConfigError(
                 f"{field} = {spec!r}: has {len(rows)} rows whose prompt is not a training prompt, "
-                f"fewer than the {num_rows} asked for (data.num_eval)"
+                f"fewer than the {num_rows} asked for ({count_field})"
             )
         return rows
     if num_rows is None:
@@ -88,8 +90,8 @@ def load_heldout(
         if len(rows) == num_rows:
             return rows
     raise ConfigError(
-        f"{field} = {spec!r}: found only {len(rows)} prompts that are not among the {len(train_rows)} training "
-        f"prompts, {num_rows} asked for; ask for fewer rows or widen the task's options"
+        f"{field} = {spec!r}: found only {len(rows)} prompts that are not among the {len(seen)} training "
+        f"prompts, {num_rows} asked for ({count_field}); ask for fewer rows or widen the task's options"
     )
 
 

@@ -77,7 +77,9 @@ def load_pair_rows(spec: str, num_pairs: int, num_eval: int, seed: int) -> tuple
     train = load_prompts(spec, num_rows=num_pairs, seed=seed, field=field)
     if not train:
         raise ConfigError(f"{field} = {spec!r}: holds no pairs")
-    return train, load_heldout(spec, train_rows=train, num_rows=num_eval, seed=seed, field=field)
+    return train, load_heldout(
+        spec, train_rows=train, num_rows=num_eval, seed=seed, field=field, count_field="reward_model.num_eval"
+    )
 
 
 def load_pairs(

@@ -223,6 +223,19 @@ def test_train_rm_refuses_a_config_without_pairs_in_one_line(tmp_path, capsys):
     )
 
 
+def test_train_rm_names_reward_model_num_eval_when_the_pairs_leave_too_few_held_out_prompts(tmp_path, capsys):
+    config = tmp_path / "rm.yaml"  # 16 prompts in all, every one among 200 training pairs
+    config.write_text(
+        yaml.safe_dump({"reward_model": {"pairs": "task:arithmetic_pairs?max_operand=3", "num_pairs": 200}})
+    )
+    assert main(["train-rm", str(config), "--run-dir", str(tmp_path / "rm"), "--quiet"]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        "rlfabric: config error: reward_model.pairs = 'task:arithmetic_pairs?max_operand=3': found only 0 prompts "
+        "that are not among the 16 training prompts, 200 asked for (reward_model.num_eval); ask for fewer rows or "
+        "widen the task's options"
+    )
+
+
 def tiny_classifier(tokenizer, attention: str = "sdpa", seed: int = 0):
     """A 2 x 64 Qwen2 sequence classifier with two heads and grouped KV heads, randomly initialised."""
     from transformers import Qwen2Config, Qwen2ForSequenceClassification
