@@ -5,6 +5,7 @@ actor, the rollout worker, and what they all ask Ray for (the likelihood scorer 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterable
 from typing import Any
 
 import ray
@@ -14,6 +15,7 @@ from rlfabric.actor_slots import RunAbortedError
 from rlfabric.grpo_config import LLMConfig
 from rlfabric.judge import JUDGE_CPUS
 from rlfabric.llm_resources import SETUP_TIMEOUT_S, torch_threads
+from rlfabric.models.shared_weights import remove_stale
 from rlfabric.placement import ActorRequest
 from rlfabric.reward_config import RewardFunctionConfig
 from rlfabric.rewards.likelihood import POLICY
@@ -244,3 +246,23 @@ def start_rollout_worker(
         process=dataclasses.asdict(r.process),
         model_dir=model_dir,
     )
+
+
+def stop_actors(
+    generators: list[Any], workers: list[Any], learners: list[Any], reference: Any, shared_files: Iterable[str]
+) -> None:
+    """End a run's actors: generators stop their schedulers and rollout workers their reward services, learners
+    remove their shared-memory weight files, each within 10 s; then the files a dead learner left (``shared_files``,
+    those on this node) are removed and every process is killed, whether it answered or not."""
+    try:
+        ray.get([g.shutdown.remote() for g in [*generators, *workers]], timeout=10)
+    except Exception:  # a dead or stuck actor is killed below either way
+        pass
+    try:
+        ray.get([ln.close.remote() for ln in learners], timeout=10)
+    except Exception:  # a dead learner cannot remove its shared-memory file: done below where it is ours
+        pass
+    remove_stale(sorted(shared_files))  # a no-op for files on other nodes (not here) or already gone
+    for actor in [*generators, *workers, *learners, reference]:
+        if actor is not None:
+            ray.kill(actor, no_restart=True)

@@ -36,6 +36,7 @@ from rlfabric.config import ConfigError
 from rlfabric.data import check_prompt_lengths, load_heldout, load_prompts
 from rlfabric.driver import ensure_ray
 from rlfabric.grpo_config import LLMConfig
+from rlfabric.grpo_report import eval_row, run_summary, step_row
 from rlfabric.likelihood_scorers import LikelihoodScorers
 from rlfabric.llm_actors import (
     actor_requests,
@@ -43,28 +44,27 @@ from rlfabric.llm_actors import (
     start_learners,
     start_reference,
     start_rollout_worker,
+    stop_actors,
     wanted_cpus,
 )
 from rlfabric.llm_resources import SETUP_TIMEOUT_S, openmp_env
 from rlfabric.llm_run_state import (
     FINAL_MODEL_DIR,
-    FIXED_ON_RESUME,
     INITIAL_MODEL_DIR,
     REFERENCE_MODEL_DIR,
     SAMPLES_FILE,
     TRAINER_STATE_FILE,
     Counters,
     checkpoints,
-    latest_checkpoint,
     not_final,
     read_trainer_state,
     reference_entry,
     reference_path,
+    resume_point,
 )
 from rlfabric.llm_sft import sft_batch
 from rlfabric.llm_text_env import (
     Demonstrations,
-    episode_totals,
     start_tool_servers,
     stop_tool_servers,
     text_env_source,
@@ -72,17 +72,14 @@ from rlfabric.llm_text_env import (
 )
 from rlfabric.models.hf import check_model_source, encode_prompt, model_max_positions
 from rlfabric.models.llm_batch import pad_rows_for_learners
-from rlfabric.models.shared_weights import remove_stale
 from rlfabric.placement import check_fits
 from rlfabric.reward_model_stage import ensure_reward_model, point_at_run_reward_model
-from rlfabric.rewards.shadow import SHADOW_COUNTS, shadow_rates
 from rlfabric.rollout_scheduler import RolloutScheduler, StepBatch
 from rlfabric.run.checkpoints import CHECKPOINT_DIR
 from rlfabric.run.interrupts import stop_requests
-from rlfabric.run.log import CONFIG_FILE, RunLog, read_metrics, write_summary
+from rlfabric.run.log import RunLog, read_metrics, write_summary
 from rlfabric.run.plots import plot_llm_curves
 from rlfabric.run.progress import grpo_progress_line, phase_progress, tensorboard_view
-from rlfabric.run.resume import resumed_config
 from rlfabric.weight_publisher import WeightPublisher
 
 MAX_GENERATION_RETRIES = 3
@@ -177,34 +174,7 @@ class GRPOTrainer:
         except the fields in ``FIXED_ON_RESUME``.
         """
         run_dir = Path(run_dir)
-        if not (run_dir / CONFIG_FILE).is_file():
-            raise ConfigError(f"--resume {str(run_dir)!r}: not a run directory (no {CONFIG_FILE})")
-        checkpoint = latest_checkpoint(run_dir)
-        if checkpoint is None:
-            raise ConfigError(
-                f"--resume {str(run_dir)!r}: no checkpoint found under {CHECKPOINT_DIR}/ "
-                "(runs save them every training.checkpoint_every steps)"
-            )
-        cfg = resumed_config(run_dir, overrides, FIXED_ON_RESUME)
-        state = read_trainer_state(checkpoint)
-        needed = [run_dir / INITIAL_MODEL_DIR] if cfg.model.path == "builtin" else []
-        reference = state.get("reference_model")
-        if reference and reference["in_run"]:
-            needed.append(run_dir / reference["path"])
-        for folder in needed:
-            if not folder.is_dir():
-                raise ConfigError(f"--resume {str(run_dir)!r}: {folder.name}/ is missing from the run directory")
-        step = state["counters"]["step"]
-        if step >= cfg.training.total_steps:
-            raise ConfigError(
-                f"training.total_steps = {cfg.training.total_steps} is not valid with --resume: the latest "
-                f"checkpoint ({checkpoint.name}) is at step {step} already; pass training.total_steps=N with N > {step}"
-            )
-        if cfg.grpo.kl_coef > 0 and reference is None:
-            raise ConfigError(
-                f"grpo.kl_coef = {cfg.grpo.kl_coef} is not valid with --resume: this run saved no KL reference model "
-                "(it trained without a KL term after an SFT warm-up)"
-            )
+        cfg, checkpoint = resume_point(run_dir, overrides)
         return cls(cfg, run_dir, quiet=quiet, resume_from=checkpoint)
 
     # -- setup ------------------------------------------------------------------------------------------------
@@ -462,18 +432,11 @@ class GRPOTrainer:
             keep_samples=self.cfg.training.show_samples,
         )
         meta, _ = self.rollouts.receive(self.rollouts.send(request))
-        n, failed = meta["samples"], meta.get("failed", meta["samples"])
         for error in meta.get("errors", []):
             self.rollouts.note_reward_error(error)
-        if n and failed == n and meta.get("errors"):
+        row = eval_row(meta, label)
+        if row["eval_failed"] == meta["samples"] > 0 and meta.get("errors"):
             raise RunAbortedError(f"every held-out sample failed its reward: {meta['errors'][0]}")
-        row = {
-            "phase": "eval",
-            "label": label,
-            "eval_accuracy": meta.get("correct_sum", 0.0) / max(n, 1),
-            "eval_reward_mean": meta["reward_sum"] / (n - failed) if n > failed else None,
-            "eval_failed": failed,
-        }
         self._log(row)
         self._last_shown = meta.get("shown", [])
         return row
@@ -492,43 +455,8 @@ class GRPOTrainer:
             self.log.log(full, show=show)
 
     def _step_row(self, step: StepBatch, metrics: dict, started: float) -> dict:
-        c = self.counters
-        scored = step.scored
-        rows = sum(m["rows"] for m in scored)
-        samples = sum(m["samples"] for m in scored)
-        comps: dict[str, float] = {}
-        for m in scored:
-            for name, value in m["component_means"].items():
-                comps[name] = comps.get(name, 0.0) + value * m["rows"] / max(rows, 1)
-        reward_sum = sum(float(np.nansum(m["group_stats"][:, 1] * m["group_stats"][:, 3])) for m in scored)
-        shadow = {k: sum(m.get("shadow", {}).get(k, 0) for m in scored) for k in SHADOW_COUNTS}
-        elapsed = max(time.monotonic() - started, 1e-9)
-        trained = sum(n for _, n, _ in step.groups)
-        return {
-            "phase": "grpo",
-            "reward_mean": reward_sum / rows if rows else float("nan"),
-            **{f"reward_{name}": value for name, value in comps.items()},
-            "accuracy": comps.get("correct"),
-            **shadow_rates(shadow),
-            "trained_samples": trained,
-            "response_length_mean": sum(m["response_length_mean"] * m["samples"] for m in scored) / max(samples, 1),
-            "samples_per_s": rows / elapsed,
-            "tokens_generated": c.tokens_generated,
-            "policy_lag_mean": sum(n * (self.version - 1 - v) for _, n, v in step.groups) / trained if trained else 0.0,
-            "policy_lag_max": max((self.version - 1 - v for _, n, v in step.groups if n), default=0),
-            "failed_samples": c.failed_samples,
-            "stale_samples": c.stale_samples,
-            "filtered_groups": c.filtered_groups,
-            "reward_worker_restarts": c.reward_worker_restarts,
-            "generator_restarts": c.generator_restarts,
-            "rollout_worker_restarts": c.rollout_worker_restarts,
-            **self.scorers.metrics(),
-            "resampled_samples": c.resampled_samples,
-            **episode_totals(scored, samples),
-            "step_time_s": elapsed,
-            **self._step_timings,
-            **metrics,
-        }
+        row = step_row(step.scored, step.groups, self.counters, self.version, time.monotonic() - started)
+        return {**row, **self.scorers.metrics(), **self._step_timings, **metrics}
 
     def train(self) -> dict[str, Any]:
         if self.log is None:
@@ -659,33 +587,16 @@ class GRPOTrainer:
         rows = read_metrics(self.run_dir)
         after_sft = next((r["eval_accuracy"] for r in rows if r.get("label") == "after_sft"), None)
         plot = plot_llm_curves(self.run_dir, f"GRPO on {self.cfg.data.train}")
-        c = self.counters
-        elapsed = time.monotonic() - self._start
-        summary = {
-            "algo": "grpo",
-            "task": self.cfg.data.train,
-            "steps": c.step,
-            "policy_version": self.version,
-            "samples": c.samples,
-            "eval_accuracy_initial": initial["eval_accuracy"],
-            "eval_accuracy_after_sft": after_sft,
-            "eval_accuracy_final": final["eval_accuracy"],
-            "time_total_s": elapsed,
-            "samples_per_s": c.samples / max(elapsed, 1e-9),
-            "failed_samples": c.failed_samples,
-            "stale_samples": c.stale_samples,
-            "filtered_groups": c.filtered_groups,
-            "generator_restarts": c.generator_restarts,
-            "rollout_worker_restarts": c.rollout_worker_restarts,
-            "resampled_samples": c.resampled_samples,
-            "reward_worker_restarts": c.reward_worker_restarts,
+        extra = {
             "tool_server_restarts": tool_server_restarts(self.tool_servers),
-            "trained_samples": c.trained_samples,
             "weight_transport": self.weights.weights_via,
             "final_model": str(model_path),
             "plot": str(plot) if plot else None,
             "sample_completions": shown,
         }
+        evals = {"initial": initial["eval_accuracy"], "after_sft": after_sft, "final": final["eval_accuracy"]}
+        elapsed = time.monotonic() - self._start
+        summary = run_summary(self.cfg.data.train, self.counters, self.version, evals, elapsed, extra)
         write_summary(self.run_dir, {k: v for k, v in summary.items() if k != "sample_completions"})
         return summary
 
@@ -695,20 +606,13 @@ class GRPOTrainer:
         if not ray.is_initialized():  # setup stopped before Ray started: no actors to stop
             return
         self.rollouts.cancel_in_flight()
-        generators = self.generators.handles if self.generators else []
-        workers = self.rollout_workers.handles if self.rollout_workers else []
-        try:  # let engines stop their schedulers and workers their reward services before the processes go
-            ray.get([g.shutdown.remote() for g in [*generators, *workers]], timeout=10)
-        except Exception:  # a dead or stuck actor is killed below either way
-            pass
-        try:
-            ray.get([ln.close.remote() for ln in self.learners], timeout=10)
-        except Exception:  # a dead learner cannot remove its shared-memory file: done below where it is ours
-            pass
-        remove_stale(sorted(self.weights.shared_files))  # a no-op for files on other nodes (not here) or already gone
-        for actor in [*generators, *workers, *self.learners, self.reference]:
-            if actor is not None:
-                ray.kill(actor, no_restart=True)
+        stop_actors(
+            self.generators.handles if self.generators else [],
+            self.rollout_workers.handles if self.rollout_workers else [],
+            self.learners,
+            self.reference,
+            self.weights.shared_files,
+        )
         self.scorers.close()
         self.generators, self.rollout_workers, self.learners, self.reference = None, None, [], None
         stop_tool_servers(self.tool_servers)

@@ -12,7 +12,9 @@ from pathlib import Path
 from typing import Any
 
 from rlfabric.config import ConfigError
-from rlfabric.run.checkpoints import CheckpointStore
+from rlfabric.run.checkpoints import CHECKPOINT_DIR, CheckpointStore
+from rlfabric.run.log import CONFIG_FILE
+from rlfabric.run.resume import resumed_config
 
 TRAINER_STATE_FILE = "trainer_state.json"  # written last: a checkpoint without it is incomplete
 REFERENCE_MODEL_DIR = "reference_model"  # the KL reference after an SFT warm-up, kept for --resume
@@ -95,3 +97,39 @@ def read_trainer_state(checkpoint: Path) -> dict[str, Any]:
             f"its weights with model.path={checkpoint}"
         )
     return state
+
+
+def resume_point(run_dir: Path, overrides: list[str] | None) -> tuple[Any, Path]:
+    """(the config, the checkpoint) a ``--resume`` of the GRPO run in ``run_dir`` continues from: the saved config
+    with ``overrides`` (never the fields in ``FIXED_ON_RESUME``) and the latest complete checkpoint; a ConfigError
+    in one line when the folder is no run, has no checkpoint, lacks a model folder it needs, or the overrides ask
+    for what the checkpoint cannot give."""
+    if not (run_dir / CONFIG_FILE).is_file():
+        raise ConfigError(f"--resume {str(run_dir)!r}: not a run directory (no {CONFIG_FILE})")
+    checkpoint = latest_checkpoint(run_dir)
+    if checkpoint is None:
+        raise ConfigError(
+            f"--resume {str(run_dir)!r}: no checkpoint found under {CHECKPOINT_DIR}/ "
+            "(runs save them every training.checkpoint_every steps)"
+        )
+    cfg = resumed_config(run_dir, overrides, FIXED_ON_RESUME)
+    state = read_trainer_state(checkpoint)
+    needed = [run_dir / INITIAL_MODEL_DIR] if cfg.model.path == "builtin" else []
+    reference = state.get("reference_model")
+    if reference and reference["in_run"]:
+        needed.append(run_dir / reference["path"])
+    for folder in needed:
+        if not folder.is_dir():
+            raise ConfigError(f"--resume {str(run_dir)!r}: {folder.name}/ is missing from the run directory")
+    step = state["counters"]["step"]
+    if step >= cfg.training.total_steps:
+        raise ConfigError(
+            f"training.total_steps = {cfg.training.total_steps} is not valid with --resume: the latest "
+            f"checkpoint ({checkpoint.name}) is at step {step} already; pass training.total_steps=N with N > {step}"
+        )
+    if cfg.grpo.kl_coef > 0 and reference is None:
+        raise ConfigError(
+            f"grpo.kl_coef = {cfg.grpo.kl_coef} is not valid with --resume: this run saved no KL reference model "
+            "(it trained without a KL term after an SFT warm-up)"
+        )
+    return cfg, checkpoint

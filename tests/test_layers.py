@@ -80,9 +80,10 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "rlfabric.driver",
             "rlfabric.game_driver",  # PPO on multi-agent games: a learner per trainable policy, self-play
             "rlfabric.llm_driver",
-            "rlfabric.llm_run_state",  # a GRPO run's checkpoint state, counters and KL reference entry
+            "rlfabric.llm_run_state",  # a GRPO run's checkpoint state, counters, KL reference entry, resume point
+            "rlfabric.grpo_report",  # a GRPO step's metrics row, an evaluation's row, the run's summary
             "rlfabric.llm_resources",  # CPUs, torch threads, OpenMP wait policy, setup deadline
-            "rlfabric.llm_actors",  # starting the run's actors from its config
+            "rlfabric.llm_actors",  # starting the run's actors from its config, and stopping them
             "rlfabric.likelihood_scorers",  # the likelihood scorer of a run: started, replaced, checked
             "rlfabric.llm_text_env",  # a run on a text env: its checks before actors start
             "rlfabric.llm_sft",  # the supervised warm-up's batches

@@ -1,0 +1,107 @@
+"""What a GRPO run reports, as pure functions of what the driver collected: one step's metrics row, one held-out
+evaluation's row, and the run's summary. The driver (``rlfabric.llm_driver``) logs them; nothing here talks to
+an actor."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from rlfabric.llm_run_state import Counters
+from rlfabric.llm_text_env import episode_totals
+from rlfabric.rewards.shadow import SHADOW_COUNTS, shadow_rates
+
+# The counters a summary reports as they stand at the end of the run.
+SUMMARY_COUNTERS = (
+    "failed_samples",
+    "stale_samples",
+    "filtered_groups",
+    "generator_restarts",
+    "rollout_worker_restarts",
+    "resampled_samples",
+    "reward_worker_restarts",
+)
+
+
+def step_row(
+    scored: Sequence[Mapping[str, Any]],
+    groups: Sequence[tuple[Any, int, int]],
+    counters: Counters,
+    version: int,
+    elapsed_s: float,
+) -> dict[str, Any]:
+    """The metrics of one GRPO step from its rollouts' metadata (``scored``: one dict per rollout, with ``rows``,
+    ``samples``, ``component_means``, ``group_stats`` [G, 4] of (count, mean, std, rows), ``response_length_mean``,
+    and ``shadow`` counts) and the groups it trained (``groups``: (group, samples trained, policy version)).
+
+    reward_mean = sum_g mean_g * rows_g / sum_g rows_g; each component's mean is weighted by its rollout's rows;
+    policy_lag = (version - 1) - the version that sampled a group, averaged over trained samples.
+    """
+    rows = sum(m["rows"] for m in scored)
+    samples = sum(m["samples"] for m in scored)
+    components: dict[str, float] = {}
+    for m in scored:
+        for name, value in m["component_means"].items():
+            components[name] = components.get(name, 0.0) + value * m["rows"] / max(rows, 1)
+    reward_sum = sum(float(np.nansum(m["group_stats"][:, 1] * m["group_stats"][:, 3])) for m in scored)
+    shadow = {k: sum(m.get("shadow", {}).get(k, 0) for m in scored) for k in SHADOW_COUNTS}
+    elapsed_s = max(elapsed_s, 1e-9)
+    trained = sum(n for _, n, _ in groups)
+    c = counters
+    return {
+        "phase": "grpo",
+        "reward_mean": reward_sum / rows if rows else float("nan"),
+        **{f"reward_{name}": value for name, value in components.items()},
+        "accuracy": components.get("correct"),
+        **shadow_rates(shadow),
+        "trained_samples": trained,
+        "response_length_mean": sum(m["response_length_mean"] * m["samples"] for m in scored) / max(samples, 1),
+        "samples_per_s": rows / elapsed_s,
+        "tokens_generated": c.tokens_generated,
+        "policy_lag_mean": sum(n * (version - 1 - v) for _, n, v in groups) / trained if trained else 0.0,
+        "policy_lag_max": max((version - 1 - v for _, n, v in groups if n), default=0),
+        **{key: getattr(c, key) for key in SUMMARY_COUNTERS},
+        **episode_totals(list(scored), samples),
+        "step_time_s": elapsed_s,
+    }
+
+
+def eval_row(meta: Mapping[str, Any], label: str) -> dict[str, Any]:
+    """An evaluation's row from its rollout's metadata: accuracy = correct / samples; the mean reward is over the
+    samples the rewards scored (None when none was)."""
+    n, failed = meta["samples"], meta.get("failed", meta["samples"])
+    return {
+        "phase": "eval",
+        "label": label,
+        "eval_accuracy": meta.get("correct_sum", 0.0) / max(n, 1),
+        "eval_reward_mean": meta["reward_sum"] / (n - failed) if n > failed else None,
+        "eval_failed": failed,
+    }
+
+
+def run_summary(
+    task: str,
+    counters: Counters,
+    version: int,
+    evals: Mapping[str, float | None],
+    elapsed_s: float,
+    extra: Mapping[str, Any],
+) -> dict[str, Any]:
+    """The run's summary (summary.json and the printed table): its counters, the held-out accuracy ``evals``
+    (initial, after_sft, final) and rate = samples / elapsed seconds, then ``extra`` (paths, transports)."""
+    c = counters
+    return {
+        "algo": "grpo",
+        "task": task,
+        "steps": c.step,
+        "policy_version": version,
+        "samples": c.samples,
+        **{f"eval_accuracy_{label}": value for label, value in evals.items()},
+        "time_total_s": elapsed_s,
+        "samples_per_s": c.samples / max(elapsed_s, 1e-9),
+        **{key: getattr(c, key) for key in SUMMARY_COUNTERS},
+        "trained_samples": c.trained_samples,
+        **extra,
+    }

@@ -1,0 +1,54 @@
+"""A GRPO step's metrics row, an evaluation's row and the run's summary, from hand-made rollout metadata."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from rlfabric.grpo_report import eval_row, run_summary, step_row
+from rlfabric.llm_run_state import Counters
+
+
+def rollout(rows: int, means: list[float], correct: float, length: float) -> dict:
+    """One rollout's metadata: groups of 4 rows with the given mean rewards (count, mean, std, rows)."""
+    stats = np.array([[4, m, 0.5, 4] for m in means], dtype=np.float64)
+    return {
+        "rows": rows,
+        "samples": rows,
+        "component_means": {"correct": correct},
+        "group_stats": stats,
+        "response_length_mean": length,
+    }
+
+
+def test_a_step_row_weights_rewards_by_rows_and_counts_the_lag_of_trained_samples():
+    scored = [rollout(8, [1.0, 0.0], correct=0.5, length=3.0), rollout(4, [2.0], correct=1.0, length=6.0)]
+    counters = Counters(tokens_generated=90, failed_samples=2)
+    # two groups sampled by version 4, one by version 2; the learner is at version 5 before this update
+    row = step_row(scored, [(0, 4, 4), (1, 4, 4), (2, 4, 2)], counters, version=5, elapsed_s=2.0)
+    assert row["reward_mean"] == pytest.approx((1.0 * 4 + 0.0 * 4 + 2.0 * 4) / 12)
+    assert row["reward_correct"] == pytest.approx(0.5 * 8 / 12 + 1.0 * 4 / 12) == row["accuracy"]
+    assert row["response_length_mean"] == pytest.approx((3.0 * 8 + 6.0 * 4) / 12)
+    assert row["samples_per_s"] == pytest.approx(6.0) and row["trained_samples"] == 12
+    assert row["policy_lag_mean"] == pytest.approx((0 + 0 + 2 * 4) / 12) and row["policy_lag_max"] == 2
+    assert row["failed_samples"] == 2 and row["tokens_generated"] == 90
+
+
+def test_an_eval_row_is_accuracy_over_samples_and_reward_over_the_scored_ones():
+    row = eval_row({"samples": 10, "failed": 2, "correct_sum": 4.0, "reward_sum": 6.0}, "step_25")
+    assert row == {
+        "phase": "eval",
+        "label": "step_25",
+        "eval_accuracy": 0.4,
+        "eval_reward_mean": 0.75,
+        "eval_failed": 2,
+    }
+    assert eval_row({"samples": 3, "failed": 3, "reward_sum": 0.0}, "final")["eval_reward_mean"] is None
+
+
+def test_a_summary_reports_counters_evaluations_and_the_sample_rate():
+    counters = Counters(step=7, samples=448, resampled_samples=3, trained_samples=440)
+    summary = run_summary("task:arithmetic", counters, 1007, {"initial": 0.0, "final": 0.5}, 4.0, {"final_model": "m"})
+    assert summary["steps"] == 7 and summary["policy_version"] == 1007 and summary["samples_per_s"] == 112.0
+    assert summary["eval_accuracy_final"] == 0.5 and summary["resampled_samples"] == 3
+    assert summary["trained_samples"] == 440 and summary["final_model"] == "m"
