@@ -27,7 +27,7 @@ import json
 import tempfile
 from pathlib import Path
 
-from training_runs import train_run
+from training_runs import plot_panels, train_run
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
@@ -67,26 +67,12 @@ def calls_per_solved(c: dict[str, list], last: int) -> float:
 
 
 def plot(name: str, runs: dict[str, dict[str, list]], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 3, figsize=(14, 4))
-    for label, c in runs.items():
-        axes[0].plot(c["eval_steps"], c["eval_accuracy"], marker="o", label=label)
-        axes[1].plot(c["steps"], c["train_success"], label=label)
-        axes[2].plot(c["steps"], c["calls_per_solved"], label=label)
-    titles = ("held-out success (greedy)", "success on training tasks (sampled)", "tool calls per solved episode")
-    for ax, title in zip(axes, titles, strict=True):
-        ax.set_title(title)
-        ax.set_xlabel("GRPO step")
-        ax.grid(alpha=0.3)
-    axes[0].legend()
-    fig.suptitle(f"MCP task servers: {name}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    panels = [
+        ("eval_steps", "eval_accuracy", "held-out success (greedy)"),
+        ("steps", "train_success", "success on training tasks (sampled)"),
+        ("steps", "calls_per_solved", "tool calls per solved episode"),
+    ]
+    plot_panels(runs, panels, f"MCP task servers: {name}", path)
 
 
 def main() -> None:

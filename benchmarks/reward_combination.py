@@ -17,7 +17,7 @@ import json
 import tempfile
 from pathlib import Path
 
-from training_runs import train_run
+from training_runs import plot_panels, train_run
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
@@ -38,26 +38,12 @@ def curves(rows: list[dict]) -> dict[str, list]:
 
 
 def plot(runs: dict[str, dict[str, list]], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 3, figsize=(14, 4))
-    for label, c in runs.items():
-        axes[0].plot(c["steps"], c["reward_correct"], label=label)
-        axes[1].plot(c["steps"], c["reward_length_penalty"], label=label)
-        axes[2].plot(c["eval_steps"], c["eval_accuracy"], marker="o", label=label)
-    titles = ("component: correct (sampled)", "component: length_penalty (sampled)", "held-out accuracy (greedy)")
-    for ax, title in zip(axes, titles, strict=True):
-        ax.set_title(title)
-        ax.set_xlabel("GRPO step")
-        ax.grid(alpha=0.3)
-    axes[0].legend()
-    fig.suptitle("Two conflicting components: weighted sum against MO-GRPO normalization")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    panels = [
+        ("steps", "reward_correct", "component: correct (sampled)"),
+        ("steps", "reward_length_penalty", "component: length_penalty (sampled)"),
+        ("eval_steps", "eval_accuracy", "held-out accuracy (greedy)"),
+    ]
+    plot_panels(runs, panels, "Two conflicting components: weighted sum against MO-GRPO normalization", path)
 
 
 def mean_of_last(values: list, k: int = 10) -> float:

@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from rlfabric.run.plots import _pyplot
+from rlfabric.run.plots import pyplot
 
 
 def format_report(report: dict[str, Any]) -> str:
@@ -53,7 +53,7 @@ def _num(value: float | None, spec: str) -> str:
 def plot_best_of_n(report: dict[str, Any], path: Path) -> Path:
     """Best-of-N accuracy against N (log2 axis), one line per selector, with pass@N (the oracle) and a random
     pick (the mean accuracy) for reference."""
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
     ns = report["n"]
     for label, sel in report["selectors"].items():
@@ -77,7 +77,7 @@ def plot_best_of_n(report: dict[str, Any], path: Path) -> Path:
 def plot_reward_vs_length(report: dict[str, Any], samples: list[dict[str, Any]], path: Path) -> Path:
     """One panel per selector: each completion's score against its response tokens (correct ones green, the
     rest red, jittered sideways so equal lengths stay visible), and the mean score per length bin."""
-    plt = _pyplot()
+    plt = pyplot()
     labels = list(report["selectors"])
     fig, axes = plt.subplots(1, len(labels), figsize=(4.5 * len(labels), 3.8), dpi=100, squeeze=False)
     rng = np.random.default_rng(0)

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from rlfabric.run.log import read_metrics
 
 PLOT_FILE = "learning_curve.png"
 
 
-def _pyplot():  # matplotlib is imported only when a plot is drawn
+def pyplot() -> Any:
+    """matplotlib.pyplot on the Agg backend, imported only when a plot is drawn (runs without plots never pay it)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -23,7 +25,7 @@ def plot_learning_curve(run_dir: Path, title: str) -> Path | None:
     rows = [r for r in read_metrics(run_dir) if r.get("episode_return_mean") is not None]
     if not rows:
         return None
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
     ax.plot([r["env_steps"] for r in rows], [r["episode_return_mean"] for r in rows], lw=1.5)
     ax.set_xlabel("env steps")
@@ -43,7 +45,7 @@ def plot_self_play(run_dir: Path, title: str) -> Path | None:
     rows = [r for r in read_metrics(run_dir) if r.get("learner_elo") is not None]
     if not rows:
         return None
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
     ax.plot([r["iteration"] for r in rows], [r["learner_elo"] for r in rows], color="tab:blue", label="Elo vs pool")
     ax.set_xlabel("iteration")
@@ -80,7 +82,7 @@ def plot_llm_curves(run_dir: Path, title: str) -> Path | None:
     evals = [r for r in rows if r.get("phase") == "eval"]
     if not train and not evals:
         return None
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
     if train:
         steps = [r["step"] for r in train]
