@@ -54,6 +54,9 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "rlfabric.mcp_server_process",  # one HTTP MCP server process: started, pinged, stopped
             "rlfabric.mcp_stdio_gateway",  # a stdio MCP server behind HTTP: one child process per session
             "rlfabric.tool_env",  # a text env whose agent calls tools before answering
+            "rlfabric.agent_trace",  # an outside agent's chat calls as exact token segments
+            "rlfabric.openai_endpoint",  # the OpenAI-compatible endpoint in front of a rollout worker's policy
+            "rlfabric.agents",  # agent functions run(task, client): registered, played under a deadline
             "rlfabric.policies",  # the policy interface, scripted and neural-net policies, batching episodes' calls
             "rlfabric.multiagent",  # games: per-agent spaces, env copies stepped per agent, self-play pool, baselines
         ),

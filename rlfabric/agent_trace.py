@@ -1,0 +1,183 @@
+"""An agent episode's model calls as exact token segments, from the chat messages an outside agent sends.
+
+An agent written against an OpenAI client sends its whole conversation with every call. Re-rendering and
+re-tokenizing that conversation each call would not reproduce what the model sampled: the client hands back the
+assistant's message as parsed text and tool calls, which the chat template renders its own way. So the trace keeps
+the tokens: each call's context is the previous call's context, then the sampled ids exactly as sampled, then only
+the *new* messages (tool results, the user's reply) rendered by the template and the opening of the next assistant
+turn, the way ``rlfabric.models.chat_tokens`` appends an env's reply.
+
+A call continues the current segment when its messages are the segment's messages (those sent before, then the
+assistant replies as the endpoint returned them) followed by new ones, and the template renders the longer
+conversation as an extension of the shorter. Anything else (a harness that edits, drops or summarises history,
+or changes its tools) opens a new segment from the call's own rendering: every segment is exact on its own, and
+``rewrites`` counts the splits. Each segment becomes one trajectory row (``segments_to_turns``).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from rlfabric.models.chat_tokens import ChatTokens
+from rlfabric.tools import ToolCall
+from rlfabric.trajectory import TurnTokens
+
+Message = dict[str, Any]
+
+
+class BadMessages(ValueError):
+    """The request's messages cannot be rendered: what is wrong, for the caller's 400 reply."""
+
+
+def message_text(content: Any, where: str) -> str:
+    """A message's content as text: a string, None (no text), or OpenAI content parts of type "text"."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" for p in content):
+        return "".join(str(p.get("text", "")) for p in content)
+    raise BadMessages(f"{where}.content: expected a string or a list of text parts")
+
+
+def tool_call_arguments(arguments: Any, where: str) -> dict[str, Any]:
+    """A tool call's arguments as an object: OpenAI sends them as a JSON string."""
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments or "{}")
+        except json.JSONDecodeError as exc:
+            raise BadMessages(f"{where}.function.arguments: not JSON ({exc.msg})") from None
+    if not isinstance(arguments, dict):
+        raise BadMessages(f"{where}.function.arguments: expected a JSON object")
+    return arguments
+
+
+def normalized(message: Any, where: str) -> Message:
+    """The parts of a chat message that decide what the model sees, in the chat template's form: role, content as
+    text, tool calls as ``{"type": "function", "function": {"name", "arguments": {...}}}``, and a tool result's
+    ``tool_call_id`` / ``name``. Fields a client adds (refusal, audio, annotations, call ids) are dropped, so
+    the assistant message a client hands back equals the one the endpoint returned."""
+    if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+        raise BadMessages(f"{where}: expected an object with a string 'role'")
+    out: Message = {"role": message["role"], "content": message_text(message.get("content"), where)}
+    calls = message.get("tool_calls") or []
+    if calls:
+        if not isinstance(calls, list):
+            raise BadMessages(f"{where}.tool_calls: expected a list")
+        out["tool_calls"] = []
+        for k, call in enumerate(calls):
+            function = call.get("function") if isinstance(call, dict) else None
+            if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+                raise BadMessages(
+                    f"{where}.tool_calls[{k}]: expected {{'function': {{'name': ..., 'arguments': ...}}}}"
+                )
+            arguments = tool_call_arguments(function.get("arguments", "{}"), f"{where}.tool_calls[{k}]")
+            out["tool_calls"].append(
+                {"type": "function", "function": {"name": function["name"], "arguments": arguments}}
+            )
+    for key in ("tool_call_id", "name"):
+        if isinstance(message.get(key), str):
+            out[key] = message[key]
+    return out
+
+
+def assistant_message(content: str, calls: Sequence[ToolCall]) -> Message:
+    """The normalized assistant message for a reply of ``content`` and ``calls`` (what a client hands back)."""
+    out: Message = {"role": "assistant", "content": content}
+    if calls:
+        out["tool_calls"] = [
+            {"type": "function", "function": {"name": c.name, "arguments": dict(c.arguments)}} for c in calls
+        ]
+    return out
+
+
+@dataclass
+class Segment:
+    """A run of calls whose contexts extend each other: the first call's prompt, then one turn per call."""
+
+    prompt: list[int]
+    tools: Any
+    messages: list[Message]  # what the context renders: the calls' messages and the assistant replies
+    context: list[int]  # prompt, then each turn's sampled ids and observation so far
+    turns: list[TurnTokens] = field(default_factory=list)
+
+
+class AgentTrace:
+    """One episode's calls as exact segments (see the module docstring); ``chat`` renders and tokenizes."""
+
+    def __init__(self, chat: ChatTokens) -> None:
+        self.chat = chat
+        self.segments: list[Segment] = []
+        self.rewrites = 0  # calls whose history did not continue the trace: each opened a new segment
+        self.policy_error: BaseException | None = None  # a call the policy failed (a lost generator)
+
+    def _render(self, messages: list[Message], tools: Any, generation_prompt: bool) -> str:
+        try:
+            return self.chat.tokenizer.apply_chat_template(
+                messages, tools=tools or None, tokenize=False, add_generation_prompt=generation_prompt
+            )
+        except Exception as exc:  # noqa: BLE001 - a template error is the request's, told to the agent
+            raise BadMessages(f"the chat template cannot render these messages: {type(exc).__name__}: {exc}") from None
+
+    def _continuation(self, messages: list[Message], tools: Any) -> list[int] | None:
+        """The tokens to append to the current segment for a call with ``messages``, or None when the call does
+        not continue it."""
+        if not self.segments:
+            return None
+        segment = self.segments[-1]
+        known = segment.messages
+        if tools != segment.tools or len(messages) <= len(known) or messages[: len(known)] != known:
+            return None
+        before = self._render(known, tools, generation_prompt=False)
+        after = self._render(messages, tools, generation_prompt=True)
+        if not after.startswith(before):
+            return None
+        close = self.chat.turn_close
+        sampled = segment.turns[-1].sampled if segment.turns else []
+        if close and sampled and sampled[-1] == close[0]:
+            close = close[1:]  # the model sampled the closing token itself
+        return [*close, *self.chat.text_ids(after[len(before) :])]
+
+    def context_for(self, raw_messages: Any, tools: Any) -> list[int]:
+        """The token context of a call with ``raw_messages`` (the request's): the current segment's context and
+        the new messages' tokens, or a new segment (see the module docstring). BadMessages for messages that
+        cannot be rendered."""
+        if not isinstance(raw_messages, list) or not raw_messages:
+            raise BadMessages("messages: expected a non-empty list")
+        messages = [normalized(m, f"messages[{i}]") for i, m in enumerate(raw_messages)]
+        observation = self._continuation(messages, tools)
+        if observation is not None:
+            segment = self.segments[-1]
+            last = segment.turns[-1]
+            segment.turns[-1] = TurnTokens(last.sampled, last.logprobs, last.version, observation, last.rewards)
+            segment.context += observation
+            segment.messages = messages
+            return list(segment.context)
+        if self.segments:
+            self.rewrites += 1
+        prompt = self.chat.text_ids(self._render(messages, tools, generation_prompt=True))
+        self.segments.append(Segment(prompt, tools, messages, list(prompt)))
+        return list(prompt)
+
+    def record(self, sampled: Sequence[int], logprobs: Sequence[float], version: int, reply: Message) -> None:
+        """The call's sampled ids, their behaviour logprobs and version, and the assistant message returned."""
+        segment = self.segments[-1]
+        segment.turns.append(TurnTokens(list(sampled), list(logprobs), int(version)))
+        segment.context += list(sampled)
+        segment.messages = [*segment.messages, reply]
+
+    def add_rewards(self, rewards: dict[str, float]) -> None:
+        """The episode's reward components, on the last turn of every segment: each segment is a row of its own,
+        and each trains on the outcome of the episode it belongs to."""
+        for segment in self.segments:
+            if segment.turns:
+                last = segment.turns[-1]
+                merged = {**last.rewards, **{k: float(v) for k, v in rewards.items()}}
+                segment.turns[-1] = TurnTokens(last.sampled, last.logprobs, last.version, last.observation, merged)
+
+    @property
+    def calls(self) -> int:
+        return sum(len(s.turns) for s in self.segments)

@@ -1,0 +1,209 @@
+"""An OpenAI-compatible chat-completions endpoint in front of the policy, recording exact token traces.
+
+An agent written against any OpenAI client (the ``openai`` package, agent SDKs, LangGraph) is the rollout: the
+rollout worker opens a session per episode and hands the agent a client whose base URL names it
+(``http://127.0.0.1:PORT/s/<session>/v1``) and whose API key is the run's token. Each ``POST
+.../chat/completions`` renders the agent's messages into the episode's token context (``rlfabric.agent_trace``:
+sampled ids kept as sampled, only new messages tokenized), asks the policy for one turn through the worker's
+``ActBatcher`` under the session's key (so the generator continues the conversation's stored KV and the calls of
+all episodes in flight are batched), records the sampled ids, behaviour logprobs and policy version, and answers
+in OpenAI's format, with tool calls parsed from the model's text by the configured parser.
+
+Safety: the server listens on loopback unless told another host, and every request must carry the run's token
+(``Authorization: Bearer <token>``, compared in constant time): a request without it gets 401, a session that is
+not open (never opened, or its episode has ended) 404. Sampling is the run's (``sampling`` section), not the
+request's: the learner trains on what the configured policy sampled, so ``temperature`` and the like are ignored;
+``n`` > 1 and ``stream`` are refused with 400.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import secrets
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+from aiohttp import web
+
+from rlfabric.agent_trace import AgentTrace, BadMessages, assistant_message
+from rlfabric.models.chat_tokens import ChatTokens
+from rlfabric.policies.batching import ActBatcher
+from rlfabric.tools import ParsedCalls, tool_call_parser
+
+_TOOL_BLOCK_PREFIX = "<tool_call>"  # hermes blocks: the text before the first one is the message's content
+
+
+def new_run_token() -> str:
+    """A fresh secret for a run's endpoint (what its agents pass as the API key)."""
+    return secrets.token_urlsafe(24)
+
+
+def openai_error(status: int, message: str, kind: str) -> web.Response:
+    """An error reply in OpenAI's shape, so clients raise their usual exception with ``message``."""
+    return web.json_response({"error": {"message": message, "type": kind, "code": status}}, status=status)
+
+
+class OpenAIEndpoint:
+    """The endpoint of one rollout worker (see the module docstring). ``batcher``: the worker's ``ActBatcher`` over
+    its policy; ``chat``: the policy's chat template pieces; ``tool_parser``: a name in ``rlfabric.tools``."""
+
+    def __init__(
+        self,
+        batcher: ActBatcher,
+        chat: ChatTokens,
+        *,
+        token: str,
+        tool_parser: str = "hermes",
+        host: str = "127.0.0.1",
+        model_name: str = "rlfabric-policy",
+    ) -> None:
+        if not token:
+            raise ValueError("OpenAIEndpoint needs a token: requests without it are refused")
+        self.batcher = batcher
+        self.chat = chat
+        self.token = token
+        self.parse: Callable[[str], ParsedCalls] = tool_call_parser(tool_parser)
+        self.host = host
+        self.model_name = model_name
+        self.sessions: dict[str, AgentTrace] = {}  # open sessions' traces, by key
+        self.refused = {"unauthorized": 0, "unknown_session": 0, "bad_request": 0}
+        self._runner: web.AppRunner | None = None
+        self.port = 0
+
+    # -- lifecycle ------------------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Listen on ``host`` at a free port (``self.port``)."""
+        app = web.Application(client_max_size=16 * 2**20)
+        app.router.add_post("/s/{session}/v1/chat/completions", self._chat_completions)
+        app.router.add_get("/s/{session}/v1/models", self._models)
+        self._runner = web.AppRunner(app, access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self.host, 0)
+        await site.start()
+        self.port = int(self._runner.addresses[0][1])
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+    def open(self, session: str) -> tuple[str, AgentTrace]:
+        """Open an episode's session: the base URL its client uses, and the trace its calls fill."""
+        if self._runner is None:
+            raise RuntimeError("OpenAIEndpoint.open before start")
+        trace = AgentTrace(self.chat)
+        self.sessions[session] = trace
+        return f"http://{self.host}:{self.port}/s/{session}/v1", trace
+
+    def close(self, session: str) -> AgentTrace:
+        """End a session: its trace; later calls under its key are refused (404)."""
+        return self.sessions.pop(session)
+
+    # -- requests -------------------------------------------------------------------------------------------
+
+    def _authorized(self, request: web.Request) -> bool:
+        header = request.headers.get("Authorization", "")
+        given = header[len("Bearer ") :] if header.startswith("Bearer ") else ""
+        return hmac.compare_digest(given.encode(), self.token.encode())
+
+    def _session(self, request: web.Request) -> tuple[AgentTrace | None, web.Response | None]:
+        if not self._authorized(request):
+            self.refused["unauthorized"] += 1
+            return None, openai_error(401, "missing or wrong API key: use the run's token", "invalid_api_key")
+        session = self.sessions.get(request.match_info["session"])
+        if session is None:
+            self.refused["unknown_session"] += 1
+            return None, openai_error(404, "no open session with this key (its episode may have ended)", "not_found")
+        return session, None
+
+    async def _models(self, request: web.Request) -> web.Response:
+        _, refusal = self._session(request)
+        if refusal is not None:
+            return refusal
+        return web.json_response({"object": "list", "data": [{"id": self.model_name, "object": "model"}]})
+
+    async def _chat_completions(self, request: web.Request) -> web.Response:
+        trace, refusal = self._session(request)
+        if refusal is not None:
+            return refusal
+        assert trace is not None
+        try:
+            body = await request.json()
+        except json.JSONDecodeError:
+            self.refused["bad_request"] += 1
+            return openai_error(400, "the request body is not JSON", "invalid_request_error")
+        problem = _unsupported(body)
+        if problem is None:
+            try:
+                context = trace.context_for(body.get("messages"), body.get("tools"))
+            except BadMessages as exc:
+                problem = str(exc)
+        if problem is not None:
+            self.refused["bad_request"] += 1
+            return openai_error(400, problem, "invalid_request_error")
+        try:
+            out = await self.batcher.act(context, request.match_info["session"])
+        except Exception as exc:  # noqa: BLE001 - a generator's failure: the worker decides (see agents.play_agent)
+            trace.policy_error = exc
+            return openai_error(503, f"the policy could not answer: {exc}", "server_error")
+        sampled, logprobs = list(out.actions[0]), list(out.logprobs[0])
+        text = str(out.info["text"][0])
+        finish = str(out.info.get("finish_reason", ["stop"])[0])
+        calls = self.parse(text).calls
+        content = text.split(_TOOL_BLOCK_PREFIX, 1)[0].strip() if calls else text
+        trace.record(sampled, logprobs, int(out.versions[0]), assistant_message(content, calls))
+        return web.json_response(
+            _completion(self.model_name, content, calls, _finish_reason(finish, calls), len(context), len(sampled))
+        )
+
+
+def _unsupported(body: Any) -> str | None:
+    """Why the request asks for what the endpoint does not do, or None."""
+    if not isinstance(body, dict):
+        return "the request body must be a JSON object"
+    if body.get("stream"):
+        return "stream: streaming is not supported by this endpoint; send stream=false"
+    if body.get("n", 1) != 1:
+        return f"n = {body.get('n')!r}: this endpoint returns one choice per call"
+    tools = body.get("tools")
+    if tools is not None and not isinstance(tools, list):
+        return "tools: expected a list of tool definitions"
+    return None
+
+
+def _finish_reason(engine_reason: str, calls: list) -> str:
+    if calls:
+        return "tool_calls"
+    return "length" if engine_reason == "length" else "stop"
+
+
+def _completion(
+    model: str, content: str, calls: list, finish: str, prompt_tokens: int, completion_tokens: int
+) -> dict[str, Any]:
+    """A chat.completion object: one choice, tool calls with ids of their own and JSON-string arguments."""
+    message: dict[str, Any] = {"role": "assistant", "content": content if content or not calls else None}
+    if calls:
+        message["tool_calls"] = [
+            {
+                "id": f"call_{uuid.uuid4().hex[:12]}",
+                "type": "function",
+                "function": {"name": c.name, "arguments": json.dumps(c.arguments)},
+            }
+            for c in calls
+        ]
+    return {
+        "id": f"chatcmpl-{uuid.uuid4().hex}",
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [{"index": 0, "message": message, "finish_reason": finish, "logprobs": None}],
+        "usage": {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+        },
+    }
