@@ -11,7 +11,12 @@ A call continues the current segment when its messages are the segment's message
 assistant replies as the endpoint returned them) followed by new ones, and the template renders the longer
 conversation as an extension of the shorter. Anything else (a harness that edits, drops or summarises history,
 or changes its tools) opens a new segment from the call's own rendering: every segment is exact on its own, and
-``rewrites`` counts the splits. Each segment becomes one trajectory row (``segments_to_turns``).
+``rewrites`` counts the splits. Each segment becomes one trajectory row (its prompt and turns, as
+``rlfabric.trajectory.from_turns`` takes them).
+
+A call is two steps: ``prepare`` works out its context without touching the trace, and ``commit`` records it
+with the policy's answer, so a call the policy failed leaves nothing behind. Calls of one episode must not
+overlap (the endpoint holds a lock per session); ``commit`` refuses a call prepared before another was committed.
 """
 
 from __future__ import annotations
@@ -30,6 +35,14 @@ Message = dict[str, Any]
 
 class BadMessages(ValueError):
     """The request's messages cannot be rendered: what is wrong, for the caller's 400 reply."""
+
+    code = "invalid_request_error"
+
+
+class ContextTooLong(BadMessages):
+    """The call's context and the tokens a turn may sample do not fit the model."""
+
+    code = "context_length_exceeded"
 
 
 def message_text(content: Any, where: str) -> str:
@@ -58,11 +71,14 @@ def tool_call_arguments(arguments: Any, where: str) -> dict[str, Any]:
 def normalized(message: Any, where: str) -> Message:
     """The parts of a chat message that decide what the model sees, in the chat template's form: role, content as
     text, tool calls as ``{"type": "function", "function": {"name", "arguments": {...}}}``, and a tool result's
-    ``tool_call_id`` / ``name``. Fields a client adds (refusal, audio, annotations, call ids) are dropped, so
-    the assistant message a client hands back equals the one the endpoint returned."""
+    ``tool_call_id`` / ``name``. Fields a client adds (refusal, audio, annotations, call ids, a ``name`` on other
+    roles) are dropped, so the assistant message a client hands back equals the one the endpoint returned."""
     if not isinstance(message, dict) or not isinstance(message.get("role"), str):
         raise BadMessages(f"{where}: expected an object with a string 'role'")
-    out: Message = {"role": message["role"], "content": message_text(message.get("content"), where)}
+    out: Message = {
+        "role": message["role"],
+        "content": message_text(message.get("content"), where),
+    }
     calls = message.get("tool_calls") or []
     if calls:
         if not isinstance(calls, list):
@@ -76,11 +92,15 @@ def normalized(message: Any, where: str) -> Message:
                 )
             arguments = tool_call_arguments(function.get("arguments", "{}"), f"{where}.tool_calls[{k}]")
             out["tool_calls"].append(
-                {"type": "function", "function": {"name": function["name"], "arguments": arguments}}
+                {
+                    "type": "function",
+                    "function": {"name": function["name"], "arguments": arguments},
+                }
             )
-    for key in ("tool_call_id", "name"):
-        if isinstance(message.get(key), str):
-            out[key] = message[key]
+    if out["role"] == "tool":
+        for key in ("tool_call_id", "name"):
+            if isinstance(message.get(key), str):
+                out[key] = message[key]
     return out
 
 
@@ -89,7 +109,11 @@ def assistant_message(content: str, calls: Sequence[ToolCall]) -> Message:
     out: Message = {"role": "assistant", "content": content}
     if calls:
         out["tool_calls"] = [
-            {"type": "function", "function": {"name": c.name, "arguments": dict(c.arguments)}} for c in calls
+            {
+                "type": "function",
+                "function": {"name": c.name, "arguments": dict(c.arguments)},
+            }
+            for c in calls
         ]
     return out
 
@@ -105,6 +129,18 @@ class Segment:
     turns: list[TurnTokens] = field(default_factory=list)
 
 
+@dataclass(frozen=True)
+class PendingCall:
+    """A call's context, not yet part of the trace (``AgentTrace.prepare``): the segment it continues (None: it
+    opens one) and the tokens it appends to that segment's last turn, or the new segment's prompt."""
+
+    context: list[int]
+    messages: list[Message]
+    tools: Any
+    continues: Segment | None
+    added: list[int]
+
+
 class AgentTrace:
     """One episode's calls as exact segments (see the module docstring); ``chat`` renders and tokenizes."""
 
@@ -113,19 +149,29 @@ class AgentTrace:
         self.segments: list[Segment] = []
         self.rewrites = 0  # calls whose history did not continue the trace: each opened a new segment
         self.policy_error: BaseException | None = None  # a call the policy failed (a lost generator)
+        self.closed = False  # the episode ended: no call is recorded any more
 
     def _render(self, messages: list[Message], tools: Any, generation_prompt: bool) -> str:
         try:
             return self.chat.tokenizer.apply_chat_template(
-                messages, tools=tools or None, tokenize=False, add_generation_prompt=generation_prompt
+                messages,
+                tools=tools or None,
+                tokenize=False,
+                add_generation_prompt=generation_prompt,
             )
         except Exception as exc:  # noqa: BLE001 - a template error is the request's, told to the agent
             raise BadMessages(f"the chat template cannot render these messages: {type(exc).__name__}: {exc}") from None
 
+    def _ids(self, text: str) -> list[int]:
+        try:
+            return self.chat.text_ids(text)
+        except Exception as exc:  # noqa: BLE001 - e.g. a character the tokenizer has no token for
+            raise BadMessages(f"the messages cannot be tokenized: {type(exc).__name__}: {exc}") from None
+
     def _continuation(self, messages: list[Message], tools: Any) -> list[int] | None:
         """The tokens to append to the current segment for a call with ``messages``, or None when the call does
         not continue it."""
-        if not self.segments:
+        if not self.segments or not self.segments[-1].turns:
             return None
         segment = self.segments[-1]
         known = segment.messages
@@ -136,38 +182,70 @@ class AgentTrace:
         if not after.startswith(before):
             return None
         close = self.chat.turn_close
-        sampled = segment.turns[-1].sampled if segment.turns else []
+        sampled = segment.turns[-1].sampled
         if close and sampled and sampled[-1] == close[0]:
             close = close[1:]  # the model sampled the closing token itself
-        return [*close, *self.chat.text_ids(after[len(before) :])]
+        return [*close, *self._ids(after[len(before) :])]
 
-    def context_for(self, raw_messages: Any, tools: Any) -> list[int]:
+    def prepare(self, raw_messages: Any, tools: Any, max_tokens: int | None = None) -> PendingCall:
         """The token context of a call with ``raw_messages`` (the request's): the current segment's context and
-        the new messages' tokens, or a new segment (see the module docstring). BadMessages for messages that
-        cannot be rendered."""
+        the new messages' tokens, or a new segment's prompt (see the module docstring). The trace is unchanged.
+        BadMessages for messages that cannot be rendered; ContextTooLong past ``max_tokens``."""
         if not isinstance(raw_messages, list) or not raw_messages:
             raise BadMessages("messages: expected a non-empty list")
         messages = [normalized(m, f"messages[{i}]") for i, m in enumerate(raw_messages)]
         observation = self._continuation(messages, tools)
         if observation is not None:
             segment = self.segments[-1]
-            last = segment.turns[-1]
-            segment.turns[-1] = TurnTokens(last.sampled, last.logprobs, last.version, observation, last.rewards)
-            segment.context += observation
-            segment.messages = messages
-            return list(segment.context)
-        if self.segments:
-            self.rewrites += 1
-        prompt = self.chat.text_ids(self._render(messages, tools, generation_prompt=True))
-        self.segments.append(Segment(prompt, tools, messages, list(prompt)))
-        return list(prompt)
+            call = PendingCall(segment.context + observation, messages, tools, segment, observation)
+        else:
+            prompt = self._ids(self._render(messages, tools, generation_prompt=True))
+            call = PendingCall(prompt, messages, tools, None, prompt)
+        if max_tokens is not None and len(call.context) > max_tokens:
+            raise ContextTooLong(
+                f"the conversation is {len(call.context)} tokens; with a turn's new tokens the model takes at most "
+                f"{max_tokens} before them"
+            )
+        return call
 
-    def record(self, sampled: Sequence[int], logprobs: Sequence[float], version: int, reply: Message) -> None:
-        """The call's sampled ids, their behaviour logprobs and version, and the assistant message returned."""
-        segment = self.segments[-1]
-        segment.turns.append(TurnTokens(list(sampled), list(logprobs), int(version)))
-        segment.context += list(sampled)
-        segment.messages = [*segment.messages, reply]
+    def commit(
+        self,
+        call: PendingCall,
+        sampled: Sequence[int],
+        logprobs: Sequence[float],
+        version: int,
+        reply: Message,
+    ) -> bool:
+        """Record ``call`` with the policy's answer: its sampled ids, their behaviour logprobs and version, and the
+        assistant message returned. False, recording nothing, when the episode has ended or another call of it
+        was committed since ``prepare``."""
+        current = self.segments[-1] if self.segments else None
+        # another call committed since prepare: the segment moved on (or a newer one began)
+        stale = call.continues is not None and (
+            call.continues is not current or len(current.context) != len(call.context) - len(call.added)
+        )
+        if self.closed or stale:
+            return False
+        turn = TurnTokens(list(sampled), list(logprobs), int(version))
+        if call.continues is None:
+            self.rewrites += bool(self.segments)
+            self.segments.append(
+                Segment(
+                    call.added,
+                    call.tools,
+                    call.messages,
+                    [*call.added, *sampled],
+                    [turn],
+                )
+            )
+        else:
+            segment = call.continues
+            last = segment.turns[-1]
+            segment.turns[-1] = TurnTokens(last.sampled, last.logprobs, last.version, call.added, last.rewards)
+            segment.turns.append(turn)
+            segment.context = [*call.context, *sampled]
+        self.segments[-1].messages = [*call.messages, reply]
+        return True
 
     def add_rewards(self, rewards: dict[str, float]) -> None:
         """The episode's reward components, on the last turn of every segment: each segment is a row of its own,

@@ -6,6 +6,9 @@ as it likes, with tools, and run its own tools between calls; the endpoint (``rl
 records every call's exact tokens into the episode's trace. ``register_agent(name, fn)`` names one; a
 ``package.module:function`` spec needs no registration.
 
+An agent runs on the rollout worker's event loop beside the endpoint, so it must not block it: an async client,
+awaited I/O (a blocking call stalls every episode of the worker, and the deadline cannot fire until it returns).
+
 ``play_agent`` runs one episode under a deadline. Bad agent code costs only its episode, recorded with why: it
 raised (the exception), hung (the deadline), never called the model, or returned something that is not rewards.
 Calls it makes after its episode ended are refused by the endpoint (404) and counted there.
@@ -14,6 +17,7 @@ Calls it makes after its episode ended are refused by the endpoint (404) and cou
 from __future__ import annotations
 
 import asyncio
+import inspect
 import math
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -47,7 +51,7 @@ def resolve_agent(spec: str, field_name: str = "env.agent") -> Agent:
         raise ConfigError(
             f"{field_name} = {spec!r}: not a registered agent ({known}) nor an importable 'package.module:function'"
         )
-    if not asyncio.iscoroutinefunction(fn):
+    if not inspect.iscoroutinefunction(fn):
         raise ConfigError(f"{field_name} = {spec!r}: must be an async function run(task, client)")
     return fn
 

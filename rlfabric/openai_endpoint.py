@@ -13,13 +13,20 @@ Safety: the server listens on loopback unless told another host, and every reque
 (``Authorization: Bearer <token>``, compared in constant time): a request without it gets 401, a session that is
 not open (never opened, or its episode has ended) 404. Sampling is the run's (``sampling`` section), not the
 request's: the learner trains on what the configured policy sampled, so ``temperature`` and the like are ignored;
-``n`` > 1 and ``stream`` are refused with 400.
+``n`` > 1 and ``stream`` are refused with 400, and so is a conversation that with a turn's tokens would not fit the
+model (``max_context_tokens``; code ``context_length_exceeded``), before it reaches a generator. The calls of one
+session run one at a time (a lock per session), so parallel calls or a client's retries each get an exact record.
+
+The endpoint lives on the event loop that ran ``start``: create it, its ``ActBatcher`` and the agents' clients
+there, and run agents as coroutines that never block that loop (an async client, no blocking I/O).
 """
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
+import re
 import secrets
 import time
 import uuid
@@ -34,6 +41,7 @@ from rlfabric.policies.batching import ActBatcher
 from rlfabric.tools import ParsedCalls, tool_call_parser
 
 _TOOL_BLOCK_PREFIX = "<tool_call>"  # hermes blocks: the text before the first one is the message's content
+_SESSION_KEY = re.compile(r"[A-Za-z0-9_.-]{1,128}")  # one path segment of the base URL
 
 
 def new_run_token() -> str:
@@ -59,6 +67,7 @@ class OpenAIEndpoint:
         tool_parser: str = "hermes",
         host: str = "127.0.0.1",
         model_name: str = "rlfabric-policy",
+        max_context_tokens: int | None = None,
     ) -> None:
         if not token:
             raise ValueError("OpenAIEndpoint needs a token: requests without it are refused")
@@ -68,7 +77,9 @@ class OpenAIEndpoint:
         self.parse: Callable[[str], ParsedCalls] = tool_call_parser(tool_parser)
         self.host = host
         self.model_name = model_name
+        self.max_context_tokens = max_context_tokens  # the model's positions less a turn's new tokens
         self.sessions: dict[str, AgentTrace] = {}  # open sessions' traces, by key
+        self._locks: dict[str, asyncio.Lock] = {}
         self.refused = {"unauthorized": 0, "unknown_session": 0, "bad_request": 0}
         self._runner: web.AppRunner | None = None
         self.port = 0
@@ -95,13 +106,19 @@ class OpenAIEndpoint:
         """Open an episode's session: the base URL its client uses, and the trace its calls fill."""
         if self._runner is None:
             raise RuntimeError("OpenAIEndpoint.open before start")
+        if not _SESSION_KEY.fullmatch(session) or session in self.sessions:
+            raise ValueError(f"session key {session!r}: must be new and 1-128 characters of A-Z a-z 0-9 _ . -")
         trace = AgentTrace(self.chat)
         self.sessions[session] = trace
+        self._locks[session] = asyncio.Lock()
         return f"http://{self.host}:{self.port}/s/{session}/v1", trace
 
     def close(self, session: str) -> AgentTrace:
-        """End a session: its trace; later calls under its key are refused (404)."""
-        return self.sessions.pop(session)
+        """End a session: its trace; later calls under its key, and answers still on their way, are refused (404)."""
+        self._locks.pop(session, None)
+        trace = self.sessions.pop(session)
+        trace.closed = True
+        return trace
 
     # -- requests -------------------------------------------------------------------------------------------
 
@@ -131,34 +148,40 @@ class OpenAIEndpoint:
         if refusal is not None:
             return refusal
         assert trace is not None
+        key = request.match_info["session"]
         try:
             body = await request.json()
-        except json.JSONDecodeError:
-            self.refused["bad_request"] += 1
-            return openai_error(400, "the request body is not JSON", "invalid_request_error")
+        except (ValueError, UnicodeDecodeError):  # JSONDecodeError is a ValueError
+            return self._bad_request("the request body is not JSON (UTF-8)", "invalid_request_error")
         problem = _unsupported(body)
-        if problem is None:
-            try:
-                context = trace.context_for(body.get("messages"), body.get("tools"))
-            except BadMessages as exc:
-                problem = str(exc)
         if problem is not None:
-            self.refused["bad_request"] += 1
-            return openai_error(400, problem, "invalid_request_error")
-        try:
-            out = await self.batcher.act(context, request.match_info["session"])
-        except Exception as exc:  # noqa: BLE001 - a generator's failure: the worker decides (see agents.play_agent)
-            trace.policy_error = exc
-            return openai_error(503, f"the policy could not answer: {exc}", "server_error")
-        sampled, logprobs = list(out.actions[0]), list(out.logprobs[0])
-        text = str(out.info["text"][0])
-        finish = str(out.info.get("finish_reason", ["stop"])[0])
-        calls = self.parse(text).calls
-        content = text.split(_TOOL_BLOCK_PREFIX, 1)[0].strip() if calls else text
-        trace.record(sampled, logprobs, int(out.versions[0]), assistant_message(content, calls))
-        return web.json_response(
-            _completion(self.model_name, content, calls, _finish_reason(finish, calls), len(context), len(sampled))
+            return self._bad_request(problem, "invalid_request_error")
+        async with self._locks.get(key) or asyncio.Lock():
+            try:
+                call = trace.prepare(body.get("messages"), body.get("tools"), self.max_context_tokens)
+            except BadMessages as exc:
+                return self._bad_request(str(exc), exc.code)
+            try:
+                out = await self.batcher.act(call.context, key)
+            except Exception as exc:  # noqa: BLE001 - a generator's failure: the worker decides (agents.play_agent)
+                trace.policy_error = exc
+                return openai_error(503, f"the policy could not answer: {exc}", "server_error")
+            sampled, logprobs = list(out.actions[0]), list(out.logprobs[0])
+            text = str(out.info["text"][0])
+            finish = str(out.info.get("finish_reason", ["stop"])[0])
+            calls = self.parse(text).calls
+            content = text.split(_TOOL_BLOCK_PREFIX, 1)[0].strip() if calls else text
+            if not trace.commit(call, sampled, logprobs, int(out.versions[0]), assistant_message(content, calls)):
+                self.refused["unknown_session"] += 1
+                return openai_error(404, "the episode ended while this call was answered", "not_found")
+        completion = _completion(
+            self.model_name, content, calls, _finish_reason(finish, calls), len(call.context), len(sampled)
         )
+        return web.json_response(completion)
+
+    def _bad_request(self, message: str, code: str) -> web.Response:
+        self.refused["bad_request"] += 1
+        return openai_error(400, message, code)
 
 
 def _unsupported(body: Any) -> str | None:
