@@ -297,7 +297,12 @@ class BestOfNEval:
         d, seed = self.cfg.data, self.cfg.training.seed
         train = load_prompts(d.train, num_rows=d.num_train, seed=seed, prompt_key=d.prompt_key)
         rows = load_heldout(
-            d.eval or d.train, train_rows=train, num_rows=self.num_prompts, seed=seed, prompt_key=d.prompt_key
+            d.eval or d.train,
+            train_rows=train,
+            num_rows=self.num_prompts,
+            seed=seed,
+            prompt_key=d.prompt_key,
+            count_field="--num-prompts (default data.num_eval)",
         )
         tokenizer = load_tokenizer(model_dir)
         ids = [encode_prompt(tokenizer, r[d.prompt_key], d.chat_template) for r in rows]
