@@ -83,7 +83,7 @@ def normalized(message: Any, where: str) -> Message:
     if calls:
         if not isinstance(calls, list):
             raise BadMessages(f"{where}.tool_calls: expected a list")
-        out["tool_calls"] = []
+        parsed = []
         for k, call in enumerate(calls):
             function = call.get("function") if isinstance(call, dict) else None
             if not isinstance(function, dict) or not isinstance(function.get("name"), str):
@@ -91,12 +91,8 @@ def normalized(message: Any, where: str) -> Message:
                     f"{where}.tool_calls[{k}]: expected {{'function': {{'name': ..., 'arguments': ...}}}}"
                 )
             arguments = tool_call_arguments(function.get("arguments", "{}"), f"{where}.tool_calls[{k}]")
-            out["tool_calls"].append(
-                {
-                    "type": "function",
-                    "function": {"name": function["name"], "arguments": arguments},
-                }
-            )
+            parsed.append(ToolCall(function["name"], arguments))
+        out["tool_calls"] = template_calls(parsed)
     if out["role"] == "tool":
         for key in ("tool_call_id", "name"):
             if isinstance(message.get(key), str):
@@ -104,17 +100,17 @@ def normalized(message: Any, where: str) -> Message:
     return out
 
 
+def template_calls(calls: Sequence[ToolCall]) -> list[dict[str, Any]]:
+    """Tool calls in the form chat templates render: ``{"type": "function", "function": {"name", "arguments"}}``
+    with the arguments as an object."""
+    return [{"type": "function", "function": {"name": c.name, "arguments": dict(c.arguments)}} for c in calls]
+
+
 def assistant_message(content: str, calls: Sequence[ToolCall]) -> Message:
     """The normalized assistant message for a reply of ``content`` and ``calls`` (what a client hands back)."""
     out: Message = {"role": "assistant", "content": content}
     if calls:
-        out["tool_calls"] = [
-            {
-                "type": "function",
-                "function": {"name": c.name, "arguments": dict(c.arguments)},
-            }
-            for c in calls
-        ]
+        out["tool_calls"] = template_calls(calls)
     return out
 
 
@@ -153,12 +149,7 @@ class AgentTrace:
 
     def _render(self, messages: list[Message], tools: Any, generation_prompt: bool) -> str:
         try:
-            return self.chat.tokenizer.apply_chat_template(
-                messages,
-                tools=tools or None,
-                tokenize=False,
-                add_generation_prompt=generation_prompt,
-            )
+            return self.chat.render(messages, generation_prompt, tools)
         except Exception as exc:  # noqa: BLE001 - a template error is the request's, told to the agent
             raise BadMessages(f"the chat template cannot render these messages: {type(exc).__name__}: {exc}") from None
 
@@ -181,11 +172,7 @@ class AgentTrace:
         after = self._render(messages, tools, generation_prompt=True)
         if not after.startswith(before):
             return None
-        close = self.chat.turn_close
-        sampled = segment.turns[-1].sampled
-        if close and sampled and sampled[-1] == close[0]:
-            close = close[1:]  # the model sampled the closing token itself
-        return [*close, *self._ids(after[len(before) :])]
+        return [*self.chat.close_after(segment.turns[-1].sampled), *self._ids(after[len(before) :])]
 
     def prepare(self, raw_messages: Any, tools: Any, max_tokens: int | None = None) -> PendingCall:
         """The token context of a call with ``raw_messages`` (the request's): the current segment's context and

@@ -78,8 +78,8 @@ class OpenAIEndpoint:
         self.host = host
         self.model_name = model_name
         self.max_context_tokens = max_context_tokens  # the model's positions less a turn's new tokens
-        self.sessions: dict[str, AgentTrace] = {}  # open sessions' traces, by key
-        self._locks: dict[str, asyncio.Lock] = {}
+        # open sessions by key: the trace their calls fill, and the lock that runs those calls one at a time
+        self.sessions: dict[str, tuple[AgentTrace, asyncio.Lock]] = {}
         self.refused = {"unauthorized": 0, "unknown_session": 0, "bad_request": 0}
         self._runner: web.AppRunner | None = None
         self.port = 0
@@ -109,14 +109,12 @@ class OpenAIEndpoint:
         if not _SESSION_KEY.fullmatch(session) or session in self.sessions:
             raise ValueError(f"session key {session!r}: must be new and 1-128 characters of A-Z a-z 0-9 _ . -")
         trace = AgentTrace(self.chat)
-        self.sessions[session] = trace
-        self._locks[session] = asyncio.Lock()
+        self.sessions[session] = (trace, asyncio.Lock())
         return f"http://{self.host}:{self.port}/s/{session}/v1", trace
 
     def close(self, session: str) -> AgentTrace:
         """End a session: its trace; later calls under its key, and answers still on their way, are refused (404)."""
-        self._locks.pop(session, None)
-        trace = self.sessions.pop(session)
+        trace, _ = self.sessions.pop(session)
         trace.closed = True
         return trace
 
@@ -127,7 +125,7 @@ class OpenAIEndpoint:
         given = header[len("Bearer ") :] if header.startswith("Bearer ") else ""
         return hmac.compare_digest(given.encode(), self.token.encode())
 
-    def _session(self, request: web.Request) -> tuple[AgentTrace | None, web.Response | None]:
+    def _session(self, request: web.Request) -> tuple[tuple[AgentTrace, asyncio.Lock] | None, web.Response | None]:
         if not self._authorized(request):
             self.refused["unauthorized"] += 1
             return None, openai_error(401, "missing or wrong API key: use the run's token", "invalid_api_key")
@@ -144,10 +142,11 @@ class OpenAIEndpoint:
         return web.json_response({"object": "list", "data": [{"id": self.model_name, "object": "model"}]})
 
     async def _chat_completions(self, request: web.Request) -> web.Response:
-        trace, refusal = self._session(request)
+        session, refusal = self._session(request)
         if refusal is not None:
             return refusal
-        assert trace is not None
+        assert session is not None
+        trace, lock = session
         key = request.match_info["session"]
         try:
             body = await request.json()
@@ -156,7 +155,7 @@ class OpenAIEndpoint:
         problem = _unsupported(body)
         if problem is not None:
             return self._bad_request(problem, "invalid_request_error")
-        async with self._locks.get(key) or asyncio.Lock():
+        async with lock:
             try:
                 call = trace.prepare(body.get("messages"), body.get("tools"), self.max_context_tokens)
             except BadMessages as exc:

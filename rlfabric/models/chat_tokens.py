@@ -32,8 +32,8 @@ class ChatTokens:
         self.tokenizer = tokenizer
         self.role = role
         first = [{"role": "user", "content": _USER}, {"role": "assistant", "content": _ASSISTANT}]
-        before = self._render(first, generation_prompt=False)
-        after = self._render([*first, {"role": role, "content": _NEXT}], generation_prompt=True)
+        before = self.render(first, generation_prompt=False)
+        after = self.render([*first, {"role": role, "content": _NEXT}], generation_prompt=True)
         if not after.startswith(before):
             raise ValueError(
                 "the tokenizer's chat template renders earlier turns differently once a turn is added, so turns "
@@ -45,8 +45,12 @@ class ChatTokens:
         self.reply_open = self._ids(opening)  # e.g. <|im_start|>user\n
         self.reply_close = self._ids(reply_end)  # e.g. <|im_end|>\n<|im_start|>assistant\n
 
-    def _render(self, messages: list[dict[str, str]], generation_prompt: bool) -> str:
-        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+    def render(self, messages: list[dict[str, Any]], generation_prompt: bool, tools: Any = None) -> str:
+        """``messages`` (and ``tools``, the tool definitions, when the template shows them) through the template,
+        as text; with ``generation_prompt``, the opening of the next assistant turn after them."""
+        return self.tokenizer.apply_chat_template(
+            messages, tools=tools or None, tokenize=False, add_generation_prompt=generation_prompt
+        )
 
     def _ids(self, text: str) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=False).input_ids) if text else []
@@ -57,12 +61,17 @@ class ChatTokens:
 
     def prompt(self, messages: Sequence[dict[str, str]]) -> list[int]:
         """The first prompt: the opening messages through the template, with the generation prompt."""
-        return self._ids(self._render(list(messages), generation_prompt=True))
+        return self._ids(self.render(list(messages), generation_prompt=True))
+
+    def close_after(self, sampled: Sequence[int]) -> list[int]:
+        """What closes an assistant turn whose ids are ``sampled``: the template's closing delimiter, less its first
+        token when the model sampled that itself (it stopped on it)."""
+        close = self.turn_close
+        if close and sampled and sampled[-1] == close[0]:
+            return close[1:]
+        return list(close)
 
     def reply(self, sampled: Sequence[int], text: str) -> list[int]:
         """The tokens to append after a turn's ``sampled`` ids: the rest of the turn's closing delimiter, then
         the env's reply ``text`` as a ``role`` message, then the next assistant turn's opening."""
-        close = self.turn_close
-        if close and sampled and sampled[-1] == close[0]:
-            close = close[1:]  # the model sampled the closing token itself
-        return [*close, *self.reply_open, *self._ids(text), *self.reply_close]
+        return [*self.close_after(sampled), *self.reply_open, *self._ids(text), *self.reply_close]
