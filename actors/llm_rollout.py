@@ -34,6 +34,14 @@ import torch
 
 from rlfabric import registry, rewards
 from rlfabric.agent_loop import EpisodeLimits, episodes_to_trajectories, run_episodes
+from rlfabric.agent_rollout import (
+    REFUSED_COUNTS,
+    AgentSource,
+    agent_trajectories,
+    episode_versions,
+    play_agents,
+    transcript,
+)
 from rlfabric.algorithms.grpo import group_has_signal
 from rlfabric.compact import FloatFields
 from rlfabric.data import row_metadata
@@ -70,9 +78,13 @@ EPISODE_COUNTS = (
     "mixed_version_episodes",
     *(f"invalid_tool_calls_{k}" for k in ERROR_KINDS),
 )
+# What outside agents' episodes (env.agent) add: calls whose history did not continue the episode's trace (each
+# opened an exact segment, a row of its own) and requests the endpoint refused, by kind.
+AGENT_COUNTS = ("rewrites", *REFUSED_COUNTS)
 META_NUMBERS = FloatFields(
     *META_COUNTS,
     *EPISODE_COUNTS,
+    *AGENT_COUNTS,
     "response_length_mean",
     "generate_time_s",
     "reward_time_s",
@@ -152,14 +164,17 @@ class LLMRolloutCore:
         reward_registry: bytes,
         prompt_key: str,
         text_env: TextEnvSource | None = None,
+        agent: AgentSource | None = None,
         efficiency: dict[str, Any] | None = None,
         combine: dict[str, Any] | None = None,
         shadow: dict[str, Any] | None = None,
         process: dict[str, Any] | None = None,
         model_dir: str | None = None,
     ) -> None:
-        """``process``: the ``rewards.process`` section (None: off); ``model_dir``: the policy's folder, whose
-        tokenizer maps step boundaries to tokens when ``process["split"]`` cuts completions into steps."""
+        """``text_env`` / ``agent``: where episodes come from when the run plays a text env or an outside agent
+        (None: single-turn completions); ``process``: the ``rewards.process`` section (None: off); ``model_dir``:
+        the policy's folder, whose tokenizer maps step boundaries to tokens when ``process["split"]`` cuts
+        completions into steps."""
         rewards.load_snapshot(reward_registry)
         self.pool = (
             RewardPool(
@@ -170,15 +185,19 @@ class LLMRolloutCore:
                 snapshot=reward_registry,
             )
             if reward_functions
-            else None  # a text env gives the rewards itself
+            else None  # a text env or an agent gives the rewards itself
         )
         self.text_env = text_env
+        self.agent = agent
         self.chat: ChatTokens | None = None
         self.make_env: Callable[[], TextEnv] | None = None
         if text_env is not None:
             registry.load_snapshot(text_env.registry)
             self.chat = ChatTokens(load_tokenizer(text_env.model_dir))
             self.make_env = text_env_factory(text_env.spec, text_env.kwargs)
+        if agent is not None:
+            self.chat = ChatTokens(load_tokenizer(agent.model_dir))
+            self.play_agent = agent.load()
         self.weights = reward_weights
         self.efficiency = efficiency if efficiency and efficiency["weight"] > 0 else None
         self.combine = combine
@@ -272,6 +291,8 @@ class LLMRolloutCore:
         """(metadata, record of the scored samples) for one request; see the module docstring."""
         if self.text_env is not None:
             return self._play(request)
+        if self.agent is not None:
+            return self._play_agents(request)
         started = time.perf_counter()
         prompts = self.prompt_sets[request.prompt_set]
         g = request.group_size
@@ -397,22 +418,97 @@ class LLMRolloutCore:
                 "reward_time_s": 0.0,
             }
         )
-        errors = list(dict.fromkeys(e.error for e in episodes if e.error is not None))[:MAX_ERRORS_IN_META]
+        outcomes = [(" | ".join(e.texts), e.rewards, e.error) for e in episodes]
+        return self._episodes_outcome(meta, request, tasks, outcomes, scalar, trajectories)
+
+    def _play_agents(self, request: RolloutRequest) -> tuple[dict[str, Any], Trajectories | None]:
+        """``rollout`` with an outside agent (``rlfabric.agent_rollout``): ``group_size`` episodes per task row,
+        all in flight at once on an endpoint of this rollout, their calls batched; the agent's returned components
+        are the rewards, on every exact segment (row) of its episode."""
+        assert self.agent is not None and self.chat is not None
+        source, g = self.agent, request.group_size
+        started = time.perf_counter()
+        tasks = [self.prompt_sets[request.prompt_set].rows[i] for i in request.indices for _ in range(g)]
+        meta: dict[str, Any] = {**request.meta, "samples": len(tasks)}
+        policy = ServedLLMPolicy(request.generators, request.params, request.timeout_s)
+        try:
+            episodes, refused = asyncio.run(
+                play_agents(
+                    self.play_agent,
+                    tasks,
+                    self.chat,
+                    batcher=ActBatcher(policy),
+                    tool_parser=source.tool_parser,
+                    deadline_s=source.deadline_s,
+                    max_context_tokens=source.max_context_tokens,
+                )
+            )
+        except GeneratorsFailed as failed:
+            return {**meta, "generator_failures": failed.failures}, None
+        group_ids = np.repeat(np.arange(request.first_group, request.first_group + len(request.indices)), g)
+        episode_ids = [request.first_group * g + i for i in range(len(episodes))]
+        trajectories = agent_trajectories(episodes, episode_ids, group_ids)
+        kept = [e for e in episodes if e.error is None]
+        scalar = self.scalar_rewards(trajectories)
+        versions = episode_versions(episodes)
+        sampled = [sum(len(t.sampled) for s in e.trace.segments for t in s.turns) for e in episodes]
+        solved = [e for e in kept if e.rewards.get("correct", 0.0) > 0]
+        meta.update(
+            {
+                "rows": trajectories.num_rows,
+                "failed": len(episodes) - len(kept),
+                "tokens": int(sum(sampled)),
+                "group_stats": group_statistics(
+                    trajectories.group_id, scalar, versions, list(range(request.first_group, group_ids[-1] + 1))
+                ),
+                "component_means": {k: float(v.mean()) for k, v in trajectories.final_rewards.items()} if kept else {},
+                "response_length_mean": float(np.mean(sampled)),
+                "reward_restarts": 0,
+                "record_bytes": trajectories.nbytes(),
+                "turns": sum(e.trace.calls for e in episodes),
+                "tool_calls": sum(e.trace.tool_calls for e in episodes),
+                "solved_episodes": len(solved),
+                "solved_tool_calls": sum(e.trace.tool_calls for e in solved),
+                "mixed_version_episodes": sum(
+                    len({t.version for s in e.trace.segments for t in s.turns}) > 1 for e in kept
+                ),
+                "rewrites": sum(e.trace.rewrites for e in episodes),
+                **refused,
+                "generate_time_s": time.perf_counter() - started,  # episodes interleave calls and the agents' work
+                "reward_time_s": 0.0,
+            }
+        )
+        outcomes = [(transcript(e.trace), e.rewards, e.error) for e in episodes]
+        return self._episodes_outcome(meta, request, tasks, outcomes, scalar, trajectories)
+
+    def _episodes_outcome(
+        self,
+        meta: dict[str, Any],
+        request: RolloutRequest,
+        tasks: list[dict[str, Any]],
+        outcomes: list[tuple[str, dict[str, float], str | None]],
+        scalar: np.ndarray,
+        trajectories: Trajectories,
+    ) -> tuple[dict[str, Any], Trajectories | None]:
+        """What a rollout of multi-turn episodes returns, given each episode's (transcript, reward components,
+        error): the first errors and the samples asked for in the metadata; an evaluation's sums instead of the
+        record."""
+        errors = list(dict.fromkeys(error for _, _, error in outcomes if error is not None))[:MAX_ERRORS_IN_META]
         if errors:
             meta["errors"] = errors
         if request.keep_samples:
             meta["shown"] = [
                 {
                     "prompt": task.get(self.prompt_key, ""),
-                    "completion": " | ".join(e.texts),
+                    "completion": text,
                     "metadata": row_metadata(task, self.prompt_key),
-                    "components": e.rewards,
-                    "error": e.error,
+                    "components": components,
+                    "error": error,
                 }
-                for task, e in list(zip(tasks, episodes, strict=True))[: request.keep_samples]
+                for task, (text, components, error) in list(zip(tasks, outcomes, strict=True))[: request.keep_samples]
             ]
         if request.prompt_set == "eval":
-            meta["correct_sum"] = float(sum(e.rewards.get("correct", 0.0) for e in kept))
+            meta["correct_sum"] = float(sum(c.get("correct", 0.0) for _, c, error in outcomes if error is None))
             meta["reward_sum"] = float(scalar.sum())
             return meta, None
         return meta, trajectories
@@ -449,7 +545,7 @@ def decode_meta(raw: tuple) -> dict[str, Any]:
     """``encode_meta``'s input back, as a dict."""
     numbers, stats, names, means, rest = raw
     meta: dict[str, Any] = META_NUMBERS.unpack(numbers)
-    for key in (*META_COUNTS, *EPISODE_COUNTS):
+    for key in (*META_COUNTS, *EPISODE_COUNTS, *AGENT_COUNTS):
         if key in meta:
             meta[key] = int(meta[key])
     if stats is not None:

@@ -25,11 +25,14 @@ from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from rlfabric import shipping
+from rlfabric.config import ConfigError
 from rlfabric.models.chat_tokens import ChatTokens
 from rlfabric.policies.batching import ActBatcher
 from rlfabric.text_env import TextEnv, TextStep, call_env
 from rlfabric.trajectory import NO_VERSION, Trajectories, TurnTokens, from_turns
 
+DEFAULT_EPISODE_TOKENS = 2048  # an episode's token budget when the model's config does not say how long its context is
 # A scripted player of a text env: (task, the chat so far as role/content messages) -> the next action's text.
 Player = Callable[[dict[str, Any], list[dict[str, str]]], str]
 
@@ -84,13 +87,14 @@ class Episode:
 
 @dataclass
 class Turn:
-    """One turn's action: the token ids (as sampled), their behaviour logprobs, the version that chose them, and
-    their text."""
+    """One turn's action: the token ids (as sampled), their behaviour logprobs, the version that chose them, their
+    text, and why sampling stopped ("stop", or "length" when the turn ran out of tokens)."""
 
     sampled: list[int]
     logprobs: list[float]
     version: int
     text: str
+    finish_reason: str = "stop"
 
 
 class PolicyTurns:
@@ -103,7 +107,21 @@ class PolicyTurns:
 
     async def next_turn(self, context: list[int], messages: list[dict[str, str]], task: dict[str, Any]) -> Turn:
         acted = await self.batcher.act(context, self.session)
-        return Turn(list(acted.actions[0]), list(acted.logprobs[0]), int(acted.versions[0]), str(acted.info["text"][0]))
+        return Turn(
+            list(acted.actions[0]),
+            list(acted.logprobs[0]),
+            int(acted.versions[0]),
+            str(acted.info["text"][0]),
+            str(acted.info.get("finish_reason", ["stop"])[0]),
+        )
+
+
+def scripted_player(spec: str) -> Player:
+    """The ``sft.player`` function, or one ConfigError naming it."""
+    player = shipping.import_callable(spec)
+    if not callable(player):
+        raise ConfigError(f"sft.player = {spec!r} is not valid: not an importable 'package.module:function'")
+    return player
 
 
 class ScriptedTurns:

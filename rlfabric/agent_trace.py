@@ -123,6 +123,7 @@ class Segment:
     messages: list[Message]  # what the context renders: the calls' messages and the assistant replies
     context: list[int]  # prompt, then each turn's sampled ids and observation so far
     turns: list[TurnTokens] = field(default_factory=list)
+    truncated: bool = False  # its last turn ran out of tokens (sampling's max_new_tokens)
 
 
 @dataclass(frozen=True)
@@ -144,6 +145,7 @@ class AgentTrace:
         self.chat = chat
         self.segments: list[Segment] = []
         self.rewrites = 0  # calls whose history did not continue the trace: each opened a new segment
+        self.tool_calls = 0  # tool calls in the replies recorded
         self.policy_error: BaseException | None = None  # a call the policy failed (a lost generator)
         self.closed = False  # the episode ended: no call is recorded any more
 
@@ -202,10 +204,11 @@ class AgentTrace:
         logprobs: Sequence[float],
         version: int,
         reply: Message,
+        truncated: bool = False,
     ) -> bool:
-        """Record ``call`` with the policy's answer: its sampled ids, their behaviour logprobs and version, and the
-        assistant message returned. False, recording nothing, when the episode has ended or another call of it
-        was committed since ``prepare``."""
+        """Record ``call`` with the policy's answer: its sampled ids, their behaviour logprobs and version, the
+        assistant message returned, and whether the turn ran out of tokens. False, recording nothing, when the
+        episode has ended or another call of it was committed since ``prepare``."""
         current = self.segments[-1] if self.segments else None
         # another call committed since prepare: the segment moved on (or a newer one began)
         stale = call.continues is not None and (
@@ -232,6 +235,8 @@ class AgentTrace:
             segment.turns.append(turn)
             segment.context = [*call.context, *sampled]
         self.segments[-1].messages = [*call.messages, reply]
+        self.segments[-1].truncated = truncated
+        self.tool_calls += len(reply.get("tool_calls") or [])
         return True
 
     def add_rewards(self, rewards: dict[str, float]) -> None:

@@ -95,6 +95,14 @@ class LLMEnvConfig:
     # streamable HTTP on {port} ({mine: "my-mcp-server --port {port}"}), or a stdio server ({mine: "my-mcp-server"}),
     # run behind the stdio gateway, a process per session. The env's factory gets them as tool_servers={name: actor}.
     tool_servers: list[str] | dict[str, str] = field(default_factory=list)
+    # An outside agent instead of a text env (rlfabric.agents, docs/agents.md): an async function run(task, client)
+    # written against an OpenAI client, returning its reward components; group_size episodes per task row of
+    # data.train, each with a client on the run's endpoint. A name given to register_agent or "package.module:function".
+    agent: str = ""
+    # Deadline of a whole agent episode (env.agent): an agent still running then is a failed episode.
+    agent_timeout_s: float = 120.0
+    # How the endpoint reads tool calls from the model's text for its replies (a parser in rlfabric.tools).
+    tool_parser: str = "hermes"
 
 
 @dataclass
@@ -345,7 +353,7 @@ def validate_llm(cfg: LLMConfig) -> LLMConfig:
     validate_rewards(cfg.rewards, cfg.env.id, cfg.grpo.step_credit)
     if cfg.reward_model.pairs:
         validate_reward_model(cfg.reward_model)
-    if cfg.env.id:
+    if cfg.env.id or cfg.env.agent:
         _validate_env(cfg)
     elif not cfg.rewards.functions:
         raise ConfigError("rewards.functions = [] is not valid: list at least one reward function")
@@ -353,8 +361,16 @@ def validate_llm(cfg: LLMConfig) -> LLMConfig:
 
 
 def _validate_env(cfg: LLMConfig) -> None:
-    """Checks for training on a text env (``env.id`` set)."""
+    """Checks for training on a text env (``env.id`` set) or an outside agent (``env.agent``)."""
     e = cfg.env
+    what = "env.id" if e.id else "env.agent"
+    require(
+        not (e.id and e.agent),
+        "env.agent",
+        e.agent,
+        f"is exclusive with env.id ({e.id!r}): a run plays a text env or an agent, not both",
+    )
+    positive("env.agent_timeout_s", e.agent_timeout_s)
     require(e.max_turns >= 1, "env.max_turns", e.max_turns, "must be at least 1")
     positive("env.step_timeout_s", e.step_timeout_s)
     if e.max_episode_tokens is not None:
@@ -368,13 +384,21 @@ def _validate_env(cfg: LLMConfig) -> None:
         cfg.sft.steps == 0 or bool(cfg.sft.player),
         "sft.steps",
         cfg.sft.steps,
-        "needs sft.player with env.id (a scripted player whose episodes are the demonstrations), or 0",
+        f"needs sft.player with {what} (a scripted player whose episodes are the demonstrations), or 0",
     )
     require(
         not cfg.rewards.functions,
         "rewards.functions",
         [f.name for f in cfg.rewards.functions],
-        "must be [] with env.id: the text env gives the rewards, by component, at each step",
+        "must be [] with env.id: the text env gives the rewards, by component, at each step"
+        if e.id
+        else "must be [] with env.agent: the agent returns its episode's reward components",
+    )
+    require(
+        not (e.agent and e.tool_servers),
+        "env.tool_servers",
+        e.tool_servers,
+        "needs env.id: the servers are handed to a text env's factory; an agent (env.agent) runs its own tools",
     )
     servers = e.tool_servers
     entries = servers.items() if isinstance(servers, dict) else [(name, "") for name in servers]

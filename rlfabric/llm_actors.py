@@ -220,12 +220,12 @@ def start_reference(cfg: LLMConfig, reference_dir: str | None, pad_id: int) -> A
 
 
 def start_rollout_worker(
-    cfg: LLMConfig, text_env: Any = None, scorer: str | None = None, model_dir: str | None = None
+    cfg: LLMConfig, text_env: Any = None, scorer: str | None = None, model_dir: str | None = None, agent: Any = None
 ) -> Any:
     """The rollout worker, with its reward services (the driver's reward registrations travel with it), playing
-    ``text_env`` (a ``TextEnvSource``) when the run trains on one; ``scorer`` names the likelihood scorer the
-    policy ``likelihood`` rewards call; ``model_dir`` is the policy's folder, whose tokenizer maps process-reward
-    steps to tokens."""
+    ``text_env`` (a ``TextEnvSource``) or ``agent`` (an ``AgentSource``) when the run trains on one; ``scorer``
+    names the likelihood scorer the policy ``likelihood`` rewards call; ``model_dir`` is the policy's folder, whose
+    tokenizer maps process-reward steps to tokens."""
     from rlfabric.actors.llm_rollout import LLMRolloutWorker
 
     r = cfg.rewards
@@ -240,6 +240,7 @@ def start_rollout_worker(
         reward_registry=rewards.snapshot(),
         prompt_key=cfg.data.prompt_key,
         text_env=text_env,
+        agent=agent,
         efficiency=dataclasses.asdict(r.efficiency),
         combine=dataclasses.asdict(r.combine),
         shadow=shadow,

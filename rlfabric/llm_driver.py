@@ -31,6 +31,7 @@ from rlfabric import rewards
 from rlfabric.actor_slots import ActorSlots, RunAbortedError, error_summary
 from rlfabric.actors.llm_learner import ADDITIVE_LEARNER_METRICS, LEARNER_METRICS
 from rlfabric.actors.llm_rollout import PromptSet, RolloutRequest, TextEnvSource
+from rlfabric.agent_rollout import AgentDemonstrations, AgentSource, agent_run_source
 from rlfabric.compact import payload_bytes
 from rlfabric.config import ConfigError
 from rlfabric.data import check_prompt_lengths, load_heldout, load_prompts
@@ -121,8 +122,10 @@ class GRPOTrainer:
         self.learners: list[Any] = []
         self.reference: Any = None
         self.text_env: TextEnvSource | None = None  # what the rollout worker plays, when env.id names a text env
+        self.agent: AgentSource | None = None  # what it plays when env.agent names an outside agent
         self.tool_servers: dict[str, Any] = {}  # supervised MCP servers by name (env.tool_servers)
-        self.demonstrations: Demonstrations | None = None  # the scripted player's episodes, for a text env's warm-up
+        # the scripted player's episodes, for the warm-up of a run on a text env or an agent
+        self.demonstrations: Demonstrations | AgentDemonstrations | None = None
         self.log: RunLog | None = None
         self._elapsed_before = 0.0  # wall clock of the sessions before a resume
         # The weights the KL penalty anchors to: the initial model, or the policy after the SFT warm-up (saved
@@ -227,6 +230,12 @@ class GRPOTrainer:
                 self.demonstrations = Demonstrations(self.text_env, self.cfg.sft.player, self.tokenizer)
             self.train_ids, self.eval_ids = [[] for _ in self.train_rows], [[] for _ in self.eval_rows]
             return
+        if self.cfg.env.agent:  # task rows for an agent: it writes its own messages
+            self.agent = agent_run_source(self.cfg, self.tokenizer, self.model_dir, model_max_positions(self.model_dir))
+            if self.cfg.sft.steps:
+                self.demonstrations = AgentDemonstrations(self.agent, self.cfg.sft.player, self.tokenizer)
+            self.train_ids, self.eval_ids = [[] for _ in self.train_rows], [[] for _ in self.eval_rows]
+            return
         self.train_ids = [encode_prompt(self.tokenizer, r[d.prompt_key], d.chat_template) for r in self.train_rows]
         self.eval_ids = [encode_prompt(self.tokenizer, r[d.prompt_key], d.chat_template) for r in self.eval_rows]
         check_prompt_lengths(  # prompts that cannot fit the model's context fail here, not in a generator
@@ -307,7 +316,9 @@ class GRPOTrainer:
         self._start = time.monotonic() - self._elapsed_before  # times and rates count every session
 
     def _start_rollout_worker(self) -> Any:
-        worker = start_rollout_worker(self.cfg, self.text_env, self.scorers.reward_name, model_dir=self.base_model_dir)
+        worker = start_rollout_worker(
+            self.cfg, self.text_env, self.scorers.reward_name, model_dir=self.base_model_dir, agent=self.agent
+        )
         self.rollouts.load_prompts_into(worker)
         return worker
 
@@ -436,7 +447,7 @@ class GRPOTrainer:
             self.rollouts.note_reward_error(error)
         row = eval_row(meta, label)
         if row["eval_failed"] == meta["samples"] > 0 and meta.get("errors"):
-            raise RunAbortedError(f"every held-out sample failed its reward: {meta['errors'][0]}")
+            raise RunAbortedError(f"every held-out sample failed {self._failing_part()}: {meta['errors'][0]}")
         self._log(row)
         self._last_shown = meta.get("shown", [])
         return row
@@ -524,9 +535,12 @@ class GRPOTrainer:
         self._steps_without_scores += 1
         if self._steps_without_scores >= MAX_STEPS_WITHOUT_SCORES:
             first = next(iter(self.rollouts.errors_seen))
-            raise RunAbortedError(
-                f"every sample of the last {MAX_STEPS_WITHOUT_SCORES} steps failed its reward; first error: {first}"
-            )
+            steps, part = MAX_STEPS_WITHOUT_SCORES, self._failing_part()
+            raise RunAbortedError(f"every sample of the last {steps} steps failed {part}; first error: {first}")
+
+    def _failing_part(self) -> str:
+        """What fails a sample of this run, for the errors that stop it."""
+        return "its episode" if self.cfg.env.id or self.cfg.env.agent else "its reward"
 
     def _stop_if_asked(self, stop: threading.Event) -> None:
         if not stop.is_set():

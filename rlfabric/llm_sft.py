@@ -1,5 +1,6 @@
-"""The supervised warm-up's batches (``sft``): each row's demonstration after its prompt, or with a text env a
-scripted player's episodes on the rows' tasks (``rlfabric.llm_text_env.Demonstrations``)."""
+"""The supervised warm-up's batches (``sft``): each row's demonstration after its prompt, or with a text env or an
+outside agent a scripted player's episodes on the rows' tasks (``rlfabric.llm_text_env.Demonstrations``,
+``rlfabric.agent_rollout.AgentDemonstrations``)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from typing import Any
 
 import numpy as np
 
+from rlfabric.agent_rollout import AgentDemonstrations
 from rlfabric.config import ConfigError
 from rlfabric.grpo_config import LLMConfig
 from rlfabric.llm_text_env import Demonstrations
@@ -20,10 +22,10 @@ def sft_batch(
     prompt_ids: list[list[int]],
     indices: list[int],
     rng: np.random.Generator,
-    demonstrations: Demonstrations | None,
+    demonstrations: Demonstrations | AgentDemonstrations | None,
 ) -> dict[str, np.ndarray]:
     """The SFT batch of the rows ``indices``: their ``sft.answer_key`` demonstration (one at random from a list)
-    after their prompt, closed with EOS; or, on a text env, the scripted player's episodes on them."""
+    after their prompt, closed with EOS; or, on a text env or an agent, the scripted player's episodes on them."""
     pad_id = tokenizer.pad_token_id
     if demonstrations is not None:
         return demonstrations.batch([rows[i] for i in indices])

@@ -8,23 +8,22 @@ from typing import Any
 
 import numpy as np
 
-from rlfabric import registry, shipping
-from rlfabric.actors.llm_rollout import EPISODE_COUNTS, TextEnvSource
+from rlfabric import registry
+from rlfabric.actors.llm_rollout import AGENT_COUNTS, EPISODE_COUNTS, TextEnvSource
 from rlfabric.agent_loop import (
+    DEFAULT_EPISODE_TOKENS,
     EpisodeLimits,
-    Player,
     ScriptedTurns,
     close_env,
     episodes_to_trajectories,
     run_episodes,
+    scripted_player,
 )
 from rlfabric.config import ConfigError
 from rlfabric.grpo_config import LLMConfig
 from rlfabric.models.chat_tokens import ChatTokens
 from rlfabric.models.llm_batch import pack_trajectories
 from rlfabric.text_env import call_env, make_text_env, text_env_factory
-
-DEFAULT_EPISODE_TOKENS = 2048  # when the model's config does not say how long its context is
 
 
 def text_env_source(
@@ -75,14 +74,6 @@ def text_env_source(
     return TextEnvSource(e.id, dict(e.kwargs), limits, registry.snapshot(), model_dir)
 
 
-def scripted_player(spec: str) -> Player:
-    """The ``sft.player`` function, or one ConfigError naming it."""
-    player = shipping.import_callable(spec)
-    if not callable(player):
-        raise ConfigError(f"sft.player = {spec!r} is not valid: not an importable 'package.module:function'")
-    return player
-
-
 class Demonstrations:
     """The scripted player's episodes on a text env, as SFT batches (``sft.player``). Built once before the
     warm-up: the player and the env are resolved and the template's delimiters read here, not every step."""
@@ -106,11 +97,15 @@ class Demonstrations:
 
 
 def episode_totals(scored: list[dict[str, Any]], samples: int) -> dict[str, float]:
-    """A step's text-env episode counts (turns, env errors, tool calls, invalid tool calls by kind and in all),
-    summed over its rollouts; nothing for single-turn runs."""
+    """A step's text-env episode counts (turns, env errors, tool calls, invalid tool calls by kind and in all;
+    with an outside agent its rewrites and the endpoint's refusals), summed over its rollouts; nothing for
+    single-turn runs."""
     if not any("turns" in m for m in scored):
         return {}
     totals = {key: float(sum(m.get(key, 0) for m in scored)) for key in EPISODE_COUNTS}
+    for key in AGENT_COUNTS:  # an outside agent's episodes: rewritten histories and refused requests
+        if any(key in m for m in scored):
+            totals[key] = float(sum(m.get(key, 0) for m in scored))
     totals["invalid_tool_calls"] = sum(v for k, v in totals.items() if k.startswith("invalid_tool_calls_"))
     totals["turns_mean"] = totals.pop("turns") / max(samples, 1)
     return totals

@@ -19,6 +19,10 @@ session run one at a time (a lock per session), so parallel calls or a client's 
 
 The endpoint lives on the event loop that ran ``start``: create it, its ``ActBatcher`` and the agents' clients
 there, and run agents as coroutines that never block that loop (an async client, no blocking I/O).
+
+Given a scripted ``player`` instead of a policy, the endpoint answers each call with the player's text for the
+session's task and the conversation so far (``rlfabric.agent_loop.ScriptedTurns``): the agent's episodes through
+it are demonstrations in the agent's own format, for a supervised warm-up.
 """
 
 from __future__ import annotations
@@ -31,10 +35,12 @@ import secrets
 import time
 import uuid
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
 
+from rlfabric.agent_loop import Player, PolicyTurns, ScriptedTurns
 from rlfabric.agent_trace import AgentTrace, BadMessages, assistant_message
 from rlfabric.models.chat_tokens import ChatTokens
 from rlfabric.policies.batching import ActBatcher
@@ -54,16 +60,29 @@ def openai_error(status: int, message: str, kind: str) -> web.Response:
     return web.json_response({"error": {"message": message, "type": kind, "code": status}}, status=status)
 
 
+@dataclass
+class Session:
+    """An open episode: the trace its calls fill, the lock that runs them one at a time, what answers them (the
+    policy under the session's key, or a scripted player) and the episode's task (what a player is given)."""
+
+    trace: AgentTrace
+    lock: asyncio.Lock
+    turns: PolicyTurns | ScriptedTurns
+    task: dict[str, Any]
+
+
 class OpenAIEndpoint:
     """The endpoint of one rollout worker (see the module docstring). ``batcher``: the worker's ``ActBatcher`` over
-    its policy; ``chat``: the policy's chat template pieces; ``tool_parser``: a name in ``rlfabric.tools``."""
+    its policy (None with a ``player``); ``chat``: the policy's chat template pieces; ``tool_parser``: a name in
+    ``rlfabric.tools``; ``player``: answer calls with this scripted player instead of the policy."""
 
     def __init__(
         self,
-        batcher: ActBatcher,
+        batcher: ActBatcher | None,
         chat: ChatTokens,
         *,
         token: str,
+        player: Player | None = None,
         tool_parser: str = "hermes",
         host: str = "127.0.0.1",
         model_name: str = "rlfabric-policy",
@@ -71,15 +90,17 @@ class OpenAIEndpoint:
     ) -> None:
         if not token:
             raise ValueError("OpenAIEndpoint needs a token: requests without it are refused")
+        if (batcher is None) == (player is None):
+            raise ValueError("OpenAIEndpoint answers with a policy (batcher) or a scripted player: give one of them")
         self.batcher = batcher
+        self.player = player
         self.chat = chat
         self.token = token
         self.parse: Callable[[str], ParsedCalls] = tool_call_parser(tool_parser)
         self.host = host
         self.model_name = model_name
         self.max_context_tokens = max_context_tokens  # the model's positions less a turn's new tokens
-        # open sessions by key: the trace their calls fill, and the lock that runs those calls one at a time
-        self.sessions: dict[str, tuple[AgentTrace, asyncio.Lock]] = {}
+        self.sessions: dict[str, Session] = {}  # open sessions by key
         self.refused = {"unauthorized": 0, "unknown_session": 0, "bad_request": 0}
         self._runner: web.AppRunner | None = None
         self.port = 0
@@ -102,19 +123,24 @@ class OpenAIEndpoint:
             await self._runner.cleanup()
             self._runner = None
 
-    def open(self, session: str) -> tuple[str, AgentTrace]:
-        """Open an episode's session: the base URL its client uses, and the trace its calls fill."""
+    def open(self, session: str, task: dict[str, Any] | None = None) -> tuple[str, AgentTrace]:
+        """Open an episode's session on ``task``: the base URL its client uses, and the trace its calls fill."""
         if self._runner is None:
             raise RuntimeError("OpenAIEndpoint.open before start")
         if not _SESSION_KEY.fullmatch(session) or session in self.sessions:
             raise ValueError(f"session key {session!r}: must be new and 1-128 characters of A-Z a-z 0-9 _ . -")
         trace = AgentTrace(self.chat)
-        self.sessions[session] = (trace, asyncio.Lock())
+        if self.player is not None:
+            turns: PolicyTurns | ScriptedTurns = ScriptedTurns(self.player, self.chat)
+        else:
+            assert self.batcher is not None
+            turns = PolicyTurns(self.batcher, session)  # the key: the generator continues the session's stored KV
+        self.sessions[session] = Session(trace, asyncio.Lock(), turns, task or {})
         return f"http://{self.host}:{self.port}/s/{session}/v1", trace
 
     def close(self, session: str) -> AgentTrace:
         """End a session: its trace; later calls under its key, and answers still on their way, are refused (404)."""
-        trace, _ = self.sessions.pop(session)
+        trace = self.sessions.pop(session).trace
         trace.closed = True
         return trace
 
@@ -125,7 +151,7 @@ class OpenAIEndpoint:
         given = header[len("Bearer ") :] if header.startswith("Bearer ") else ""
         return hmac.compare_digest(given.encode(), self.token.encode())
 
-    def _session(self, request: web.Request) -> tuple[tuple[AgentTrace, asyncio.Lock] | None, web.Response | None]:
+    def _session(self, request: web.Request) -> tuple[Session | None, web.Response | None]:
         if not self._authorized(request):
             self.refused["unauthorized"] += 1
             return None, openai_error(401, "missing or wrong API key: use the run's token", "invalid_api_key")
@@ -146,8 +172,7 @@ class OpenAIEndpoint:
         if refusal is not None:
             return refusal
         assert session is not None
-        trace, lock = session
-        key = request.match_info["session"]
+        trace = session.trace
         try:
             body = await request.json()
         except (ValueError, UnicodeDecodeError):  # JSONDecodeError is a ValueError
@@ -155,27 +180,25 @@ class OpenAIEndpoint:
         problem = _unsupported(body)
         if problem is not None:
             return self._bad_request(problem, "invalid_request_error")
-        async with lock:
+        async with session.lock:
             try:
                 call = trace.prepare(body.get("messages"), body.get("tools"), self.max_context_tokens)
             except BadMessages as exc:
                 return self._bad_request(str(exc), exc.code)
             try:
-                out = await self.batcher.act(call.context, key)
+                turn = await session.turns.next_turn(call.context, call.messages, session.task)
             except Exception as exc:  # noqa: BLE001 - a generator's failure: the worker decides (agents.play_agent)
                 trace.policy_error = exc
                 return openai_error(503, f"the policy could not answer: {exc}", "server_error")
-            sampled, logprobs = list(out.actions[0]), list(out.logprobs[0])
-            text = str(out.info["text"][0])
-            finish = str(out.info.get("finish_reason", ["stop"])[0])
-            calls = self.parse(text).calls
-            content = text.split(_TOOL_BLOCK_PREFIX, 1)[0].strip() if calls else text
-            if not trace.commit(call, sampled, logprobs, int(out.versions[0]), assistant_message(content, calls)):
+            calls = self.parse(turn.text).calls
+            content = turn.text.split(_TOOL_BLOCK_PREFIX, 1)[0].strip() if calls else turn.text
+            reply = assistant_message(content, calls)
+            cut = turn.finish_reason == "length"
+            if not trace.commit(call, turn.sampled, turn.logprobs, turn.version, reply, truncated=cut):
                 self.refused["unknown_session"] += 1
                 return openai_error(404, "the episode ended while this call was answered", "not_found")
-        completion = _completion(
-            self.model_name, content, calls, _finish_reason(finish, calls), len(call.context), len(sampled)
-        )
+        finish = _finish_reason(turn.finish_reason, calls)
+        completion = _completion(self.model_name, content, calls, finish, len(call.context), len(turn.sampled))
         return web.json_response(completion)
 
     def _bad_request(self, message: str, code: str) -> web.Response:

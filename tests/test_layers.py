@@ -57,6 +57,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "rlfabric.agent_trace",  # an outside agent's chat calls as exact token segments
             "rlfabric.openai_endpoint",  # the OpenAI-compatible endpoint in front of a rollout worker's policy
             "rlfabric.agents",  # agent functions run(task, client): registered, played under a deadline
+            "rlfabric.agent_rollout",  # a run's agent episodes through one endpoint, their traces as trajectories
             "rlfabric.policies",  # the policy interface, scripted and neural-net policies, batching episodes' calls
             "rlfabric.multiagent",  # games: per-agent spaces, env copies stepped per agent, self-play pool, baselines
         ),
