@@ -15,7 +15,9 @@ the agent's own messages and tool use, in its own format, with the loss on the p
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
+import ssl
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -57,13 +59,17 @@ class AgentSource:
         return shipping.loads(self.agent)["agent"]
 
 
-def agent_run_source(cfg: LLMConfig, tokenizer: Any, model_dir: str, context: int | None) -> AgentSource:
+def agent_run_source(
+    cfg: LLMConfig, tokenizer: Any, model_dir: str, context: int | None, agent: Agent | None = None
+) -> AgentSource:
     """Check a run's ``env.agent`` before any actor starts (the agent resolves to an async function, the tool
     parser exists, the tokenizer can render chats; each a ConfigError naming its field) and return what the
     rollout workers are given. ``context``: the model's positions; a call may bring at most that (or
-    ``env.max_episode_tokens``) less ``sampling.max_new_tokens`` tokens of conversation."""
+    ``env.max_episode_tokens``) less ``sampling.max_new_tokens`` tokens of conversation. ``agent``: the agent
+    function when the run makes it (a verifiers environment's), instead of resolving ``env.agent``."""
     e = cfg.env
-    agent = resolve_agent(e.agent, "env.agent")
+    if agent is None:
+        agent = resolve_agent(e.agent, "env.agent")
     try:
         tool_call_parser(e.tool_parser, "env.tool_parser")
     except ValueError as exc:
@@ -76,7 +82,7 @@ def agent_run_source(cfg: LLMConfig, tokenizer: Any, model_dir: str, context: in
     if context is not None and limit > context:
         raise ConfigError(f"env.max_episode_tokens = {limit} is not valid: the model's context is {context} positions")
     return AgentSource(
-        e.agent,
+        e.agent or e.verifiers.id,
         shipping.dumps_with_user_code({"agent": agent}),
         model_dir,
         e.tool_parser,
@@ -106,9 +112,12 @@ async def play_agents(
         batcher, chat, token=new_run_token(), player=player, tool_parser=tool_parser, max_context_tokens=limit
     )
     await endpoint.start()
-    # one client, so one connection pool for every session; each episode's copy differs only in its base URL
+    # one client, so one connection pool for every session; each episode's copy differs only in its base URL. Its
+    # TLS context is made once per process: a new one costs ~20 ms, and the endpoint speaks plain HTTP anyway.
+    http = openai.DefaultAsyncHttpxClient(verify=_tls_context())
+    base_url = f"http://{endpoint.host}:{endpoint.port}/v1"
     shared = openai.AsyncOpenAI(
-        base_url=f"http://{endpoint.host}:{endpoint.port}/v1", api_key=endpoint.token, max_retries=0, timeout=deadline_s
+        base_url=base_url, api_key=endpoint.token, max_retries=0, timeout=deadline_s, http_client=http
     )
     try:
 
@@ -129,6 +138,11 @@ async def play_agents(
         if isinstance(outcome, BaseException):
             raise outcome
     return list(played), {f"refused_{k}": v for k, v in endpoint.refused.items()}  # type: ignore[arg-type]
+
+
+@functools.cache
+def _tls_context() -> ssl.SSLContext:
+    return ssl.create_default_context()
 
 
 def agent_trajectories(

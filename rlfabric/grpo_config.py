@@ -76,6 +76,22 @@ class DataConfig:
 
 
 @dataclass
+class VerifiersConfig:
+    # An environment written with the `verifiers` library (SingleTurnEnv, MultiTurnEnv, ToolEnv and their Rubric) as
+    # the run's env, unchanged (docs/agents.md): a name vf.load_environment finds (an installed module), or
+    # "package.module:function" returning one. Its dataset is the run's data (data.train: env); its rubric's
+    # functions are the reward components. "" (the default): none.
+    id: str = ""
+    args: dict[str, Any] = field(default_factory=dict)
+    # Python packages its actor runs with, a Ray runtime env on top of rlfabric's (the library pins mcp < 2): the
+    # library and the environment's own package.
+    pip: list[str] = field(default_factory=lambda: ["verifiers==0.3.1"])
+    # The rubric function whose positive value makes an episode correct (held-out eval_accuracy); "": the first
+    # function with a nonzero weight.
+    accuracy: str = ""
+
+
+@dataclass
 class LLMEnvConfig:
     # A text env (rlfabric.text_env) the policy plays over several turns, one episode per task row of data.train:
     # a registered name, an entry point (rlfabric/GuessNumber-v0) or "package.module:factory". "" (the default):
@@ -103,6 +119,7 @@ class LLMEnvConfig:
     agent_timeout_s: float = 120.0
     # How the endpoint reads tool calls from the model's text for its replies (a parser in rlfabric.tools).
     tool_parser: str = "hermes"
+    verifiers: VerifiersConfig = field(default_factory=VerifiersConfig)
 
 
 @dataclass
@@ -353,7 +370,13 @@ def validate_llm(cfg: LLMConfig) -> LLMConfig:
     validate_rewards(cfg.rewards, cfg.env.id, cfg.grpo.step_credit)
     if cfg.reward_model.pairs:
         validate_reward_model(cfg.reward_model)
-    if cfg.env.id or cfg.env.agent:
+    require(
+        (cfg.data.train == "env") == bool(cfg.env.verifiers.id),
+        "data.train",
+        cfg.data.train,
+        "must be 'env' with env.verifiers.id (the environment's own dataset), and only then",
+    )
+    if cfg.env.id or cfg.env.agent or cfg.env.verifiers.id:
         _validate_env(cfg)
     elif not cfg.rewards.functions:
         raise ConfigError("rewards.functions = [] is not valid: list at least one reward function")
@@ -363,12 +386,13 @@ def validate_llm(cfg: LLMConfig) -> LLMConfig:
 def _validate_env(cfg: LLMConfig) -> None:
     """Checks for training on a text env (``env.id`` set) or an outside agent (``env.agent``)."""
     e = cfg.env
-    what = "env.id" if e.id else "env.agent"
+    chosen = [(k, v) for k, v in (("env.id", e.id), ("env.agent", e.agent), ("env.verifiers.id", e.verifiers.id)) if v]
+    what = chosen[0][0]
     require(
-        not (e.id and e.agent),
-        "env.agent",
-        e.agent,
-        f"is exclusive with env.id ({e.id!r}): a run plays a text env or an agent, not both",
+        len(chosen) == 1,
+        chosen[-1][0],
+        chosen[-1][1],
+        f"is exclusive with {what} ({chosen[0][1]!r}): a run plays a text env, an agent or a verifiers environment",
     )
     positive("env.agent_timeout_s", e.agent_timeout_s)
     require(e.max_turns >= 1, "env.max_turns", e.max_turns, "must be at least 1")
@@ -392,13 +416,15 @@ def _validate_env(cfg: LLMConfig) -> None:
         [f.name for f in cfg.rewards.functions],
         "must be [] with env.id: the text env gives the rewards, by component, at each step"
         if e.id
-        else "must be [] with env.agent: the agent returns its episode's reward components",
+        else f"must be [] with {what}: the agent returns its episode's reward components"
+        if e.agent
+        else f"must be [] with {what}: the environment's rubric gives the reward components",
     )
     require(
-        not (e.agent and e.tool_servers),
+        not e.tool_servers or bool(e.id),
         "env.tool_servers",
         e.tool_servers,
-        "needs env.id: the servers are handed to a text env's factory; an agent (env.agent) runs its own tools",
+        "needs env.id: the servers are handed to a text env's factory; an agent runs its own tools",
     )
     servers = e.tool_servers
     entries = servers.items() if isinstance(servers, dict) else [(name, "") for name in servers]

@@ -71,6 +71,7 @@ from rlfabric.llm_text_env import (
     text_env_source,
     tool_server_restarts,
 )
+from rlfabric.llm_verifiers import VerifiersRun, start_verifiers_env
 from rlfabric.models.hf import check_model_source, encode_prompt, model_max_positions
 from rlfabric.models.llm_batch import pad_rows_for_learners
 from rlfabric.placement import check_fits
@@ -123,6 +124,7 @@ class GRPOTrainer:
         self.reference: Any = None
         self.text_env: TextEnvSource | None = None  # what the rollout worker plays, when env.id names a text env
         self.agent: AgentSource | None = None  # what it plays when env.agent names an outside agent
+        self.verifiers: VerifiersRun | None = None  # the host of env.verifiers, its rows and agent
         self.tool_servers: dict[str, Any] = {}  # supervised MCP servers by name (env.tool_servers)
         # the scripted player's episodes, for the warm-up of a run on a text env or an agent
         self.demonstrations: Demonstrations | AgentDemonstrations | None = None
@@ -215,6 +217,8 @@ class GRPOTrainer:
 
     def _load_data(self) -> None:
         d, seed = self.cfg.data, self.cfg.training.seed
+        if self.cfg.env.verifiers.id:  # the environment's own rows, read from its actor once Ray runs
+            return
         self.train_rows = load_prompts(d.train, num_rows=d.num_train, seed=seed, prompt_key=d.prompt_key)
         if not self.train_rows:
             raise ConfigError(f"data.train = {d.train!r}: holds no prompts")
@@ -244,6 +248,18 @@ class GRPOTrainer:
             max_positions=model_max_positions(self.model_dir),
             model=self.cfg.model.path,
         )
+
+    def _load_verifiers_env(self) -> None:
+        """A verifiers environment's rows and agent (``rlfabric.llm_verifiers``): its actor runs in packages of
+        its own, so they are read once Ray runs, before any other actor starts."""
+        self.verifiers = start_verifiers_env(self.cfg)
+        self.train_rows, self.eval_rows = self.verifiers.train_rows, self.verifiers.eval_rows
+        self.rollouts.num_train_prompts = len(self.train_rows)
+        context = model_max_positions(self.model_dir)
+        self.agent = agent_run_source(self.cfg, self.tokenizer, self.model_dir, context, self.verifiers.agent)
+        if self.cfg.sft.steps:
+            self.demonstrations = AgentDemonstrations(self.agent, self.cfg.sft.player, self.tokenizer)
+        self.train_ids, self.eval_ids = [[] for _ in self.train_rows], [[] for _ in self.eval_rows]
 
     def _sampling_seed(self) -> int:
         """The generators' sampling seed: the run's, moved on by the policy version, so a resumed run does not
@@ -279,6 +295,8 @@ class GRPOTrainer:
         self._load_data()
         ensure_ray(self.cfg.ray, wanted_cpus(self.cfg), openmp_env())
         check_fits(actor_requests(self.cfg), [n["Resources"] for n in ray.nodes() if n.get("Alive")])
+        if self.cfg.env.verifiers.id:
+            self._load_verifiers_env()
         if self.text_env is not None and self.cfg.env.tool_servers:
             self.tool_servers = start_tool_servers(self.cfg.env.tool_servers, self.text_env, self.demonstrations)
         self.generators = ActorSlots(
@@ -540,7 +558,8 @@ class GRPOTrainer:
 
     def _failing_part(self) -> str:
         """What fails a sample of this run, for the errors that stop it."""
-        return "its episode" if self.cfg.env.id or self.cfg.env.agent else "its reward"
+        e = self.cfg.env
+        return "its episode" if e.id or e.agent or e.verifiers.id else "its reward"
 
     def _stop_if_asked(self, stop: threading.Event) -> None:
         if not stop.is_set():
@@ -630,6 +649,8 @@ class GRPOTrainer:
         self.scorers.close()
         self.generators, self.rollout_workers, self.learners, self.reference = None, None, [], None
         stop_tool_servers(self.tool_servers)
+        if self.verifiers is not None:
+            ray.kill(self.verifiers.host, no_restart=True)
         self.tool_servers = {}
 
 

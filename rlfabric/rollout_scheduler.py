@@ -195,7 +195,8 @@ class RolloutScheduler:
         """The first error of each kind, as it happens (later ones of that kind are counted, not printed)."""
         if error not in self.errors_seen:
             self.errors_seen.add(error)
-            what = "episode" if self.cfg.env.id or self.cfg.env.agent else "reward"  # what failed the sample
+            e = self.cfg.env
+            what = "episode" if e.id or e.agent or e.verifiers.id else "reward"  # what failed the sample
             self._note(f"{what} failed: {error} ({self.counters.failed_samples} failed samples so far)")
 
     def accept(self, meta: dict[str, Any], ref: ray.ObjectRef | None, step: StepBatch) -> None:

@@ -90,6 +90,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "rlfabric.llm_actors",  # starting the run's actors from its config, and stopping them
             "rlfabric.likelihood_scorers",  # the likelihood scorer of a run: started, replaced, checked
             "rlfabric.llm_text_env",  # a run on a text env: its checks before actors start
+            "rlfabric.llm_verifiers",  # a run on a verifiers environment: its host actor, rows and agent
             "rlfabric.llm_sft",  # the supervised warm-up's batches
             "rlfabric.reward_model_training",  # a Bradley-Terry reward model from preference pairs
             "rlfabric.judge_training",  # a generative judge from preference pairs, on the judge service's prompts
