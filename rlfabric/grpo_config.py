@@ -92,6 +92,27 @@ class VerifiersConfig:
 
 
 @dataclass
+class OpenEnvConfig:
+    # An OpenEnv environment server as the run's text env (docs/agents.md): a command line that serves it, started
+    # by the run in its OpenEnv actor ({port}, {host} and {python}, that actor's interpreter, filled in), or the
+    # URL of one that runs elsewhere. "" and "" (the default): none. The task rows of data.train are reset's fields.
+    command: str = ""
+    url: str = ""
+    # Python packages the actor runs with, a Ray runtime env on top of rlfabric's (the library pins mcp < 2): the
+    # library and the environment's own package.
+    pip: list[str] = field(default_factory=lambda: ["openenv==0.10.0"])
+    # The action field the model's turn goes into, and the observation field the model is shown.
+    action_key: str = "text"
+    observation_key: str = "text"
+    # The reward component the environment's scalar reward is logged as, and the metadata entries also taken as
+    # components (numbers only).
+    reward_component: str = "reward"
+    components: list[str] = field(default_factory=list)
+    # How long the started server has to answer /health (the actor's packages installed first are not counted).
+    start_timeout_s: float = 60.0
+
+
+@dataclass
 class LLMEnvConfig:
     # A text env (rlfabric.text_env) the policy plays over several turns, one episode per task row of data.train:
     # a registered name, an entry point (rlfabric/GuessNumber-v0) or "package.module:factory". "" (the default):
@@ -120,6 +141,7 @@ class LLMEnvConfig:
     # How the endpoint reads tool calls from the model's text for its replies (a parser in rlfabric.tools).
     tool_parser: str = "hermes"
     verifiers: VerifiersConfig = field(default_factory=VerifiersConfig)
+    openenv: OpenEnvConfig = field(default_factory=OpenEnvConfig)
 
 
 @dataclass
@@ -376,7 +398,7 @@ def validate_llm(cfg: LLMConfig) -> LLMConfig:
         cfg.data.train,
         "must be 'env' with env.verifiers.id (the environment's own dataset), and only then",
     )
-    if cfg.env.id or cfg.env.agent or cfg.env.verifiers.id:
+    if cfg.env.id or cfg.env.agent or cfg.env.verifiers.id or cfg.env.openenv.command or cfg.env.openenv.url:
         _validate_env(cfg)
     elif not cfg.rewards.functions:
         raise ConfigError("rewards.functions = [] is not valid: list at least one reward function")
@@ -386,14 +408,24 @@ def validate_llm(cfg: LLMConfig) -> LLMConfig:
 def _validate_env(cfg: LLMConfig) -> None:
     """Checks for training on a text env (``env.id`` set) or an outside agent (``env.agent``)."""
     e = cfg.env
-    chosen = [(k, v) for k, v in (("env.id", e.id), ("env.agent", e.agent), ("env.verifiers.id", e.verifiers.id)) if v]
+    o = e.openenv
+    named = (
+        ("env.id", e.id),
+        ("env.agent", e.agent),
+        ("env.verifiers.id", e.verifiers.id),
+        ("env.openenv.command", o.command),
+        ("env.openenv.url", o.url),
+    )
+    chosen = [(k, v) for k, v in named if v]
     what = chosen[0][0]
     require(
         len(chosen) == 1,
         chosen[-1][0],
         chosen[-1][1],
-        f"is exclusive with {what} ({chosen[0][1]!r}): a run plays a text env, an agent or a verifiers environment",
+        f"is exclusive with {what} ({chosen[0][1]!r}): a run plays a text env, an agent, a verifiers environment "
+        "or an OpenEnv server",
     )
+    positive("env.openenv.start_timeout_s", o.start_timeout_s)
     positive("env.agent_timeout_s", e.agent_timeout_s)
     require(e.max_turns >= 1, "env.max_turns", e.max_turns, "must be at least 1")
     positive("env.step_timeout_s", e.step_timeout_s)
@@ -414,8 +446,8 @@ def _validate_env(cfg: LLMConfig) -> None:
         not cfg.rewards.functions,
         "rewards.functions",
         [f.name for f in cfg.rewards.functions],
-        "must be [] with env.id: the text env gives the rewards, by component, at each step"
-        if e.id
+        f"must be [] with {what}: the env gives the rewards, by component, at each step"
+        if e.id or o.command or o.url
         else f"must be [] with {what}: the agent returns its episode's reward components"
         if e.agent
         else f"must be [] with {what}: the environment's rubric gives the reward components",

@@ -48,6 +48,7 @@ from rlfabric.llm_actors import (
     stop_actors,
     wanted_cpus,
 )
+from rlfabric.llm_openenv import TEXT_ENV_SPEC, start_openenv, stop_openenv
 from rlfabric.llm_resources import SETUP_TIMEOUT_S, openmp_env
 from rlfabric.llm_run_state import (
     FINAL_MODEL_DIR,
@@ -125,6 +126,7 @@ class GRPOTrainer:
         self.text_env: TextEnvSource | None = None  # what the rollout worker plays, when env.id names a text env
         self.agent: AgentSource | None = None  # what it plays when env.agent names an outside agent
         self.verifiers: VerifiersRun | None = None  # the host of env.verifiers, its rows and agent
+        self.openenv_host: Any = None  # the actor holding env.openenv's server and client sessions
         self.tool_servers: dict[str, Any] = {}  # supervised MCP servers by name (env.tool_servers)
         # the scripted player's episodes, for the warm-up of a run on a text env or an agent
         self.demonstrations: Demonstrations | AgentDemonstrations | None = None
@@ -227,6 +229,9 @@ class GRPOTrainer:
             eval_spec, train_rows=self.train_rows, num_rows=d.num_eval, seed=seed, prompt_key=d.prompt_key
         )
         self.rollouts.num_train_prompts = len(self.train_rows)
+        if self.cfg.env.openenv.command or self.cfg.env.openenv.url:  # task rows for an OpenEnv server, reached
+            self.train_ids, self.eval_ids = [[] for _ in self.train_rows], [[] for _ in self.eval_rows]  # after Ray
+            return
         if self.cfg.env.id:  # task rows for a text env: its reset writes the first prompt
             context = model_max_positions(self.model_dir)
             self.text_env = text_env_source(self.cfg, self.tokenizer, self.model_dir, self.train_rows[0], context)
@@ -260,6 +265,16 @@ class GRPOTrainer:
         if self.cfg.sft.steps:
             self.demonstrations = AgentDemonstrations(self.agent, self.cfg.sft.player, self.tokenizer)
         self.train_ids, self.eval_ids = [[] for _ in self.train_rows], [[] for _ in self.eval_rows]
+
+    def _start_openenv(self) -> None:
+        """An OpenEnv server's text env (``rlfabric.llm_openenv``): its actor runs in packages of its own, so the
+        env is built and reset on the first task once Ray runs, before any other actor starts."""
+        self.openenv_host, kwargs = start_openenv(self.cfg)
+        context = model_max_positions(self.model_dir)
+        first = self.train_rows[0]
+        self.text_env = text_env_source(self.cfg, self.tokenizer, self.model_dir, first, context, TEXT_ENV_SPEC, kwargs)
+        if self.cfg.sft.steps:
+            self.demonstrations = Demonstrations(self.text_env, self.cfg.sft.player, self.tokenizer)
 
     def _sampling_seed(self) -> int:
         """The generators' sampling seed: the run's, moved on by the policy version, so a resumed run does not
@@ -297,6 +312,8 @@ class GRPOTrainer:
         check_fits(actor_requests(self.cfg), [n["Resources"] for n in ray.nodes() if n.get("Alive")])
         if self.cfg.env.verifiers.id:
             self._load_verifiers_env()
+        if self.cfg.env.openenv.command or self.cfg.env.openenv.url:
+            self._start_openenv()
         if self.text_env is not None and self.cfg.env.tool_servers:
             self.tool_servers = start_tool_servers(self.cfg.env.tool_servers, self.text_env, self.demonstrations)
         self.generators = ActorSlots(
@@ -651,6 +668,8 @@ class GRPOTrainer:
         stop_tool_servers(self.tool_servers)
         if self.verifiers is not None:
             ray.kill(self.verifiers.host, no_restart=True)
+        if self.openenv_host is not None:
+            stop_openenv(self.openenv_host)
         self.tool_servers = {}
 
 

@@ -27,12 +27,22 @@ from rlfabric.text_env import call_env, make_text_env, text_env_factory
 
 
 def text_env_source(
-    cfg: LLMConfig, tokenizer: Any, model_dir: str, first_task: dict, context: int | None
+    cfg: LLMConfig,
+    tokenizer: Any,
+    model_dir: str,
+    first_task: dict,
+    context: int | None,
+    spec: str | None = None,
+    kwargs: dict[str, Any] | None = None,
 ) -> TextEnvSource:
     """Build the env once and reset it on the first task (an env that cannot be built or reset fails here, in
     one line naming ``env.id``), check the tokenizer can format turns, and return the worker's ``TextEnvSource``.
-    ``context``: the model's maximum positions, the default of ``env.max_episode_tokens``."""
+    ``context``: the model's maximum positions, the default of ``env.max_episode_tokens``. ``spec`` and
+    ``kwargs``: the text env the run made itself (an OpenEnv environment's), instead of ``env.id`` and
+    ``env.kwargs``."""
     e = cfg.env
+    spec, kwargs = (spec, kwargs or {}) if spec else (e.id, e.kwargs)
+    what = "env.openenv" if e.openenv.command or e.openenv.url else "env.id"
 
     async def reset_once(env: Any) -> None:
         try:
@@ -41,13 +51,14 @@ def text_env_source(
             await close_env(env, e.step_timeout_s)  # an env holding a tool server session lets it go
 
     try:
-        env = make_text_env(e.id, e.kwargs)
+        env = make_text_env(spec, kwargs)
         asyncio.run(reset_once(env))
     except ConfigError:
         raise
     except Exception as exc:  # noqa: BLE001 - the user's env code: its error, named
+        named = f"env.id = {e.id!r}" if what == "env.id" else f"env.openenv ({e.openenv.command or e.openenv.url})"
         raise ConfigError(
-            f"env.id = {e.id!r}: building it and resetting it on the first task failed: {type(exc).__name__}: {exc}"
+            f"{named}: building it and resetting it on the first task failed: {type(exc).__name__}: {exc}"
         ) from None
     if cfg.grpo.step_credit == "gigpo" and not callable(getattr(env, "state_key", None)):
         raise ConfigError(
@@ -71,7 +82,7 @@ def text_env_source(
         step_timeout_s=e.step_timeout_s,
         on_env_error=e.on_env_error,
     )
-    return TextEnvSource(e.id, dict(e.kwargs), limits, registry.snapshot(), model_dir)
+    return TextEnvSource(spec, dict(kwargs), limits, registry.snapshot(), model_dir)
 
 
 class Demonstrations:

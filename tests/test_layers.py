@@ -58,6 +58,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "rlfabric.openai_endpoint",  # the OpenAI-compatible endpoint in front of a rollout worker's policy
             "rlfabric.agents",  # agent functions run(task, client): registered, played under a deadline
             "rlfabric.agent_rollout",  # a run's agent episodes through one endpoint, their traces as trajectories
+            "rlfabric.openenv_env",  # an OpenEnv environment as a text env, through its host actor
             "rlfabric.policies",  # the policy interface, scripted and neural-net policies, batching episodes' calls
             "rlfabric.multiagent",  # games: per-agent spaces, env copies stepped per agent, self-play pool, baselines
         ),
@@ -91,6 +92,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "rlfabric.likelihood_scorers",  # the likelihood scorer of a run: started, replaced, checked
             "rlfabric.llm_text_env",  # a run on a text env: its checks before actors start
             "rlfabric.llm_verifiers",  # a run on a verifiers environment: its host actor, rows and agent
+            "rlfabric.llm_openenv",  # a run on an OpenEnv server: its host actor and text env
             "rlfabric.llm_sft",  # the supervised warm-up's batches
             "rlfabric.reward_model_training",  # a Bradley-Terry reward model from preference pairs
             "rlfabric.judge_training",  # a generative judge from preference pairs, on the judge service's prompts

@@ -1,0 +1,52 @@
+"""A GRPO run on an OpenEnv environment server (``env.openenv``): its host actor started in the library's own
+Python packages (launching the server when the run starts it), and the text env the rollout worker plays through
+it (``rlfabric.openenv_env.OpenEnvTextEnv``)."""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+import ray
+
+from rlfabric.actor_slots import error_summary
+from rlfabric.actors.openenv_host import HOST_NAME_PREFIX, OpenEnvHost
+from rlfabric.config import ConfigError
+from rlfabric.grpo_config import LLMConfig
+from rlfabric.llm_resources import SETUP_TIMEOUT_S
+
+TEXT_ENV_SPEC = "rlfabric.openenv_env:OpenEnvTextEnv"
+
+
+def start_openenv(cfg: LLMConfig) -> tuple[Any, dict[str, Any]]:
+    """Start the host actor with ``env.openenv.pip`` as its runtime env and wait until its server answers (one
+    error naming ``env.openenv`` when it cannot): (the actor, the kwargs of ``TEXT_ENV_SPEC`` for the episodes)."""
+    o = cfg.env.openenv
+    name = f"{HOST_NAME_PREFIX}{uuid.uuid4().hex[:8]}"
+    runtime_env = {"pip": list(o.pip)} if o.pip else None
+    host = OpenEnvHost.options(name=name, runtime_env=runtime_env).remote(o.command, o.url, o.start_timeout_s)
+    what = f"env.openenv.command = {o.command!r}" if o.command else f"env.openenv.url = {o.url!r}"
+    try:
+        ray.get(host.base_url.remote(), timeout=SETUP_TIMEOUT_S + o.start_timeout_s)
+    except Exception as exc:  # noqa: BLE001 - the server's or its packages' failure: named, one line
+        ray.kill(host, no_restart=True)
+        raise ConfigError(
+            f"{what}: starting it (with env.openenv.pip = {list(o.pip)}) failed: {error_summary(exc)}"
+        ) from None
+    kwargs = {
+        "host_name": name,
+        "action_key": o.action_key,
+        "observation_key": o.observation_key,
+        "reward_component": o.reward_component,
+        "components": list(o.components),
+    }
+    return host, kwargs
+
+
+def stop_openenv(host: Any) -> None:
+    """End the host's sessions and the server it started, then the actor."""
+    try:
+        ray.get(host.stop.remote(), timeout=15)
+    except Exception:  # noqa: BLE001, S110 - killed below either way; its server is its child
+        pass
+    ray.kill(host, no_restart=True)

@@ -1,0 +1,74 @@
+"""GRPO on an OpenEnv environment server (``env.openenv``): a server written with OpenEnv's own API
+(``envs/openenv_guess_number.py``), started by the run in an actor with the library installed (a Ray runtime env:
+openenv pins mcp < 2), played through the library's own client sessions; its reward and metadata are named
+components; a server that cannot start and settings that cannot work stop with one line."""
+
+from __future__ import annotations
+
+import pytest
+from grpo_runs import BASE, merged, run_grpo
+
+from rlfabric.config import ConfigError, config_from_dict
+from rlfabric.llm_driver import GRPOTrainer
+
+SERVER = "{python} -m uvicorn rlfabric.envs.openenv_guess_number:app --host {host} --port {port} --log-level warning"
+GAME = {
+    "model": {"builtin": {"num_layers": 1, "hidden_size": 32, "num_heads": 2, "max_positions": 128}},
+    "data": {"train": "task:guess_number?min_high=4&max_high=10", "num_train": 16, "num_eval": 6},
+    "env": {
+        "max_turns": 3,
+        "openenv": {"command": SERVER, "reward_component": "correct", "components": ["invalid"]},
+    },
+    "rewards": {"functions": [], "weights": {"invalid": -0.5}},
+    "sampling": {"max_new_tokens": 4},
+    "training": {"total_steps": 2, "eval_every": 0, "show_samples": 2},
+}
+
+
+def test_grpo_trains_on_an_openenv_server_through_the_librarys_client(local_ray, tmp_path):
+    run = run_grpo(
+        tmp_path / "run",
+        **{
+            **GAME,
+            "sft": {"steps": 20, "batch_size": 16, "lr": 3e-3, "player": "rlfabric.envs.guess_number:bisection_player"},
+        },
+    )
+    losses = [r["sft_loss"] for r in run.phase("sft")]
+    assert losses[-1] < 0.5 * losses[0]  # the player's episodes, played on the server, are learned
+    steps = run.phase("grpo")
+    assert len(steps) == 2 and sum(r["trained_rows"] for r in steps) > 0
+    for r in steps:  # the server's reward as `correct`, its metadata's `invalid`: both named components
+        assert {"reward_correct", "reward_invalid"} <= set(r) and r["turns_mean"] > 1
+    assert run.summary["failed_samples"] == 0
+    assert [e["label"] for e in run.phase("eval")] == ["initial", "after_sft", "final"]
+
+
+def trainer(tmp_path, **changes):
+    return GRPOTrainer(config_from_dict(merged(merged(BASE, GAME), changes)), tmp_path / "run", quiet=True)
+
+
+def test_a_server_that_does_not_start_is_one_line_naming_the_command(local_ray, tmp_path):
+    command = "{python} -c 'import sys; print(\"no such env\"); sys.exit(3)'"
+    t = trainer(tmp_path, env={"openenv": {"command": command}})
+    with pytest.raises(ConfigError, match=r"env.openenv.command = .*: starting it .* exited with 3: .* no such env"):
+        t.setup()
+    assert t.generators is None
+
+
+def test_an_observation_without_the_named_field_is_one_line(local_ray, tmp_path):
+    t = trainer(tmp_path, env={"openenv": {"observation_key": "board"}})
+    with pytest.raises(ConfigError, match="env.openenv.observation_key = 'board': the observation has metadata, text"):
+        t.setup()
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"env": {"id": "rlfabric/GuessNumber-v0"}}, "env.openenv.command = .* is not valid: is exclusive with env.id"),
+        ({"rewards": {"functions": [{"name": "arithmetic"}]}}, "must be \\[\\] with env.openenv.command"),
+        ({"env": {"openenv": {"start_timeout_s": 0}}}, "env.openenv.start_timeout_s = 0.0 is not valid"),
+    ],
+)
+def test_openenv_settings_that_cannot_work_are_one_line_config_errors(changes, message):
+    with pytest.raises(ConfigError, match=message):
+        config_from_dict(merged(merged(BASE, GAME), changes))
