@@ -19,6 +19,7 @@ import pytest
 import ray
 from grpo_runs import BASE, TINY, merged, write_prompts
 
+from rlfabric.agents import register_agent
 from rlfabric.config import ConfigError, config_from_dict
 from rlfabric.llm_driver import GRPOTrainer
 from rlfabric.registry import register_env
@@ -176,6 +177,57 @@ def test_a_generator_and_a_rollout_worker_killed_mid_episode_cost_no_episode(loc
     assert summary["resampled_samples"] >= batch  # the rollout worker died mid-rollout: its episodes asked again
     assert max(r["policy_lag_max"] for r in steps) <= lag
     assert max(r["turns_mean"] for r in steps) > 1
+
+
+async def slow_guessing_agent(task, client):
+    """An outside agent of three calls, 20 ms of its own work after each: the kills land while its episodes wait
+    on it or on the endpoint."""
+    messages = [{"role": "user", "content": f"Guess my number, 1 to {task['high']}."}]
+    for _ in range(3):
+        reply = await client.chat.completions.create(model="policy", messages=messages)
+        await asyncio.sleep(0.02)
+        messages += [reply.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "higher"}]
+    return {"correct": float(str(task["secret"]) in (reply.choices[0].message.content or ""))}
+
+
+register_agent("test-faults/slow-guessing", slow_guessing_agent)
+
+
+def test_a_generator_and_a_rollout_worker_killed_mid_agent_episode_cost_no_episode(local_ray, tmp_path):
+    """As above with an outside agent through the endpoint: a call the dead generator cannot answer fails the
+    whole rollout (not its episode), which is asked again."""
+    cfg = config_from_dict(
+        merged(
+            BASE,
+            {
+                "model": {"builtin": {**TINY, "max_positions": 256}},
+                "data": {"train": "task:guess_number?min_high=4&max_high=10", "num_train": 16, "num_eval": 4},
+                "env": {"agent": "test-faults/slow-guessing", "agent_timeout_s": 60},
+                "rewards": {"functions": []},
+                "training": {"total_steps": EPISODE_STEPS},
+                "generator": {"timeout_s": 60},
+            },
+        )
+    )
+    killed: list[int] = []
+
+    def kill(trainer: GRPOTrainer) -> None:
+        for after_step, delay, which in MID_EPISODE_KILLS:
+            while trainer.counters.step < after_step:
+                time.sleep(0.02)
+            time.sleep(delay)
+            pid = live_pid(trainer, which, killed)
+            os.kill(pid, signal.SIGKILL)
+            killed.append(pid)
+
+    summary, rows = train_in_process(cfg, tmp_path / "run", during=kill)
+    steps = [r for r in rows if r.get("phase") == "grpo"]
+    assert len(killed) == 3 and summary["generator_restarts"] == 2 and summary["rollout_worker_restarts"] == 1
+    batch = cfg.grpo.prompts_per_step * cfg.grpo.group_size
+    assert [r["trained_samples"] for r in steps] == [batch] * EPISODE_STEPS
+    assert summary["samples"] == EPISODE_STEPS * batch and summary["failed_samples"] == 0
+    assert summary["resampled_samples"] >= batch
+    assert all(r["turns_mean"] == 3 and r["rewrites"] == 0 for r in steps)
 
 
 def test_a_reward_that_hangs_on_every_call_is_survived(local_ray, tmp_path):
