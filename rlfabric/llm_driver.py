@@ -30,8 +30,7 @@ import ray
 from rlfabric import rewards
 from rlfabric.actor_slots import ActorSlots, RunAbortedError, error_summary
 from rlfabric.actors.llm_learner import ADDITIVE_LEARNER_METRICS, LEARNER_METRICS
-from rlfabric.actors.llm_rollout import PromptSet, RolloutRequest, TextEnvSource
-from rlfabric.agent_rollout import AgentDemonstrations, AgentSource, agent_run_source
+from rlfabric.actors.llm_rollout import PromptSet, RolloutRequest
 from rlfabric.compact import payload_bytes
 from rlfabric.config import ConfigError
 from rlfabric.data import check_prompt_lengths, load_heldout, load_prompts
@@ -48,7 +47,13 @@ from rlfabric.llm_actors import (
     stop_actors,
     wanted_cpus,
 )
-from rlfabric.llm_openenv import TEXT_ENV_SPEC, start_openenv, stop_openenv
+from rlfabric.llm_episode_sources import (
+    EpisodeSources,
+    needs_ray,
+    plays_episodes,
+    sources_after_ray,
+    sources_before_ray,
+)
 from rlfabric.llm_resources import SETUP_TIMEOUT_S, openmp_env
 from rlfabric.llm_run_state import (
     FINAL_MODEL_DIR,
@@ -66,13 +71,10 @@ from rlfabric.llm_run_state import (
 )
 from rlfabric.llm_sft import sft_batch
 from rlfabric.llm_text_env import (
-    Demonstrations,
     start_tool_servers,
     stop_tool_servers,
-    text_env_source,
     tool_server_restarts,
 )
-from rlfabric.llm_verifiers import VerifiersRun, start_verifiers_env
 from rlfabric.models.hf import check_model_source, encode_prompt, model_max_positions
 from rlfabric.models.llm_batch import pad_rows_for_learners
 from rlfabric.placement import check_fits
@@ -123,13 +125,9 @@ class GRPOTrainer:
         self.rollout_workers: ActorSlots | None = None
         self.learners: list[Any] = []
         self.reference: Any = None
-        self.text_env: TextEnvSource | None = None  # what the rollout worker plays, when env.id names a text env
-        self.agent: AgentSource | None = None  # what it plays when env.agent names an outside agent
-        self.verifiers: VerifiersRun | None = None  # the host of env.verifiers, its rows and agent
-        self.openenv_host: Any = None  # the actor holding env.openenv's server and client sessions
+        # what the rollout workers play beyond single-turn completions, and the warm-up's demonstrations on it
+        self.episodes = EpisodeSources()
         self.tool_servers: dict[str, Any] = {}  # supervised MCP servers by name (env.tool_servers)
-        # the scripted player's episodes, for the warm-up of a run on a text env or an agent
-        self.demonstrations: Demonstrations | AgentDemonstrations | None = None
         self.log: RunLog | None = None
         self._elapsed_before = 0.0  # wall clock of the sessions before a resume
         # The weights the KL penalty anchors to: the initial model, or the policy after the SFT warm-up (saved
@@ -218,8 +216,9 @@ class GRPOTrainer:
             rewards.resolve_reward(dataclasses.asdict(self.cfg.rewards.functions[i]), f"rewards.functions[{i}]")
 
     def _load_data(self) -> None:
-        d, seed = self.cfg.data, self.cfg.training.seed
-        if self.cfg.env.verifiers.id:  # the environment's own rows, read from its actor once Ray runs
+        d, seed, cfg = self.cfg.data, self.cfg.training.seed, self.cfg
+        if cfg.env.verifiers.id:  # the environment's own rows, read from its actor once Ray runs
+            self.train_rows, self.eval_rows = [], []
             return
         self.train_rows = load_prompts(d.train, num_rows=d.num_train, seed=seed, prompt_key=d.prompt_key)
         if not self.train_rows:
@@ -229,52 +228,30 @@ class GRPOTrainer:
             eval_spec, train_rows=self.train_rows, num_rows=d.num_eval, seed=seed, prompt_key=d.prompt_key
         )
         self.rollouts.num_train_prompts = len(self.train_rows)
-        if self.cfg.env.openenv.command or self.cfg.env.openenv.url:  # task rows for an OpenEnv server, reached
-            self.train_ids, self.eval_ids = [[] for _ in self.train_rows], [[] for _ in self.eval_rows]  # after Ray
-            return
-        if self.cfg.env.id:  # task rows for a text env: its reset writes the first prompt
-            context = model_max_positions(self.model_dir)
-            self.text_env = text_env_source(self.cfg, self.tokenizer, self.model_dir, self.train_rows[0], context)
-            if self.cfg.sft.steps:  # a player that names nothing fails here, before Ray
-                self.demonstrations = Demonstrations(self.text_env, self.cfg.sft.player, self.tokenizer)
-            self.train_ids, self.eval_ids = [[] for _ in self.train_rows], [[] for _ in self.eval_rows]
-            return
-        if self.cfg.env.agent:  # task rows for an agent: it writes its own messages
-            self.agent = agent_run_source(self.cfg, self.tokenizer, self.model_dir, model_max_positions(self.model_dir))
-            if self.cfg.sft.steps:
-                self.demonstrations = AgentDemonstrations(self.agent, self.cfg.sft.player, self.tokenizer)
+        context = model_max_positions(self.model_dir)
+        if plays_episodes(cfg):  # task rows: the env's reset or the agent writes the prompts
+            if not needs_ray(cfg):
+                self.episodes = sources_before_ray(cfg, self.tokenizer, self.model_dir, self.train_rows[0], context)
             self.train_ids, self.eval_ids = [[] for _ in self.train_rows], [[] for _ in self.eval_rows]
             return
         self.train_ids = [encode_prompt(self.tokenizer, r[d.prompt_key], d.chat_template) for r in self.train_rows]
         self.eval_ids = [encode_prompt(self.tokenizer, r[d.prompt_key], d.chat_template) for r in self.eval_rows]
         check_prompt_lengths(  # prompts that cannot fit the model's context fail here, not in a generator
             {"data.train": self.train_ids, "data.eval": self.eval_ids},
-            max_new_tokens=self.cfg.sampling.max_new_tokens,
-            max_positions=model_max_positions(self.model_dir),
-            model=self.cfg.model.path,
+            max_new_tokens=cfg.sampling.max_new_tokens,
+            max_positions=context,
+            model=cfg.model.path,
         )
 
-    def _load_verifiers_env(self) -> None:
-        """A verifiers environment's rows and agent (``rlfabric.llm_verifiers``): its actor runs in packages of
-        its own, so they are read once Ray runs, before any other actor starts."""
-        self.verifiers = start_verifiers_env(self.cfg)
-        self.train_rows, self.eval_rows = self.verifiers.train_rows, self.verifiers.eval_rows
-        self.rollouts.num_train_prompts = len(self.train_rows)
+    def _sources_after_ray(self) -> None:
+        """A verifiers environment or an OpenEnv server (``rlfabric.llm_episode_sources``): its actor runs in
+        packages of its own, so it is set up once Ray runs, before any other actor starts."""
         context = model_max_positions(self.model_dir)
-        self.agent = agent_run_source(self.cfg, self.tokenizer, self.model_dir, context, self.verifiers.agent)
-        if self.cfg.sft.steps:
-            self.demonstrations = AgentDemonstrations(self.agent, self.cfg.sft.player, self.tokenizer)
-        self.train_ids, self.eval_ids = [[] for _ in self.train_rows], [[] for _ in self.eval_rows]
-
-    def _start_openenv(self) -> None:
-        """An OpenEnv server's text env (``rlfabric.llm_openenv``): its actor runs in packages of its own, so the
-        env is built and reset on the first task once Ray runs, before any other actor starts."""
-        self.openenv_host, kwargs = start_openenv(self.cfg)
-        context = model_max_positions(self.model_dir)
-        first = self.train_rows[0]
-        self.text_env = text_env_source(self.cfg, self.tokenizer, self.model_dir, first, context, TEXT_ENV_SPEC, kwargs)
-        if self.cfg.sft.steps:
-            self.demonstrations = Demonstrations(self.text_env, self.cfg.sft.player, self.tokenizer)
+        self.episodes = sources_after_ray(self.cfg, self.tokenizer, self.model_dir, self.train_rows, context)
+        if self.episodes.verifiers is not None:  # its rows are the run's
+            self.train_rows, self.eval_rows = self.episodes.verifiers.train_rows, self.episodes.verifiers.eval_rows
+            self.rollouts.num_train_prompts = len(self.train_rows)
+            self.train_ids, self.eval_ids = [[] for _ in self.train_rows], [[] for _ in self.eval_rows]
 
     def _sampling_seed(self) -> int:
         """The generators' sampling seed: the run's, moved on by the policy version, so a resumed run does not
@@ -310,12 +287,11 @@ class GRPOTrainer:
         self._load_data()
         ensure_ray(self.cfg.ray, wanted_cpus(self.cfg), openmp_env())
         check_fits(actor_requests(self.cfg), [n["Resources"] for n in ray.nodes() if n.get("Alive")])
-        if self.cfg.env.verifiers.id:
-            self._load_verifiers_env()
-        if self.cfg.env.openenv.command or self.cfg.env.openenv.url:
-            self._start_openenv()
-        if self.text_env is not None and self.cfg.env.tool_servers:
-            self.tool_servers = start_tool_servers(self.cfg.env.tool_servers, self.text_env, self.demonstrations)
+        if needs_ray(self.cfg):
+            self._sources_after_ray()
+        if self.episodes.text_env is not None and self.cfg.env.tool_servers:
+            e = self.episodes
+            self.tool_servers = start_tool_servers(self.cfg.env.tool_servers, e.text_env, e.demonstrations)
         self.generators = ActorSlots(
             "generator",
             lambda slot, generation: start_generator(self.cfg, self.base_model_dir, self._sampling_seed()),
@@ -352,7 +328,11 @@ class GRPOTrainer:
 
     def _start_rollout_worker(self) -> Any:
         worker = start_rollout_worker(
-            self.cfg, self.text_env, self.scorers.reward_name, model_dir=self.base_model_dir, agent=self.agent
+            self.cfg,
+            self.episodes.text_env,
+            self.scorers.reward_name,
+            model_dir=self.base_model_dir,
+            agent=self.episodes.agent,
         )
         self.rollouts.load_prompts_into(worker)
         return worker
@@ -448,7 +428,13 @@ class GRPOTrainer:
             # The next batch is built (a text env's demonstrations played) while the learners train on this one.
             indices = self.rollouts.sample_rows(s.batch_size)
             batch = sft_batch(
-                self.cfg, self.tokenizer, self.train_rows, self.train_ids, indices, self.rng, self.demonstrations
+                self.cfg,
+                self.tokenizer,
+                self.train_rows,
+                self.train_ids,
+                indices,
+                self.rng,
+                self.episodes.demonstrations,
             )
             ref = ray.put(pad_rows_for_learners(batch, self.cfg.learner.num_learners))
             if pending:
@@ -575,8 +561,7 @@ class GRPOTrainer:
 
     def _failing_part(self) -> str:
         """What fails a sample of this run, for the errors that stop it."""
-        e = self.cfg.env
-        return "its episode" if e.id or e.agent or e.verifiers.id else "its reward"
+        return "its episode" if plays_episodes(self.cfg) else "its reward"
 
     def _stop_if_asked(self, stop: threading.Event) -> None:
         if not stop.is_set():
@@ -666,10 +651,7 @@ class GRPOTrainer:
         self.scorers.close()
         self.generators, self.rollout_workers, self.learners, self.reference = None, None, [], None
         stop_tool_servers(self.tool_servers)
-        if self.verifiers is not None:
-            ray.kill(self.verifiers.host, no_restart=True)
-        if self.openenv_host is not None:
-            stop_openenv(self.openenv_host)
+        self.episodes.close()
         self.tool_servers = {}
 
 

@@ -93,6 +93,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "rlfabric.llm_text_env",  # a run on a text env: its checks before actors start
             "rlfabric.llm_verifiers",  # a run on a verifiers environment: its host actor, rows and agent
             "rlfabric.llm_openenv",  # a run on an OpenEnv server: its host actor and text env
+            "rlfabric.llm_episode_sources",  # where a run's episodes come from: text env, agent, verifiers, OpenEnv
             "rlfabric.llm_sft",  # the supervised warm-up's batches
             "rlfabric.reward_model_training",  # a Bradley-Terry reward model from preference pairs
             "rlfabric.judge_training",  # a generative judge from preference pairs, on the judge service's prompts
