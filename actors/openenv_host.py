@@ -31,9 +31,22 @@ def _free_port(host: str) -> int:
         return int(s.getsockname()[1])
 
 
+class _DictAction:
+    """An action given as a dict, for the MCP client, which sends what an action's ``model_dump`` returns."""
+
+    def __init__(self, fields: dict[str, Any]) -> None:
+        self.fields = fields
+
+    def model_dump(self) -> dict[str, Any]:
+        return dict(self.fields)
+
+
 def _result(step: Any) -> dict[str, Any]:
-    """A ``StepResult`` of the generic client as plain data: observation (a dict), reward, done, metadata."""
-    observation = dict(step.observation or {})
+    """A client's ``StepResult`` as plain data: observation (a dict), reward, done, metadata."""
+    raw = step.observation
+    observation = dict(raw.model_dump() if hasattr(raw, "model_dump") else raw or {})
+    for key in ("reward", "done"):
+        observation.pop(key, None)
     metadata = {**(observation.get("metadata") or {}), **(step.metadata or {})}
     return {"observation": observation, "reward": step.reward, "done": bool(step.done), "metadata": metadata}
 
@@ -43,7 +56,8 @@ class OpenEnvHost:
     """See the module docstring. ``command`` or ``url`` (exactly one); ``start_timeout_s``: how long the started
     server has to answer ``/health``."""
 
-    def __init__(self, command: str, url: str, start_timeout_s: float) -> None:
+    def __init__(self, command: str, url: str, start_timeout_s: float, tools: bool = False) -> None:
+        self.tools = tools  # sessions through the library's MCP client: the server's tools listed and called
         self.process: subprocess.Popen | None = None
         self.sessions: dict[str, tuple[Any, contextlib.AsyncExitStack]] = {}
         if command:
@@ -82,17 +96,35 @@ class OpenEnvHost:
 
     async def reset(self, session: str, task: dict[str, Any]) -> dict[str, Any]:
         """Open ``session`` (a WebSocket of its own) and reset its environment with the task's fields."""
-        from openenv.core import GenericEnvClient
+        from openenv.core import GenericEnvClient, MCPToolClient
 
         await self.close(session)
         stack = contextlib.AsyncExitStack()
-        client = await stack.enter_async_context(GenericEnvClient(base_url=self.url))
+        client_class = MCPToolClient if self.tools else GenericEnvClient
+        client = await stack.enter_async_context(client_class(base_url=self.url))
         self.sessions[session] = (client, stack)
         return _result(await client.reset(**task))
 
     async def step(self, session: str, action: dict[str, Any]) -> dict[str, Any]:
         client, _ = self.sessions[session]
-        return _result(await client.step(action))
+        return _result(await client.step(_DictAction(action) if self.tools else action))
+
+    async def list_tools(self, session: str) -> list[dict[str, Any]]:
+        """The tools the session's environment serves: name, description, JSON schema of the arguments."""
+        client, _ = self.sessions[session]
+        return [
+            {"name": t.name, "description": t.description or "", "input_schema": dict(t.input_schema)}
+            for t in await client.list_tools()
+        ]
+
+    async def call_tool(self, session: str, name: str, arguments: dict[str, Any]) -> dict[str, Any]:
+        """Call a tool on the session's environment: its result as ``text``, or the ``error`` it failed with."""
+        client, _ = self.sessions[session]
+        try:
+            result = await client.call_tool(name, **arguments)
+        except Exception as exc:  # noqa: BLE001 - the tool's failure: shown to the agent, not the run's
+            return {"text": "", "error": str(exc)}
+        return {"text": str(result), "error": None}
 
     async def close(self, session: str) -> None:
         opened = self.sessions.pop(session, None)

@@ -110,6 +110,9 @@ class OpenEnvConfig:
     components: list[str] = field(default_factory=list)
     # How long the started server has to answer /health (the actor's packages installed first are not counted).
     start_timeout_s: float = 60.0
+    # The environment serves MCP tools (an OpenEnv MCPEnvironment): they are listed into the system message and the
+    # model's tool calls (env.tool_parser) are run on the server; a turn without a call is the step's action.
+    tools: bool = False
 
 
 @dataclass

@@ -17,7 +17,7 @@ import ray
 from rlfabric.actors.llm_rollout import TextEnvSource
 from rlfabric.agent_rollout import AgentDemonstrations, AgentSource, agent_run_source
 from rlfabric.grpo_config import LLMConfig
-from rlfabric.llm_openenv import TEXT_ENV_SPEC, start_openenv, stop_openenv
+from rlfabric.llm_openenv import start_openenv, stop_openenv
 from rlfabric.llm_text_env import Demonstrations, text_env_source
 from rlfabric.llm_verifiers import VerifiersRun, start_verifiers_env
 
@@ -76,9 +76,9 @@ def sources_after_ray(
             sources.verifiers = start_verifiers_env(cfg)
             sources.agent = agent_run_source(cfg, tokenizer, model_dir, context, sources.verifiers.agent)
         else:
-            sources.openenv_host, kwargs = start_openenv(cfg)
+            sources.openenv_host, spec, kwargs = start_openenv(cfg)
             first = train_rows[0]
-            sources.text_env = text_env_source(cfg, tokenizer, model_dir, first, context, TEXT_ENV_SPEC, kwargs)
+            sources.text_env = text_env_source(cfg, tokenizer, model_dir, first, context, spec, kwargs)
         _add_demonstrations(sources, cfg, tokenizer)
     except Exception:
         sources.close()  # the actors started so far go with the error

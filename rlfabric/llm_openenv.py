@@ -16,15 +16,16 @@ from rlfabric.grpo_config import LLMConfig
 from rlfabric.llm_resources import SETUP_TIMEOUT_S
 
 TEXT_ENV_SPEC = "rlfabric.openenv_env:OpenEnvTextEnv"
+TOOL_ENV_SPEC = "rlfabric.openenv_env:OpenEnvToolEnv"  # with env.openenv.tools
 
 
-def start_openenv(cfg: LLMConfig) -> tuple[Any, dict[str, Any]]:
+def start_openenv(cfg: LLMConfig) -> tuple[Any, str, dict[str, Any]]:
     """Start the host actor with ``env.openenv.pip`` as its runtime env and wait until its server answers (one
-    error naming ``env.openenv`` when it cannot): (the actor, the kwargs of ``TEXT_ENV_SPEC`` for the episodes)."""
+    error naming ``env.openenv`` when it cannot): (the actor, the text env spec for the episodes, its kwargs)."""
     o = cfg.env.openenv
     name = f"{HOST_NAME_PREFIX}{uuid.uuid4().hex[:8]}"
     runtime_env = {"pip": list(o.pip)} if o.pip else None
-    host = OpenEnvHost.options(name=name, runtime_env=runtime_env).remote(o.command, o.url, o.start_timeout_s)
+    host = OpenEnvHost.options(name=name, runtime_env=runtime_env).remote(o.command, o.url, o.start_timeout_s, o.tools)
     what = f"env.openenv.command = {o.command!r}" if o.command else f"env.openenv.url = {o.url!r}"
     try:
         ray.get(host.base_url.remote(), timeout=SETUP_TIMEOUT_S + o.start_timeout_s)
@@ -40,7 +41,9 @@ def start_openenv(cfg: LLMConfig) -> tuple[Any, dict[str, Any]]:
         "reward_component": o.reward_component,
         "components": list(o.components),
     }
-    return host, kwargs
+    if o.tools:
+        return host, TOOL_ENV_SPEC, {**kwargs, "parser": cfg.env.tool_parser}
+    return host, TEXT_ENV_SPEC, kwargs
 
 
 def stop_openenv(host: Any) -> None:

@@ -5,7 +5,8 @@
 (``reset(**task)``); ``step(text)`` sends the model's turn as the action ``{action_key: text}``. The observation's
 ``observation_key`` field is what the model is shown. Each step's rewards: the environment's scalar ``reward``
 under ``reward_component``, and the numeric entries of its ``metadata`` named in ``components``; ``done`` ends the
-episode. ``close`` ends the session (the server's environment instance with it).
+episode. ``close`` ends the session (the server's environment instance with it). ``OpenEnvToolEnv`` adds the
+environment's MCP tools, listed and called through the library's MCP client.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from typing import Any
 import ray
 
 from rlfabric.text_env import TextStep
+from rlfabric.tool_env import ToolEnv, tools_prompt
+from rlfabric.tools import Tool, ToolSet
 
 _SESSIONS = itertools.count()  # session keys of this process's episodes
 
@@ -67,3 +70,40 @@ class OpenEnvTextEnv:
 
     async def close(self) -> None:
         await self.host.close.remote(self.session)
+
+    async def tools(self) -> list[Tool]:
+        """The session's tools, as ``Tool`` objects whose functions call them on the server."""
+        listed = await self.host.list_tools.remote(self.session)
+        return [Tool(t["name"], t["description"], t["input_schema"], self._caller(t["name"])) for t in listed]
+
+    def _caller(self, name: str) -> Any:
+        async def call(**arguments: Any) -> str:
+            out = await self.host.call_tool.remote(self.session, name, arguments)
+            if out["error"] is not None:
+                raise RuntimeError(out["error"])
+            return str(out["text"])
+
+        call.__name__ = name
+        return call
+
+    async def answer(self, text: str) -> TextStep:
+        return await self.step(text)  # a turn without a tool call is the environment's action
+
+
+class OpenEnvToolEnv(ToolEnv):
+    """An OpenEnv environment whose MCP tools the agent calls (``env.openenv.tools``): a ``ToolEnv`` over
+    ``OpenEnvTextEnv``. At ``reset`` the session's tools are listed into the system message; a turn with tool calls
+    gets their results, a turn without one is sent to the environment as its action (its reward and ``done``)."""
+
+    def __init__(self, host_name: str, parser: str = "hermes", **kwargs: Any) -> None:
+        self.episode = OpenEnvTextEnv(host_name, **kwargs)
+        super().__init__(self.episode, ToolSet([]), parser)
+
+    async def reset(self, task: dict[str, Any]) -> str:
+        observation = await self.episode.reset(task)
+        self.tools = ToolSet(await self.episode.tools())
+        self.system_prompt = tools_prompt(self.tools)
+        return observation
+
+    async def close(self) -> None:
+        await self.episode.close()

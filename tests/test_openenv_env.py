@@ -43,6 +43,35 @@ def test_grpo_trains_on_an_openenv_server_through_the_librarys_client(local_ray,
     assert [e["label"] for e in run.phase("eval")] == ["initial", "after_sft", "final"]
 
 
+LOOKUP_SERVER = (
+    "{python} -m uvicorn rlfabric.envs.openenv_key_lookup:app --host {host} --port {port} --log-level warning"
+)
+
+
+TOOL_MODEL = {"num_layers": 2, "hidden_size": 64, "num_heads": 4, "max_positions": 384}
+
+
+def test_an_openenv_servers_mcp_tools_are_listed_and_called_by_the_model(local_ray, tmp_path):
+    """KeyLookup on an OpenEnv MCPEnvironment: its `lookup` tool is listed into the system message, the warm-up's
+    calls run on the server (the player copies what they return), and the policy's own calls reach it too."""
+    run = run_grpo(
+        tmp_path / "run",
+        model={
+            "builtin": {"num_layers": 2, "hidden_size": 64, "num_heads": 4, "max_positions": 384, "alphabet": "tool"}
+        },
+        data={"train": "task:key_lookup", "num_train": 64, "num_eval": 4},
+        env={"max_turns": 3, "openenv": {"command": LOOKUP_SERVER, "tools": True, "reward_component": "correct"}},
+        rewards={"functions": []},
+        sampling={"max_new_tokens": 72},
+        sft={"steps": 60, "batch_size": 16, "lr": 3e-3, "player": "rlfabric.envs.key_lookup:lookup_player"},
+        training={"total_steps": 1, "eval_every": 0, "show_samples": 0},
+    )
+    losses = [r["sft_loss"] for r in run.phase("sft")]
+    assert losses[-1] < 0.2 * losses[0]  # the player's episodes, each a call on the server and the copied value
+    (step,) = run.phase("grpo")
+    assert step["tool_calls"] > 0 and "reward_correct" in step and run.summary["failed_samples"] == 0
+
+
 def trainer(tmp_path, **changes):
     return GRPOTrainer(config_from_dict(merged(merged(BASE, GAME), changes)), tmp_path / "run", quiet=True)
 
