@@ -142,6 +142,33 @@ def group_statistics(group_ids: np.ndarray, rewards: np.ndarray, versions: np.nd
     return out
 
 
+def episodes_meta(
+    trajectories: Trajectories,
+    scalar: np.ndarray,
+    versions: np.ndarray,
+    sampled: list[int],
+    failed: int,
+    groups: list[int],
+) -> dict[str, Any]:
+    """The metadata every rollout of multi-turn episodes reports: rows of the record (the episodes that did not
+    fail; an agent's rewritten history gives several), ``failed`` episodes, tokens sampled (``sampled``: per
+    episode), the statistics of ``groups`` from the rows' ``scalar`` rewards and oldest ``versions``, component
+    means, and the record's size. The rewards came with the episodes: no reward service ran."""
+    return {
+        "rows": trajectories.num_rows,
+        "failed": failed,
+        "tokens": int(sum(sampled)),
+        "group_stats": group_statistics(trajectories.group_id, scalar, versions, groups),
+        "component_means": {k: float(v.mean()) for k, v in trajectories.final_rewards.items()}
+        if trajectories.num_rows
+        else {},
+        "response_length_mean": float(np.mean(sampled)),
+        "reward_restarts": 0,
+        "record_bytes": trajectories.nbytes(),
+        "reward_time_s": 0.0,
+    }
+
+
 def process_means(step_components: list[list[dict[str, float]] | None]) -> dict[str, float]:
     """Each process component's mean over rows of its mean over the row's steps (a step without it counts 0):
     what the run logs as ``reward_<component>``. Rows without step components are left out."""
@@ -392,18 +419,10 @@ class LLMRolloutCore:
         scalar = self.scalar_rewards(trajectories)
         versions = np.array([min((t.version for t in e.turns), default=-1) for e in kept], np.int64)
         sampled = [sum(len(t.sampled) for t in e.turns) for e in episodes]
+        groups = list(range(request.first_group, int(group_ids[-1]) + 1))
         meta.update(
             {
-                "rows": len(kept),
-                "failed": len(episodes) - len(kept),
-                "tokens": int(sum(sampled)),
-                "group_stats": group_statistics(
-                    trajectories.group_id, scalar, versions, list(range(request.first_group, group_ids[-1] + 1))
-                ),
-                "component_means": {k: float(v.mean()) for k, v in trajectories.final_rewards.items()} if kept else {},
-                "response_length_mean": float(np.mean(sampled)),
-                "reward_restarts": 0,
-                "record_bytes": trajectories.nbytes(),
+                **episodes_meta(trajectories, scalar, versions, sampled, len(episodes) - len(kept), groups),
                 "turns": sum(len(e.turns) for e in episodes),
                 "env_errors": sum(e.env_errors for e in episodes),
                 "tool_calls": sum(e.tool_calls for e in episodes),
@@ -415,7 +434,6 @@ class LLMRolloutCore:
                     for kind in ERROR_KINDS
                 },
                 "generate_time_s": time.perf_counter() - started,  # episodes interleave generation and env steps
-                "reward_time_s": 0.0,
             }
         )
         outcomes = [(" | ".join(e.texts), e.rewards, e.error) for e in episodes]
@@ -453,18 +471,10 @@ class LLMRolloutCore:
         versions = episode_versions(episodes)
         sampled = [sum(len(t.sampled) for s in e.trace.segments for t in s.turns) for e in episodes]
         solved = [e for e in kept if e.rewards.get("correct", 0.0) > 0]
+        groups = list(range(request.first_group, int(group_ids[-1]) + 1))
         meta.update(
             {
-                "rows": trajectories.num_rows,
-                "failed": len(episodes) - len(kept),
-                "tokens": int(sum(sampled)),
-                "group_stats": group_statistics(
-                    trajectories.group_id, scalar, versions, list(range(request.first_group, group_ids[-1] + 1))
-                ),
-                "component_means": {k: float(v.mean()) for k, v in trajectories.final_rewards.items()} if kept else {},
-                "response_length_mean": float(np.mean(sampled)),
-                "reward_restarts": 0,
-                "record_bytes": trajectories.nbytes(),
+                **episodes_meta(trajectories, scalar, versions, sampled, len(episodes) - len(kept), groups),
                 "turns": sum(e.trace.calls for e in episodes),
                 "tool_calls": sum(e.trace.tool_calls for e in episodes),
                 "solved_episodes": len(solved),
@@ -475,7 +485,6 @@ class LLMRolloutCore:
                 "rewrites": sum(e.trace.rewrites for e in episodes),
                 **refused,
                 "generate_time_s": time.perf_counter() - started,  # episodes interleave calls and the agents' work
-                "reward_time_s": 0.0,
             }
         )
         outcomes = [(transcript(e.trace), e.rewards, e.error) for e in episodes]

@@ -27,17 +27,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
-import platform
 import statistics
 import tempfile
 import time
-from datetime import date
 from pathlib import Path
 from typing import Any
 
 import ray
-import torch
+from report import write_report  # benchmarks/ is the script's directory
 
 from rlfabric.actors.generator import Generator
 from rlfabric.agent_loop import EpisodeLimits, run_episodes
@@ -168,16 +165,7 @@ def main() -> None:
                     f"{ratio:.3f}{label if name == ENDPOINT else ''}",
                     flush=True,
                 )
-    report = {
-        "benchmark": "agent_endpoint_throughput",
-        "date": date.today().isoformat(),
-        "machine": {"platform": platform.platform(), "torch": torch.__version__, "threads": args.threads},
-        "settings": {k: v for k, v in vars(args).items() if k != "out"},
-        "rows": rows,
-    }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2))
-    print(f"wrote {args.out}")
+    write_report(args.out, "agent_endpoint_throughput", args, threads=args.threads, rows=rows)
 
 
 if __name__ == "__main__":

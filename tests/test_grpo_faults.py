@@ -122,6 +122,21 @@ MID_EPISODE_KILLS = [(1, 0.1, "generator"), (3, 0.1, "rollout worker"), (5, 0.3,
 EPISODE_STEPS = 10
 
 
+def kill_mid_episode(killed: list[int]):
+    """``during``: the ``MID_EPISODE_KILLS``, each pid appended to ``killed``."""
+
+    def kill(trainer: GRPOTrainer) -> None:
+        for after_step, delay, which in MID_EPISODE_KILLS:
+            while trainer.counters.step < after_step:
+                time.sleep(0.02)
+            time.sleep(delay)
+            pid = live_pid(trainer, which, killed)
+            os.kill(pid, signal.SIGKILL)
+            killed.append(pid)
+
+    return kill
+
+
 class SlowGuess:
     """GuessNumber with 20 ms steps: the kills land while episodes wait on the env between turns."""
 
@@ -157,17 +172,7 @@ def test_a_generator_and_a_rollout_worker_killed_mid_episode_cost_no_episode(loc
         )
     )
     killed: list[int] = []
-
-    def kill(trainer: GRPOTrainer) -> None:
-        for after_step, delay, which in MID_EPISODE_KILLS:
-            while trainer.counters.step < after_step:
-                time.sleep(0.02)
-            time.sleep(delay)
-            pid = live_pid(trainer, which, killed)
-            os.kill(pid, signal.SIGKILL)
-            killed.append(pid)
-
-    summary, rows = train_in_process(cfg, tmp_path / "run", during=kill)
+    summary, rows = train_in_process(cfg, tmp_path / "run", during=kill_mid_episode(killed))
     steps = [r for r in rows if r.get("phase") == "grpo"]
     assert len(killed) == 3 and summary["generator_restarts"] == 2 and summary["rollout_worker_restarts"] == 1
     batch = cfg.grpo.prompts_per_step * cfg.grpo.group_size
@@ -210,17 +215,7 @@ def test_a_generator_and_a_rollout_worker_killed_mid_agent_episode_cost_no_episo
         )
     )
     killed: list[int] = []
-
-    def kill(trainer: GRPOTrainer) -> None:
-        for after_step, delay, which in MID_EPISODE_KILLS:
-            while trainer.counters.step < after_step:
-                time.sleep(0.02)
-            time.sleep(delay)
-            pid = live_pid(trainer, which, killed)
-            os.kill(pid, signal.SIGKILL)
-            killed.append(pid)
-
-    summary, rows = train_in_process(cfg, tmp_path / "run", during=kill)
+    summary, rows = train_in_process(cfg, tmp_path / "run", during=kill_mid_episode(killed))
     steps = [r for r in rows if r.get("phase") == "grpo"]
     assert len(killed) == 3 and summary["generator_restarts"] == 2 and summary["rollout_worker_restarts"] == 1
     batch = cfg.grpo.prompts_per_step * cfg.grpo.group_size
