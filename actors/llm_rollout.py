@@ -169,6 +169,13 @@ def episodes_meta(
     }
 
 
+def last_row_of_each_episode(episode_ids: np.ndarray) -> np.ndarray:
+    """The index of each episode's last row (an agent that rewrote its history has a row per segment, each with
+    the episode's rewards): sums over these count every episode once."""
+    _, first_from_end = np.unique(episode_ids[::-1], return_index=True)
+    return np.sort(len(episode_ids) - 1 - first_from_end)
+
+
 def process_means(step_components: list[list[dict[str, float]] | None]) -> dict[str, float]:
     """Each process component's mean over rows of its mean over the row's steps (a step without it counts 0):
     what the run logs as ``reward_<component>``. Rows without step components are left out."""
@@ -518,7 +525,7 @@ class LLMRolloutCore:
             ]
         if request.prompt_set == "eval":
             meta["correct_sum"] = float(sum(c.get("correct", 0.0) for _, c, error in outcomes if error is None))
-            meta["reward_sum"] = float(scalar.sum())
+            meta["reward_sum"] = float(scalar[last_row_of_each_episode(trajectories.episode_id)].sum())
             return meta, None
         return meta, trajectories
 

@@ -13,9 +13,12 @@ rlfabric's), and so does the server when the run starts it: ``env.openenv.comman
 from __future__ import annotations
 
 import contextlib
+import os
+import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from typing import Any
@@ -64,10 +67,18 @@ class OpenEnvHost:
             host = "127.0.0.1"
             port = _free_port(host)
             line = command.format(port=port, host=host, python=sys.executable)
-            self.log = open(f"openenv-server-{port}.log", "w")  # noqa: SIM115 - the server's output, kept for errors
-            self.process = subprocess.Popen(line, shell=True, stdout=self.log, stderr=subprocess.STDOUT)
+            # the server's output, kept for its errors, outside the working folder (a run's may be a repository)
+            self.log = tempfile.NamedTemporaryFile("w+", prefix=f"openenv-server-{port}-", suffix=".log")  # noqa: SIM115
+            # a session of its own: stopping it signals the whole group, the server under a shell included
+            self.process = subprocess.Popen(
+                line, shell=True, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True
+            )
             url = f"http://{host}:{port}"
-            self._wait_for(url, line, start_timeout_s)
+            try:
+                self._wait_for(url, line, start_timeout_s)
+            except Exception:
+                self._end_server()
+                raise
         self.url = url.rstrip("/")
 
     def _wait_for(self, url: str, line: str, timeout_s: float) -> None:
@@ -87,9 +98,25 @@ class OpenEnvHost:
 
     def _tail(self) -> str:
         self.log.flush()
-        with open(self.log.name) as f:
-            lines = [ln.strip() for ln in f.read().splitlines() if ln.strip()]
+        self.log.seek(0)
+        lines = [ln.strip() for ln in self.log.read().splitlines() if ln.strip()]
         return " | ".join(lines[-2:]) or "(nothing)"
+
+    def _end_server(self) -> None:
+        """Stop the server's process group (SIGTERM, then SIGKILL after 10 s) and drop its log."""
+        if self.process is None:
+            return
+        if self.process.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.process.pid, signal.SIGTERM)
+            try:
+                self.process.wait(10)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait(5)
+        self.log.close()
+        self.process = None
 
     def base_url(self) -> str:
         return self.url
@@ -135,9 +162,4 @@ class OpenEnvHost:
         """Close every session and end the server this actor started."""
         for session in list(self.sessions):
             await self.close(session)
-        if self.process is not None and self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(10)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
+        self._end_server()

@@ -18,6 +18,7 @@ function names and weights); the 0.4 rewrite moved it under ``verifiers.legacy``
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import signal
@@ -69,9 +70,10 @@ def _plain(value: Any) -> Any:
     return json.loads(json.dumps(value, default=str))
 
 
-# Threaded, not async: the environment is built in the actor's main thread (the library sets signal handlers there),
-# and each rollout runs on an event loop of its own, many at once.
-@ray.remote(num_cpus=0, max_restarts=3, max_concurrency=256)
+# Threaded, not async (an async actor is built off the main thread, where the library's signal handlers fail): each
+# call waits on the host's one rollout loop in a thread of its own; the driver sets max_concurrency to the episodes
+# a run can have in flight, so none waits in Ray's queue while its deadline runs.
+@ray.remote(num_cpus=0, max_restarts=3)
 class VerifiersHost:
     """See the module docstring. ``spec``: ``env.verifiers.id``; ``args``: its keyword arguments."""
 
@@ -110,17 +112,25 @@ class VerifiersHost:
         if callable(teardown):
             asyncio.run(teardown())
 
-    def rollout(self, row: dict[str, Any], base_url: str, api_key: str, model: str) -> dict[str, Any]:
+    def rollout(self, row: dict[str, Any], base_url: str, api_key: str, model: str, deadline_s: float) -> dict:
         """One rollout of ``row`` against the endpoint at ``base_url``: the rubric's values by function name
-        (``metrics``), the weighted ``reward``, and the rollout's ``error`` (None when it ran to its end)."""
-        return asyncio.run_coroutine_threadsafe(self._rollout(row, base_url, api_key, model), self.loop).result()
+        (``metrics``), the weighted ``reward``, and the rollout's ``error`` (None when it ran to its end). A
+        rollout still running after ``deadline_s`` is cancelled, so it never holds a thread."""
+        future = asyncio.run_coroutine_threadsafe(self._rollout(row, base_url, api_key, model, deadline_s), self.loop)
+        try:
+            return future.result(timeout=deadline_s + 5)
+        except TimeoutError:
+            future.cancel()
+            return {"metrics": {}, "reward": 0.0, "error": f"missed its {deadline_s:g}s deadline", "error_kind": None}
 
-    def _rollout(self, row: dict[str, Any], base_url: str, api_key: str, model: str) -> Any:
+    def _rollout(self, row: dict[str, Any], base_url: str, api_key: str, model: str, deadline_s: float) -> Any:
         # not itself a coroutine function: an actor with one would be an async actor, built off the main thread
-        return _rollout(self, row, base_url, api_key, model)
+        return asyncio.wait_for(_rollout(self, row, base_url, api_key, model, deadline_s), deadline_s)
 
 
-async def _rollout(host: Any, row: dict[str, Any], base_url: str, api_key: str, model: str) -> dict[str, Any]:
+async def _rollout(
+    host: Any, row: dict[str, Any], base_url: str, api_key: str, model: str, deadline_s: float
+) -> dict[str, Any]:
     """``VerifiersHost.rollout`` on the host's loop: ``error`` is the rollout's error text and ``error_kind`` the
     library's name for it (``EmptyModelResponseError`` is the model's doing, scored like any reply)."""
     import openai
@@ -128,7 +138,9 @@ async def _rollout(host: Any, row: dict[str, Any], base_url: str, api_key: str, 
 
     if host.http is None:
         host.http = openai.DefaultAsyncHttpxClient(verify=ssl.create_default_context())
-    client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0, timeout=None, http_client=host.http)
+    client = openai.AsyncOpenAI(
+        base_url=base_url, api_key=api_key, max_retries=0, timeout=deadline_s, http_client=host.http
+    )
     out = await host.env.run_rollout(row, vf.OpenAIChatCompletionsClient(client), model, None)
     error = out.get("error")
     kind = error.get("error") if isinstance(error, dict) else type(error).__name__ if error else None
@@ -140,16 +152,22 @@ async def _rollout(host: Any, row: dict[str, Any], base_url: str, api_key: str, 
     }
 
 
-def verifiers_agent(host_name: str, accuracy: str) -> Any:
+@functools.cache
+def _host(name: str) -> Any:
+    return ray.get_actor(name)  # looked up once per process, not per episode
+
+
+def verifiers_agent(host_name: str, accuracy: str, deadline_s: float) -> Any:
     """The agent function of a verifiers environment: each episode is one rollout of its task row on the host
     named ``host_name`` against the episode's client; its rubric values are the reward components, with
     ``correct`` (1 when the ``accuracy`` function's value is positive) added for the held-out accuracy when the
     rubric has no function of that name. A rollout that ended in an error fails its episode with it."""
 
     async def run(task: dict[str, Any], client: Any) -> dict[str, float]:
-        host = ray.get_actor(host_name)
         try:
-            out = await host.rollout.remote(task, str(client.base_url), client.api_key, "policy")
+            out = await _host(host_name).rollout.remote(
+                task, str(client.base_url), client.api_key, "policy", deadline_s
+            )
         except ray.exceptions.RayError as exc:  # the host's own failure: its last line, not a remote traceback
             lines = str(exc).strip().splitlines()
             raise RuntimeError(f"the verifiers host failed: {lines[-1] if lines else type(exc).__name__}") from None

@@ -392,7 +392,7 @@ def validate_llm(cfg: LLMConfig) -> LLMConfig:
     if cfg.model.path == "builtin":
         builtin_alphabet(cfg.model.builtin.alphabet)
     _validate_step_credit(cfg)
-    validate_rewards(cfg.rewards, cfg.env.id, cfg.grpo.step_credit)
+    validate_rewards(cfg.rewards, episode_source(cfg), cfg.grpo.step_credit)
     if cfg.reward_model.pairs:
         validate_reward_model(cfg.reward_model)
     require(
@@ -401,11 +401,37 @@ def validate_llm(cfg: LLMConfig) -> LLMConfig:
         cfg.data.train,
         "must be 'env' with env.verifiers.id (the environment's own dataset), and only then",
     )
-    if cfg.env.id or cfg.env.agent or cfg.env.verifiers.id or cfg.env.openenv.command or cfg.env.openenv.url:
+    require(
+        not (cfg.env.verifiers.id and cfg.data.eval),
+        "data.eval",
+        cfg.data.eval,
+        "must be '' with env.verifiers.id: the environment's eval_dataset is the held-out set",
+    )
+    if plays_episodes(cfg):
         _validate_env(cfg)
     elif not cfg.rewards.functions:
         raise ConfigError("rewards.functions = [] is not valid: list at least one reward function")
     return cfg
+
+
+def episode_source(cfg: LLMConfig) -> str:
+    """The field that names where the run's episodes come from (``env.id``, ``env.agent``, ``env.verifiers.id``,
+    ``env.openenv.command`` or ``env.openenv.url``), or "" when it completes prompts scored by reward functions."""
+    e = cfg.env
+    named = (
+        ("env.id", e.id),
+        ("env.agent", e.agent),
+        ("env.verifiers.id", e.verifiers.id),
+        ("env.openenv.command", e.openenv.command),
+        ("env.openenv.url", e.openenv.url),
+    )
+    return next((field_name for field_name, value in named if value), "")
+
+
+def plays_episodes(cfg: LLMConfig) -> bool:
+    """Whether the run plays episodes (a text env, an agent, a verifiers environment, an OpenEnv server) rather
+    than completing prompts scored by reward functions."""
+    return bool(episode_source(cfg))
 
 
 def _validate_env(cfg: LLMConfig) -> None:

@@ -35,7 +35,7 @@ from rlfabric.compact import payload_bytes
 from rlfabric.config import ConfigError
 from rlfabric.data import check_prompt_lengths, load_heldout, load_prompts
 from rlfabric.driver import ensure_ray
-from rlfabric.grpo_config import LLMConfig
+from rlfabric.grpo_config import LLMConfig, plays_episodes
 from rlfabric.grpo_report import eval_row, run_summary, step_row
 from rlfabric.likelihood_scorers import LikelihoodScorers
 from rlfabric.llm_actors import (
@@ -47,13 +47,7 @@ from rlfabric.llm_actors import (
     stop_actors,
     wanted_cpus,
 )
-from rlfabric.llm_episode_sources import (
-    EpisodeSources,
-    needs_ray,
-    plays_episodes,
-    sources_after_ray,
-    sources_before_ray,
-)
+from rlfabric.llm_episode_sources import EpisodeSources, needs_ray, sources_after_ray, sources_before_ray
 from rlfabric.llm_resources import SETUP_TIMEOUT_S, openmp_env
 from rlfabric.llm_run_state import (
     FINAL_MODEL_DIR,

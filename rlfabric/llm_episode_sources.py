@@ -12,21 +12,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-import ray
-
 from rlfabric.actors.llm_rollout import TextEnvSource
 from rlfabric.agent_rollout import AgentDemonstrations, AgentSource, agent_run_source
 from rlfabric.grpo_config import LLMConfig
 from rlfabric.llm_openenv import start_openenv, stop_openenv
 from rlfabric.llm_text_env import Demonstrations, text_env_source
-from rlfabric.llm_verifiers import VerifiersRun, start_verifiers_env
-
-
-def plays_episodes(cfg: LLMConfig) -> bool:
-    """Whether the run plays episodes (a text env, an agent, a verifiers environment, an OpenEnv server) rather
-    than completing prompts scored by reward functions."""
-    e = cfg.env
-    return bool(e.id or e.agent or e.verifiers.id or e.openenv.command or e.openenv.url)
+from rlfabric.llm_verifiers import VerifiersRun, start_verifiers_env, stop_verifiers_env
 
 
 def needs_ray(cfg: LLMConfig) -> bool:
@@ -46,8 +37,10 @@ class EpisodeSources:
     openenv_host: Any = None
 
     def close(self) -> None:
+        """Stop the actors behind the episodes: a verifiers environment after its teardown handlers, an OpenEnv
+        server with its sessions."""
         if self.verifiers is not None:
-            ray.kill(self.verifiers.host, no_restart=True)
+            stop_verifiers_env(self.verifiers.host)
         if self.openenv_host is not None:
             stop_openenv(self.openenv_host)
 

@@ -51,7 +51,11 @@ def start_verifiers_env(cfg: LLMConfig) -> VerifiersRun:
     v = cfg.env.verifiers
     name = f"{HOST_NAME_PREFIX}{uuid.uuid4().hex[:8]}"
     runtime_env = {"pip": list(v.pip)} if v.pip else None
-    host = VerifiersHost.options(name=name, runtime_env=runtime_env).remote(v.id, dict(v.args))
+    # every episode a run can have in flight (training rollouts, the next ones under max_policy_lag, an
+    # evaluation) holds one of the host's threads while it runs
+    g, t = cfg.grpo, cfg.training
+    threads = g.prompts_per_step * g.group_size * (1 + t.max_policy_lag) + cfg.data.num_eval * g.group_size + 16
+    host = VerifiersHost.options(name=name, runtime_env=runtime_env, max_concurrency=threads).remote(v.id, dict(v.args))
     try:
         described = ray.get(host.describe.remote(cfg.data.num_train, cfg.data.num_eval), timeout=SETUP_TIMEOUT_S)
     except ray.exceptions.GetTimeoutError:
@@ -66,15 +70,29 @@ def start_verifiers_env(cfg: LLMConfig) -> VerifiersRun:
             f"env.verifiers.id = {v.id!r}: loading it (with env.verifiers.pip = {list(v.pip)}) failed: "
             f"{error_summary(exc)}"
         ) from None
-    weights = described["weights"]
-    accuracy = accuracy_function(weights, v.accuracy)
+    try:
+        weights = described["weights"]
+        accuracy = accuracy_function(weights, v.accuracy)
+        if not described["train"] or not described["eval"]:
+            raise ConfigError(
+                f"env.verifiers.id = {v.id!r}: its dataset gave {len(described['train'])} training and "
+                f"{len(described['eval'])} held-out rows; it needs both (data.num_train, data.num_eval)"
+            )
+    except ConfigError:
+        stop_verifiers_env(host)
+        raise
     for component, weight in weights.items():
         cfg.rewards.weights.setdefault(component, weight)
     if "correct" not in weights:
         cfg.rewards.weights.setdefault("correct", 0.0)  # added for eval_accuracy only, never a reward
-    if not described["train"] or not described["eval"]:
-        raise ConfigError(
-            f"env.verifiers.id = {v.id!r}: its dataset gave {len(described['train'])} training and "
-            f"{len(described['eval'])} held-out rows; it needs both (data.num_train, data.num_eval)"
-        )
-    return VerifiersRun(host, described["train"], described["eval"], verifiers_agent(name, accuracy))
+    agent = verifiers_agent(name, accuracy, cfg.env.agent_timeout_s)
+    return VerifiersRun(host, described["train"], described["eval"], agent)
+
+
+def stop_verifiers_env(host: Any) -> None:
+    """Run the environment's teardown handlers on its host, then end the host."""
+    try:
+        ray.get(host.close.remote(), timeout=15)
+    except Exception:  # noqa: BLE001, S110 - killed below either way
+        pass
+    ray.kill(host, no_restart=True)

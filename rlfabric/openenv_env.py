@@ -12,8 +12,7 @@ environment's MCP tools, listed and called through the library's MCP client.
 from __future__ import annotations
 
 import functools
-import itertools
-import os
+import uuid
 from typing import Any
 
 import ray
@@ -21,8 +20,6 @@ import ray
 from rlfabric.text_env import TextStep
 from rlfabric.tool_env import ToolEnv, tools_prompt
 from rlfabric.tools import Tool, ToolSet
-
-_SESSIONS = itertools.count()  # session keys of this process's episodes
 
 
 @functools.cache
@@ -45,7 +42,7 @@ class OpenEnvTextEnv:
         self.action_key, self.observation_key = action_key, observation_key
         self.reward_component = reward_component
         self.components = list(components or [])
-        self.session = f"{os.getpid()}-{next(_SESSIONS)}"
+        self.session = uuid.uuid4().hex  # unique across the run's processes and nodes
 
     def _text(self, result: dict[str, Any]) -> str:
         observation = result["observation"]

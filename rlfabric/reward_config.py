@@ -153,7 +153,8 @@ class RewardModelConfig:
 
 
 def validate_rewards(r: RewardsConfig, env_id: str, step_credit: str = "none") -> None:
-    """Range and cross-field checks of the ``rewards`` section (``env_id``: the run's text env, "" for none;
+    """Range and cross-field checks of the ``rewards`` section (``env_id``: the field that names where the run's
+    episodes come from, e.g. "env.id", "" for single-turn completions;
     ``step_credit``: grpo.step_credit, which process rewards act through)."""
     for i, fn in enumerate(r.functions):
         require(bool(fn.name), f"rewards.functions[{i}].name", fn.name, "must name a reward function")
@@ -218,7 +219,7 @@ def _validate_shadow(sh: ShadowConfig, env_id: str) -> None:
         not env_id,
         "rewards.shadow.functions",
         [f.name for f in sh.functions],
-        "runs on single-turn completions for now (env.id is set: the text env gives the rewards)",
+        f"runs on single-turn completions for now ({env_id} is set: the episodes give the rewards)",
     )
 
 
@@ -239,7 +240,7 @@ def _validate_process(p: ProcessConfig, env_id: str, step_credit: str) -> None:
         kind == "none" or not env_id,
         "rewards.process.split",
         p.split,
-        "must be 'none' with env.id: a text env's steps are the agent's turns",
+        f"must be 'none' with {env_id}: an episode's steps are the agent's turns",
     )
     for path, value, default in (
         ("rewards.process.split", p.split, "none"),

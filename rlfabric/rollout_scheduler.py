@@ -20,7 +20,7 @@ import ray
 
 from rlfabric.actor_slots import ActorSlots, error_summary
 from rlfabric.actors.llm_rollout import RolloutRequest, decode_meta
-from rlfabric.grpo_config import LLMConfig
+from rlfabric.grpo_config import LLMConfig, plays_episodes
 from rlfabric.llm_resources import SETUP_TIMEOUT_S
 from rlfabric.llm_run_state import Counters
 
@@ -195,8 +195,7 @@ class RolloutScheduler:
         """The first error of each kind, as it happens (later ones of that kind are counted, not printed)."""
         if error not in self.errors_seen:
             self.errors_seen.add(error)
-            e = self.cfg.env
-            what = "episode" if e.id or e.agent or e.verifiers.id else "reward"  # what failed the sample
+            what = "episode" if plays_episodes(self.cfg) else "reward"  # what failed the sample
             self._note(f"{what} failed: {error} ({self.counters.failed_samples} failed samples so far)")
 
     def accept(self, meta: dict[str, Any], ref: ray.ObjectRef | None, step: StepBatch) -> None:

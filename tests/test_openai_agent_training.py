@@ -7,10 +7,12 @@ from __future__ import annotations
 import itertools
 from pathlib import Path
 
+import numpy as np
 import pytest
 from grpo_runs import BASE, merged, run_grpo
 
 from rlfabric.actor_slots import RunAbortedError
+from rlfabric.actors.llm_rollout import last_row_of_each_episode
 from rlfabric.agents import register_agent
 from rlfabric.config import ConfigError, config_from_dict
 from rlfabric.llm_driver import GRPOTrainer, train_llm
@@ -62,6 +64,12 @@ def test_grpo_trains_on_an_openai_client_agent_and_counts_rewrites_and_failures(
 
 async def always_raises(task, client):
     raise RuntimeError("agent bug")
+
+
+def test_the_last_row_of_each_episode_counts_it_once():
+    # episode 3 rewrote its history once (two rows), episode 7 twice (three rows)
+    assert last_row_of_each_episode(np.array([3, 3, 5, 7, 7, 7])).tolist() == [1, 2, 5]
+    assert last_row_of_each_episode(np.array([], np.int64)).tolist() == []
 
 
 def test_an_agent_that_fails_every_episode_stops_the_run_with_its_error(local_ray, tmp_path):

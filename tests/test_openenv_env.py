@@ -5,7 +5,10 @@ components; a server that cannot start and settings that cannot work stop with o
 
 from __future__ import annotations
 
+import subprocess
+
 import pytest
+import ray
 from grpo_runs import BASE, merged, run_grpo
 
 from rlfabric.config import ConfigError, config_from_dict
@@ -82,6 +85,19 @@ def test_a_server_that_does_not_start_is_one_line_naming_the_command(local_ray, 
     with pytest.raises(ConfigError, match=r"env.openenv.command = .*: starting it .* exited with 3: .* no such env"):
         t.setup()
     assert t.generators is None
+    assert not [name for name in ray.util.list_named_actors() if name.startswith("rlfabric-openenv-")]
+
+
+def test_a_server_that_never_answers_is_stopped_with_its_host(local_ray, tmp_path):
+    """A server that starts but never serves /health: the run stops with one line, and neither the server (a
+    shell's child here) nor its host is left behind."""
+    command = "sleep 300 && {python} -m uvicorn x:app --port {port}"
+    t = trainer(tmp_path, env={"openenv": {"command": command, "start_timeout_s": 3}})
+    with pytest.raises(ConfigError, match=r"did not answer /health within 3s"):
+        t.setup()
+    assert not [name for name in ray.util.list_named_actors() if name.startswith("rlfabric-openenv-")]
+    left = subprocess.run(["pgrep", "-f", "sleep 300 && "], capture_output=True, text=True).stdout.split()
+    assert left == []
 
 
 def test_an_observation_without_the_named_field_is_one_line(local_ray, tmp_path):

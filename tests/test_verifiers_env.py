@@ -6,6 +6,7 @@ reward components, and what cannot work stops with one line."""
 from __future__ import annotations
 
 import pytest
+import ray
 from grpo_runs import BASE, merged, run_grpo
 
 from rlfabric.config import ConfigError, config_from_dict
@@ -64,11 +65,28 @@ def trainer(tmp_path, **changes):
     return GRPOTrainer(config_from_dict(merged(merged(BASE, ARITHMETIC), changes)), tmp_path / "run", quiet=True)
 
 
-def test_an_environment_that_does_not_load_is_one_line_naming_it(local_ray, tmp_path):
-    t = trainer(tmp_path, env={"verifiers": {"id": "rlfabric.envs.vf_arithmetic:no_such_function"}})
-    with pytest.raises(ConfigError, match="env.verifiers.id = 'rlfabric.envs.vf_arithmetic:no_such_function': load"):
+def hosts_alive() -> list[str]:
+    return [name for name in ray.util.list_named_actors() if name.startswith("rlfabric-verifiers-")]
+
+
+@pytest.mark.parametrize(
+    ("verifiers", "message"),
+    [
+        (
+            {"id": "rlfabric.envs.vf_arithmetic:no_such_function"},
+            "env.verifiers.id = 'rlfabric.envs.vf_arithmetic:no_such_function': loading it",
+        ),
+        (
+            {"id": "rlfabric.envs.vf_arithmetic:load_environment", "accuracy": "right"},
+            "env.verifiers.accuracy = 'right' is not valid: the rubric's functions are exact_sum, digits_only",
+        ),
+    ],
+)
+def test_an_environment_that_cannot_be_used_is_one_line_and_its_host_is_gone(local_ray, tmp_path, verifiers, message):
+    t = trainer(tmp_path, env={"verifiers": {**ARITHMETIC["env"]["verifiers"], **verifiers}})
+    with pytest.raises(ConfigError, match=message):
         t.setup()
-    assert t.generators is None
+    assert t.generators is None and hosts_alive() == []
 
 
 @pytest.mark.parametrize(
@@ -77,6 +95,11 @@ def test_an_environment_that_does_not_load_is_one_line_naming_it(local_ray, tmp_
         ({"data": {"train": "task:arithmetic"}}, "data.train = 'task:arithmetic' is not valid: must be 'env'"),
         ({"env": {"agent": "x"}}, "env.verifiers.id = .* is not valid: is exclusive with env.agent"),
         ({"sft": {"steps": 10}}, "sft.steps = 10 is not valid: needs sft.player with env.verifiers.id"),
+        ({"data": {"eval": "task:arithmetic"}}, "data.eval = 'task:arithmetic' is not valid: must be ''"),
+        (
+            {"rewards": {"process": {"split": "newline"}}},
+            "rewards.process.split = 'newline' is not valid: must be 'none' with env.verifiers.id",
+        ),
     ],
 )
 def test_verifiers_settings_that_cannot_work_are_one_line_config_errors(changes, message):
