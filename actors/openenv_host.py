@@ -15,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -25,13 +24,9 @@ from typing import Any
 
 import ray
 
+from rlfabric.mcp_server_process import die_with_parent, free_port
+
 HOST_NAME_PREFIX = "rlfabric-openenv-"
-
-
-def _free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 class _DictAction:
@@ -65,13 +60,14 @@ class OpenEnvHost:
         self.sessions: dict[str, tuple[Any, contextlib.AsyncExitStack]] = {}
         if command:
             host = "127.0.0.1"
-            port = _free_port(host)
+            port = free_port(host)
             line = command.format(port=port, host=host, python=sys.executable)
             # the server's output, kept for its errors, outside the working folder (a run's may be a repository)
             self.log = tempfile.NamedTemporaryFile("w+", prefix=f"openenv-server-{port}-", suffix=".log")  # noqa: SIM115
-            # a session of its own: stopping it signals the whole group, the server under a shell included
+            # a process group of its own (stopping it signals the server under a shell too), killed if this actor
+            # dies first (Linux), so a server never outlives its run
             self.process = subprocess.Popen(
-                line, shell=True, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True
+                line, shell=True, stdout=self.log, stderr=subprocess.STDOUT, preexec_fn=die_with_parent
             )
             url = f"http://{host}:{port}"
             try:
