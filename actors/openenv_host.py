@@ -5,13 +5,15 @@ The library pins packages rlfabric cannot share a Python environment with (``fas
 its client runs here, in an actor started with a Ray runtime env (``env.openenv.pip``, a virtualenv on top of
 rlfabric's), and so does the server when the run starts it: ``env.openenv.command`` (``{port}``, ``{host}`` and
 ``{python}``, this actor's interpreter, filled in) is launched as a child process and waited for on ``/health``;
-``env.openenv.url`` names a server that runs elsewhere. Each episode is one WebSocket session of the library's
+``env.openenv.url`` names a server that runs elsewhere. A started server found dead when an episode begins is
+started again (the episodes that held sessions on it fail with it; the new ones wait for it). Each episode is one WebSocket session of the library's
 ``GenericEnvClient`` (one environment instance on the server), opened by ``reset`` and ended by ``close``;
 ``rlfabric.openenv_env.OpenEnvTextEnv`` is the text env the rollout worker plays through it.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import signal
@@ -58,24 +60,52 @@ class OpenEnvHost:
         self.tools = tools  # sessions through the library's MCP client: the server's tools listed and called
         self.process: subprocess.Popen | None = None
         self.sessions: dict[str, tuple[Any, contextlib.AsyncExitStack]] = {}
+        self.line, self.start_timeout_s = "", start_timeout_s
+        self.restarts = 0  # times the server this actor started was found dead and started again
+        self.restarting: asyncio.Lock | None = None  # made on the actor's loop, at its first reset
         if command:
             host = "127.0.0.1"
             port = free_port(host)
-            line = command.format(port=port, host=host, python=sys.executable)
+            self.line = command.format(port=port, host=host, python=sys.executable)
             # the server's output, kept for its errors, outside the working folder (a run's may be a repository)
             self.log = tempfile.NamedTemporaryFile("w+", prefix=f"openenv-server-{port}-", suffix=".log")  # noqa: SIM115
-            # a process group of its own (stopping it signals the server under a shell too), killed if this actor
-            # dies first (Linux), so a server never outlives its run
-            self.process = subprocess.Popen(
-                line, shell=True, stdout=self.log, stderr=subprocess.STDOUT, preexec_fn=die_with_parent
-            )
             url = f"http://{host}:{port}"
-            try:
-                self._wait_for(url, line, start_timeout_s)
-            except Exception:
-                self._end_server()
-                raise
+            self._launch(url)
         self.url = url.rstrip("/")
+
+    def _launch(self, url: str) -> None:
+        """Start the server and wait until it answers; a server that does not is stopped and the error raised."""
+        # a process group of its own (stopping it signals the server under a shell too), killed if this actor dies
+        # first (Linux), so a server never outlives its run
+        self.process = subprocess.Popen(
+            self.line, shell=True, stdout=self.log, stderr=subprocess.STDOUT, preexec_fn=die_with_parent
+        )
+        try:
+            self._wait_for(url, self.line, self.start_timeout_s)
+        except Exception:
+            self._end_server()
+            raise
+
+    async def _server_alive(self) -> None:
+        """Start the server again when it has died (the episodes that held sessions on it have failed with it):
+        new episodes wait for it rather than fail too."""
+        if not self.line:
+            return
+        if self.restarting is None:
+            self.restarting = asyncio.Lock()
+        async with self.restarting:
+            if self.process is not None and self.process.poll() is None:
+                return
+            self.sessions.clear()  # their sockets died with the server
+            await asyncio.to_thread(self._launch, self.url)
+            self.restarts += 1
+
+    def server_pid(self) -> int | None:
+        """The started server's process id (its process group's), or None."""
+        return None if self.process is None else self.process.pid
+
+    def restart_count(self) -> int:
+        return self.restarts
 
     def _wait_for(self, url: str, line: str, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
@@ -99,7 +129,7 @@ class OpenEnvHost:
         return " | ".join(lines[-2:]) or "(nothing)"
 
     def _end_server(self) -> None:
-        """Stop the server's process group (SIGTERM, then SIGKILL after 10 s) and drop its log."""
+        """Stop the server's process group (SIGTERM, then SIGKILL after 10 s)."""
         if self.process is None:
             return
         if self.process.poll() is None:
@@ -111,7 +141,6 @@ class OpenEnvHost:
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(self.process.pid, signal.SIGKILL)
                 self.process.wait(5)
-        self.log.close()
         self.process = None
 
     def base_url(self) -> str:
@@ -122,6 +151,7 @@ class OpenEnvHost:
         from openenv.core import GenericEnvClient, MCPToolClient
 
         await self.close(session)
+        await self._server_alive()
         stack = contextlib.AsyncExitStack()
         client_class = MCPToolClient if self.tools else GenericEnvClient
         client = await stack.enter_async_context(client_class(base_url=self.url))

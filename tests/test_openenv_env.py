@@ -5,7 +5,11 @@ components; a server that cannot start and settings that cannot work stop with o
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
+import threading
+import time
 
 import pytest
 import ray
@@ -13,6 +17,7 @@ from grpo_runs import BASE, merged, run_grpo
 
 from rlfabric.config import ConfigError, config_from_dict
 from rlfabric.llm_driver import GRPOTrainer
+from rlfabric.run.log import read_metrics
 
 SERVER = "{python} -m uvicorn rlfabric.envs.openenv_guess_number:app --host {host} --port {port} --log-level warning"
 GAME = {
@@ -73,6 +78,33 @@ def test_an_openenv_servers_mcp_tools_are_listed_and_called_by_the_model(local_r
     assert losses[-1] < 0.2 * losses[0]  # the player's episodes, each a call on the server and the copied value
     (step,) = run.phase("grpo")
     assert step["tool_calls"] > 0 and "reward_correct" in step and run.summary["failed_samples"] == 0
+
+
+def test_a_server_killed_mid_run_is_started_again_and_the_run_goes_on(local_ray, tmp_path):
+    cfg = config_from_dict(merged(BASE, {**GAME, "training": {"total_steps": 6, "eval_every": 0, "show_samples": 0}}))
+    trainer = GRPOTrainer(cfg, tmp_path / "run", quiet=True)
+    restarts = []
+
+    def kill_the_server_after_step_2() -> None:
+        while trainer.counters.step < 2:
+            time.sleep(0.02)
+        host = trainer.episodes.openenv_host
+        os.killpg(ray.get(host.server_pid.remote()), signal.SIGKILL)
+        while trainer.counters.step < 5:
+            time.sleep(0.02)
+        restarts.append(ray.get(host.restart_count.remote()))
+
+    try:
+        trainer.setup()
+        killer = threading.Thread(target=kill_the_server_after_step_2, daemon=True)
+        killer.start()
+        summary = trainer.train()
+        killer.join(timeout=60)
+    finally:
+        trainer.close()
+    assert restarts == [1] and summary["steps"] == 6
+    steps = [r for r in read_metrics(tmp_path / "run") if r.get("phase") == "grpo"]
+    assert steps[-1]["trained_samples"] > 0  # the last steps trained on the restarted server's episodes
 
 
 def trainer(tmp_path, **changes):
