@@ -6,9 +6,10 @@ its client runs here, in an actor started with a Ray runtime env (``env.openenv.
 rlfabric's), and so does the server when the run starts it: ``env.openenv.command`` (``{port}``, ``{host}`` and
 ``{python}``, this actor's interpreter, filled in) is launched as a child process and waited for on ``/health``;
 ``env.openenv.url`` names a server that runs elsewhere. A started server found dead when an episode begins is
-started again (the episodes that held sessions on it fail with it; the new ones wait for it). Each episode is one WebSocket session of the library's
-``GenericEnvClient`` (one environment instance on the server), opened by ``reset`` and ended by ``close``;
-``rlfabric.openenv_env.OpenEnvTextEnv`` is the text env the rollout worker plays through it.
+started again (the episodes that held sessions on it fail with it; the new ones wait for it). Each episode is one
+WebSocket session of the library's ``GenericEnvClient`` (one environment instance on the server), opened by
+``reset`` and ended by ``close``; ``rlfabric.openenv_env.OpenEnvTextEnv`` is the text env the rollout worker plays
+through it.
 """
 
 from __future__ import annotations
