@@ -570,7 +570,7 @@ class GRPOTrainer:
     def save_checkpoint(self) -> Path:
         store = checkpoints(self.run_dir)
         path = store.path(self.counters.step)
-        ray.get(self.learners[0].save.remote(str(path)))
+        self._from_learners([self.learners[0].save.remote(str(path))], "the checkpoint save")  # a death is named
         state = json.dumps(self._state())  # written last, atomically: the state file marks a complete checkpoint
         store.write_atomically(path / TRAINER_STATE_FILE, lambda tmp: tmp.write_text(state))
         store.prune(self.cfg.training.keep_checkpoints)

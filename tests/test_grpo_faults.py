@@ -302,7 +302,9 @@ def test_a_killed_learner_is_named_and_its_checkpoint_resumes(local_ray, tmp_pat
 
     from rlfabric.actor_slots import RunAbortedError
 
-    with pytest.raises(RunAbortedError, match=r"learner 0 failed during its update at step [34]"):
+    # the kill lands in step 4's update, or in the checkpoint save after it (an incomplete checkpoint, not resumed)
+    named = r"learner 0 failed during (its update at step [34]|the checkpoint save at step 4)"
+    with pytest.raises(RunAbortedError, match=named):
         train_in_process(cfg, tmp_path / "run", during=kill_learner_after_step_3)
     resumed = GRPOTrainer.from_run_dir(tmp_path / "run", quiet=True)
     assert resumed.resume_from is not None and resumed.resume_from.name == "step_000002"
