@@ -116,6 +116,15 @@ class PolicyTurns:
         )
 
 
+def episode_token_limit(max_episode_tokens: int | None, context: int | None) -> int:
+    """The tokens an episode may span: ``env.max_episode_tokens``, else the model's ``context`` (its positions),
+    else ``DEFAULT_EPISODE_TOKENS``; a ConfigError when it exceeds the context."""
+    limit = max_episode_tokens or context or DEFAULT_EPISODE_TOKENS
+    if context is not None and limit > context:
+        raise ConfigError(f"env.max_episode_tokens = {limit} is not valid: the model's context is {context} positions")
+    return limit
+
+
 def scripted_player(spec: str) -> Player:
     """The ``sft.player`` function, or one ConfigError naming it."""
     player = shipping.import_callable(spec)

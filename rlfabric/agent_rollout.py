@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from rlfabric import shipping
-from rlfabric.agent_loop import DEFAULT_EPISODE_TOKENS, Player, scripted_player
+from rlfabric.agent_loop import Player, episode_token_limit, scripted_player
 from rlfabric.agent_trace import AgentTrace
 from rlfabric.agents import Agent, AgentEpisode, play_agent, resolve_agent
 from rlfabric.config import ConfigError
@@ -78,9 +78,7 @@ def agent_run_source(
         ChatTokens(tokenizer)
     except ValueError as exc:
         raise ConfigError(f"model.path = {cfg.model.path!r} cannot serve chat calls: {exc}") from None
-    limit = e.max_episode_tokens or context or DEFAULT_EPISODE_TOKENS
-    if context is not None and limit > context:
-        raise ConfigError(f"env.max_episode_tokens = {limit} is not valid: the model's context is {context} positions")
+    limit = episode_token_limit(e.max_episode_tokens, context)
     return AgentSource(
         e.agent or e.verifiers.id,
         shipping.dumps_with_user_code({"agent": agent}),
@@ -107,9 +105,13 @@ async def play_agents(
     kind). A call the policy failed (a lost generator) raises its error once every episode has ended."""
     import openai  # the client agents are written against; imported only where agents run
 
-    limit = max_context_tokens
     endpoint = OpenAIEndpoint(
-        batcher, chat, token=new_run_token(), player=player, tool_parser=tool_parser, max_context_tokens=limit
+        batcher,
+        chat,
+        token=new_run_token(),
+        player=player,
+        tool_parser=tool_parser,
+        max_context_tokens=max_context_tokens,
     )
     await endpoint.start()
     # one client, so one connection pool for every session; each episode's copy differs only in its base URL. Its

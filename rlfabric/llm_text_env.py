@@ -11,10 +11,10 @@ import numpy as np
 from rlfabric import registry
 from rlfabric.actors.llm_rollout import AGENT_COUNTS, EPISODE_COUNTS, TextEnvSource
 from rlfabric.agent_loop import (
-    DEFAULT_EPISODE_TOKENS,
     EpisodeLimits,
     ScriptedTurns,
     close_env,
+    episode_token_limit,
     episodes_to_trajectories,
     run_episodes,
     scripted_player,
@@ -72,9 +72,7 @@ def text_env_source(
         ChatTokens(tokenizer)
     except ValueError as exc:
         raise ConfigError(f"model.path = {cfg.model.path!r} cannot play text envs: {exc}") from None
-    limit = e.max_episode_tokens or context or DEFAULT_EPISODE_TOKENS
-    if context is not None and limit > context:
-        raise ConfigError(f"env.max_episode_tokens = {limit} is not valid: the model's context is {context} positions")
+    limit = episode_token_limit(e.max_episode_tokens, context)
     limits = EpisodeLimits(
         max_turns=e.max_turns,
         turn_tokens=cfg.sampling.max_new_tokens,
