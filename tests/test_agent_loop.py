@@ -388,3 +388,14 @@ def test_an_episode_spanning_a_weight_update_keeps_each_tokens_version_and_is_on
             if len(at):  # each token's logprob is that of the weights that sampled it
                 np.testing.assert_allclose(logp[at - 1].numpy(), traj.logprobs[row, at], atol=2e-4)
     assert sampled_version(traj).tolist() == [0 if len(e.turns) == 1 else NO_VERSION for e in episodes]
+
+
+def test_an_episode_spans_the_asked_tokens_the_context_or_the_default_and_never_more_than_the_context():
+    from rlfabric.agent_loop import episode_token_limit
+    from rlfabric.config import ConfigError
+
+    assert episode_token_limit(100, 256) == 100
+    assert episode_token_limit(None, 256) == 256
+    assert episode_token_limit(None, None) == 2048
+    with pytest.raises(ConfigError, match="env.max_episode_tokens = 500 is not valid: the model's context is 256"):
+        episode_token_limit(500, 256)
