@@ -5,8 +5,11 @@ The library pins packages rlfabric cannot share a Python environment with (``fas
 its client runs here, in an actor started with a Ray runtime env (``env.openenv.pip``, a virtualenv on top of
 rlfabric's), and so does the server when the run starts it: ``env.openenv.command`` (``{port}``, ``{host}`` and
 ``{python}``, this actor's interpreter, filled in) is launched as a child process and waited for on ``/health``;
-``env.openenv.url`` names a server that runs elsewhere. A started server found dead when an episode begins is
-started again (the episodes that held sessions on it fail with it; the new ones wait for it). Each episode is one
+``env.openenv.url`` names a server that runs elsewhere. A started server is supervised: every
+``health_interval_s`` its process is checked and its ``/health`` must answer within ``ping_timeout_s``; one that
+exited or hangs is killed and started again on its port, the restart counted and its reason kept (``health()``),
+and so is one found dead when an episode begins. The episodes that held sessions on it fail with it; the new ones
+wait for it. Each episode is one
 WebSocket session of the library's ``GenericEnvClient`` (one environment instance on the server), opened by
 ``reset`` and ended by ``close``; ``rlfabric.openenv_env.OpenEnvTextEnv`` is the text env the rollout worker plays
 through it.
@@ -52,18 +55,36 @@ def _result(step: Any) -> dict[str, Any]:
     return {"observation": observation, "reward": step.reward, "done": bool(step.done), "metadata": metadata}
 
 
+def _exited(process: subprocess.Popen | None) -> str | None:
+    """What a server process that is gone exited with (None while it runs)."""
+    if process is None or process.poll() is not None:
+        return f"the server exited (status {None if process is None else process.returncode})"
+    return None
+
+
 @ray.remote(num_cpus=0, max_restarts=0)
 class OpenEnvHost:
     """See the module docstring. ``command`` or ``url`` (exactly one); ``start_timeout_s``: how long the started
     server has to answer ``/health``."""
 
-    def __init__(self, command: str, url: str, start_timeout_s: float, tools: bool = False) -> None:
+    def __init__(
+        self,
+        command: str,
+        url: str,
+        start_timeout_s: float,
+        tools: bool = False,
+        health_interval_s: float = 2.0,
+        ping_timeout_s: float = 10.0,
+    ) -> None:
         self.tools = tools  # sessions through the library's MCP client: the server's tools listed and called
         self.process: subprocess.Popen | None = None
         self.sessions: dict[str, tuple[Any, contextlib.AsyncExitStack]] = {}
         self.line, self.start_timeout_s = "", start_timeout_s
-        self.restarts = 0  # times the server this actor started was found dead and started again
-        self.restarting: asyncio.Lock | None = None  # made on the actor's loop, at its first reset
+        self.health_interval_s, self.ping_timeout_s = health_interval_s, ping_timeout_s
+        self.restarts = 0  # times the server this actor started exited or hung and was started again
+        self.last_error: str | None = None  # why it was last restarted
+        self.restarting: asyncio.Lock | None = None
+        self.monitor: asyncio.Task[None] | None = None
         if command:
             host = "127.0.0.1"
             port = free_port(host)
@@ -87,26 +108,82 @@ class OpenEnvHost:
             self._end_server()
             raise
 
+    async def start(self) -> str:
+        """The server's URL, its health checks started (a server this actor started)."""
+        if self.line and self.monitor is None:
+            self.monitor = asyncio.create_task(self._watch())
+        return self.url
+
+    async def _watch(self) -> None:
+        while True:
+            await asyncio.sleep(self.health_interval_s)
+            if self._restart_lock().locked():  # a server being started again does not answer yet
+                continue
+            process = self.process
+            problem = await self._check(process)
+            if problem is None:
+                continue
+            try:
+                await self._restart(process, problem)
+            except Exception as exc:  # noqa: BLE001 - kept for health(); the next check tries again
+                self.last_error = f"{problem}; starting it again failed: {exc}"
+
+    async def _check(self, process: subprocess.Popen | None) -> str | None:
+        """None when the server serves, else what is wrong with it."""
+        exited = _exited(process)
+        if exited or process is None:
+            return exited
+        try:
+            await asyncio.to_thread(self._get_health, self.ping_timeout_s)
+        except OSError as exc:
+            if process.poll() is not None:
+                return _exited(process)
+            return f"the server did not answer /health within {self.ping_timeout_s:g}s ({type(exc).__name__})"
+        return None
+
+    def _get_health(self, timeout_s: float) -> None:
+        with urllib.request.urlopen(f"{self.url}/health", timeout=timeout_s):
+            pass
+
     async def _server_alive(self) -> None:
-        """Start the server again when it has died (the episodes that held sessions on it have failed with it):
-        new episodes wait for it rather than fail too."""
+        """Wait for a restart under way, and start the server again when it has died (found when an episode begins,
+        before the next health check): new episodes wait for it rather than fail too."""
         if not self.line:
             return
-        if self.restarting is None:
+        async with self._restart_lock():
+            process = self.process
+        exited = _exited(process)
+        if exited:
+            await self._restart(process, exited)
+
+    def _restart_lock(self) -> asyncio.Lock:
+        if self.restarting is None:  # made on the actor's event loop
             self.restarting = asyncio.Lock()
-        async with self.restarting:
-            if self.process is not None and self.process.poll() is None:
+        return self.restarting
+
+    async def _restart(self, found: subprocess.Popen | None, problem: str) -> None:
+        """Kill the server process ``found`` wrong and start it again on its port, unless it was replaced meanwhile
+        (the episodes that held sessions on it have failed with it)."""
+        async with self._restart_lock():
+            if self.process is not found:  # restarted already, by the health check or an episode's reset
                 return
+            self.restarts += 1
+            self.last_error = problem
+            print(f"[rlfabric] OpenEnv server: {problem}; restarting (restart {self.restarts})", flush=True)
+            self._end_server(grace_s=0.0)  # a hung server gets no grace: a stopped process never handles SIGTERM
             self.sessions.clear()  # their sockets died with the server
             await asyncio.to_thread(self._launch, self.url)
-            self.restarts += 1
 
-    def server_pid(self) -> int | None:
-        """The started server's process id (its process group's), or None."""
-        return None if self.process is None else self.process.pid
-
-    def restart_count(self) -> int:
-        return self.restarts
+    def health(self) -> dict[str, Any]:
+        """alive, restarts, last_error, pid (the started server's process group; None for a server at a URL), url."""
+        alive = self.process is not None and self.process.poll() is None
+        return {
+            "alive": alive if self.line else None,
+            "restarts": self.restarts,
+            "last_error": self.last_error,
+            "pid": None if self.process is None else self.process.pid,
+            "url": self.url,
+        }
 
     def _wait_for(self, url: str, line: str, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
@@ -129,15 +206,15 @@ class OpenEnvHost:
         lines = [ln.strip() for ln in self.log.read().splitlines() if ln.strip()]
         return " | ".join(lines[-2:]) or "(nothing)"
 
-    def _end_server(self) -> None:
-        """Stop the server's process group (SIGTERM, then SIGKILL after 10 s)."""
+    def _end_server(self, grace_s: float = 10.0) -> None:
+        """Stop the server's process group (SIGTERM, then SIGKILL after ``grace_s``)."""
         if self.process is None:
             return
         if self.process.poll() is None:
             with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.process.pid, signal.SIGTERM)
+                os.killpg(self.process.pid, signal.SIGTERM if grace_s > 0 else signal.SIGKILL)
             try:
-                self.process.wait(10)
+                self.process.wait(grace_s)
             except subprocess.TimeoutExpired:
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(self.process.pid, signal.SIGKILL)
@@ -186,7 +263,11 @@ class OpenEnvHost:
             await opened[1].aclose()
 
     async def stop(self) -> None:
-        """Close every session and end the server this actor started."""
+        """End the health checks, close every session and end the server this actor started."""
+        if self.monitor is not None:
+            self.monitor.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self.monitor
         for session in list(self.sessions):
             await self.close(session)
         self._end_server()

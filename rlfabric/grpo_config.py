@@ -110,6 +110,10 @@ class OpenEnvConfig:
     components: list[str] = field(default_factory=list)
     # How long the started server has to answer /health (the actor's packages installed first are not counted).
     start_timeout_s: float = 60.0
+    # A started server is checked every health_interval_s: one that exited, or whose /health does not answer within
+    # ping_timeout_s, is killed and started again (the episodes on it fail; counted as openenv_server_restarts).
+    health_interval_s: float = 2.0
+    ping_timeout_s: float = 10.0
     # The environment serves MCP tools (an OpenEnv MCPEnvironment): they are listed into the system message and the
     # model's tool calls (env.tool_parser) are run on the server; a turn without a call is the step's action.
     tools: bool = False
@@ -455,6 +459,8 @@ def _validate_env(cfg: LLMConfig) -> None:
         "or an OpenEnv server",
     )
     positive("env.openenv.start_timeout_s", o.start_timeout_s)
+    positive("env.openenv.health_interval_s", o.health_interval_s)
+    positive("env.openenv.ping_timeout_s", o.ping_timeout_s)
     positive("env.agent_timeout_s", e.agent_timeout_s)
     require(e.max_turns >= 1, "env.max_turns", e.max_turns, "must be at least 1")
     positive("env.step_timeout_s", e.step_timeout_s)

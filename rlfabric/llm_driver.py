@@ -482,7 +482,8 @@ class GRPOTrainer:
 
     def _step_row(self, step: StepBatch, metrics: dict, started: float) -> dict:
         row = step_row(step.scored, step.groups, self.counters, self.version, time.monotonic() - started)
-        return {**row, **self.scorers.metrics(), **self._step_timings, **metrics}
+        servers = {"tool_server_restarts": tool_server_restarts(self.tool_servers)} if self.tool_servers else {}
+        return {**row, **self.scorers.metrics(), **self.episodes.metrics(), **servers, **self._step_timings, **metrics}
 
     def train(self) -> dict[str, Any]:
         if self.log is None:
@@ -618,6 +619,7 @@ class GRPOTrainer:
         plot = plot_llm_curves(self.run_dir, f"GRPO on {self.cfg.data.train}")
         extra = {
             "tool_server_restarts": tool_server_restarts(self.tool_servers),
+            **self.episodes.metrics(),
             "weight_transport": self.weights.weights_via,
             "final_model": str(model_path),
             "plot": str(plot) if plot else None,

@@ -15,7 +15,7 @@ from typing import Any
 from rlfabric.actors.llm_rollout import TextEnvSource
 from rlfabric.agent_rollout import AgentDemonstrations, AgentSource, agent_run_source
 from rlfabric.grpo_config import LLMConfig
-from rlfabric.llm_openenv import start_openenv, stop_openenv
+from rlfabric.llm_openenv import openenv_server_restarts, start_openenv, stop_openenv
 from rlfabric.llm_text_env import Demonstrations, text_env_source
 from rlfabric.llm_verifiers import VerifiersRun, start_verifiers_env, stop_verifiers_env
 
@@ -35,6 +35,10 @@ class EpisodeSources:
     demonstrations: Demonstrations | AgentDemonstrations | None = None
     verifiers: VerifiersRun | None = None
     openenv_host: Any = None
+
+    def metrics(self) -> dict[str, int]:
+        """For each step row and the summary: ``openenv_server_restarts`` when the run has an OpenEnv server."""
+        return openenv_server_restarts(self.openenv_host) if self.openenv_host is not None else {}
 
     def close(self) -> None:
         """Stop the actors behind the episodes: a verifiers environment after its teardown handlers, an OpenEnv

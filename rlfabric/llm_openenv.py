@@ -25,10 +25,12 @@ def start_openenv(cfg: LLMConfig) -> tuple[Any, str, dict[str, Any]]:
     o = cfg.env.openenv
     name = f"{HOST_NAME_PREFIX}{uuid.uuid4().hex[:8]}"
     runtime_env = {"pip": list(o.pip)} if o.pip else None
-    host = OpenEnvHost.options(name=name, runtime_env=runtime_env).remote(o.command, o.url, o.start_timeout_s, o.tools)
+    host = OpenEnvHost.options(name=name, runtime_env=runtime_env).remote(
+        o.command, o.url, o.start_timeout_s, o.tools, o.health_interval_s, o.ping_timeout_s
+    )
     what = f"env.openenv.command = {o.command!r}" if o.command else f"env.openenv.url = {o.url!r}"
     try:
-        ray.get(host.base_url.remote(), timeout=SETUP_TIMEOUT_S + o.start_timeout_s)
+        ray.get(host.start.remote(), timeout=SETUP_TIMEOUT_S + o.start_timeout_s)
     except Exception as exc:  # noqa: BLE001 - the server's or its packages' failure: named, one line
         ray.kill(host, no_restart=True)
         raise ConfigError(
@@ -44,6 +46,15 @@ def start_openenv(cfg: LLMConfig) -> tuple[Any, str, dict[str, Any]]:
     if o.tools:
         return host, TOOL_ENV_SPEC, {**kwargs, "parser": cfg.env.tool_parser}
     return host, TEXT_ENV_SPEC, kwargs
+
+
+def openenv_server_restarts(host: Any) -> dict[str, int]:
+    """``openenv_server_restarts`` for a step row or the summary: how many times the started server exited or hung
+    and was started again (empty when the host does not answer within 10 s)."""
+    try:
+        return {"openenv_server_restarts": int(ray.get(host.health.remote(), timeout=10)["restarts"])}
+    except Exception:  # noqa: BLE001 - a figure for the metrics, not worth failing a step for
+        return {}
 
 
 def stop_openenv(host: Any) -> None:

@@ -80,30 +80,44 @@ def test_an_openenv_servers_mcp_tools_are_listed_and_called_by_the_model(local_r
     assert step["tool_calls"] > 0 and "reward_correct" in step and run.summary["failed_samples"] == 0
 
 
-def test_a_server_killed_mid_run_is_started_again_and_the_run_goes_on(local_ray, tmp_path):
-    cfg = config_from_dict(merged(BASE, {**GAME, "training": {"total_steps": 6, "eval_every": 0, "show_samples": 0}}))
+@pytest.mark.parametrize(
+    ("fault", "reason"),
+    [(signal.SIGKILL, "the server exited"), (signal.SIGSTOP, "did not answer /health within 2s")],
+    ids=["killed", "hung"],
+)
+def test_a_server_killed_or_hung_mid_run_is_started_again_and_the_run_goes_on(local_ray, tmp_path, fault, reason):
+    """SIGKILL: found by the health check or by the next episode's reset; SIGSTOP (alive, never answering): found by
+    the health check's missed /health deadline. Either way one restart, counted in the step rows and the summary."""
+    changes = {
+        "env": {**GAME["env"], "openenv": {**GAME["env"]["openenv"], "health_interval_s": 0.5, "ping_timeout_s": 2}},
+        "training": {"total_steps": 6, "eval_every": 0, "show_samples": 0},
+    }
+    cfg = config_from_dict(merged(merged(BASE, GAME), changes))
     trainer = GRPOTrainer(cfg, tmp_path / "run", quiet=True)
-    restarts = []
+    health = []
 
-    def kill_the_server_after_step_2() -> None:
+    def fault_the_server_after_step_2() -> None:
         while trainer.counters.step < 2:
             time.sleep(0.02)
         host = trainer.episodes.openenv_host
-        os.killpg(ray.get(host.server_pid.remote()), signal.SIGKILL)
+        os.killpg(ray.get(host.health.remote())["pid"], fault)
         while trainer.counters.step < 5:
             time.sleep(0.02)
-        restarts.append(ray.get(host.restart_count.remote()))
+        health.append(ray.get(host.health.remote()))
 
     try:
         trainer.setup()
-        killer = threading.Thread(target=kill_the_server_after_step_2, daemon=True)
-        killer.start()
+        faulter = threading.Thread(target=fault_the_server_after_step_2, daemon=True)
+        faulter.start()
         summary = trainer.train()
-        killer.join(timeout=60)
+        faulter.join(timeout=60)
     finally:
         trainer.close()
-    assert restarts == [1] and summary["steps"] == 6
+    assert len(health) == 1 and health[0]["restarts"] == 1 and health[0]["alive"], health
+    assert reason in health[0]["last_error"]
+    assert summary["steps"] == 6 and summary["openenv_server_restarts"] == 1
     steps = [r for r in read_metrics(tmp_path / "run") if r.get("phase") == "grpo"]
+    assert [r["openenv_server_restarts"] for r in steps][:2] == [0, 0] and steps[-1]["openenv_server_restarts"] == 1
     assert steps[-1]["trained_samples"] > 0  # the last steps trained on the restarted server's episodes
 
 
