@@ -11,8 +11,8 @@ dataset row per call against the base URL and key it is given: the rollout worke
 session, so every model call is the policy's turn, recorded token for token there. The rubric's functions become
 the episode's named reward components (``verifiers_agent``).
 
-Written against the library's classic environment API (verifiers 0.3: ``Environment.run_rollout``, the rubric's
-function names and weights); the 0.4 rewrite moved it under ``verifiers.legacy`` and keeps the top-level names.
+Written against the library's classic environment API (verifiers 0.3.x: ``Environment.run_rollout``, the rubric's
+function names and weights); verifiers 0.4.0 removed that API (only ``verifiers.v1`` remains).
 """
 
 from __future__ import annotations

@@ -18,7 +18,8 @@ def local_ray():
     """A local Ray instance with more logical CPUs than cores, so runners and learner all schedule."""
     if ray.is_initialized():
         ray.shutdown()
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    # address="local": a new instance even when a cluster (`ray start`) runs on the machine
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
     yield
     ray.shutdown()
 
