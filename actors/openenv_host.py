@@ -20,6 +20,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -33,6 +35,7 @@ import ray
 from rlfabric.mcp_server_process import die_with_parent, free_port
 
 HOST_NAME_PREFIX = "rlfabric-openenv-"
+SHELL_SYNTAX = re.compile(r"[;&|<>()$`\n]")  # a command line with these runs under /bin/sh
 
 
 class _DictAction:
@@ -99,8 +102,14 @@ class OpenEnvHost:
         """Start the server and wait until it answers; a server that does not is stopped and the error raised."""
         # a process group of its own (stopping it signals the server under a shell too), killed if this actor dies
         # first (Linux), so a server never outlives its run
+        # no shell between this actor and the server unless the line needs one (a shell's child would outlive it)
+        shell = bool(SHELL_SYNTAX.search(self.line))
         self.process = subprocess.Popen(
-            self.line, shell=True, stdout=self.log, stderr=subprocess.STDOUT, preexec_fn=die_with_parent
+            self.line if shell else shlex.split(self.line),
+            shell=shell,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            preexec_fn=die_with_parent,
         )
         try:
             self._wait_for(url, self.line, self.start_timeout_s)

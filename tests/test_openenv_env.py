@@ -146,6 +146,20 @@ def test_a_server_that_never_answers_is_stopped_with_its_host(local_ray, tmp_pat
     assert left == []
 
 
+def test_a_server_dies_with_its_host_actor(local_ray):
+    """A host actor that dies abruptly (ray.kill: no stop() runs) takes its server with it: the server is the host's
+    own child (no shell between them), killed by the kernel when its parent dies."""
+    from rlfabric.llm_openenv import start_openenv
+
+    host, _, _ = start_openenv(config_from_dict(merged(BASE, GAME)))
+    pid = ray.get(host.health.remote())["pid"]
+    ray.kill(host)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and os.path.exists(f"/proc/{pid}"):
+        time.sleep(0.1)
+    assert not os.path.exists(f"/proc/{pid}")
+
+
 def test_an_observation_without_the_named_field_is_one_line(local_ray, tmp_path):
     t = trainer(tmp_path, env={"openenv": {"observation_key": "board"}})
     with pytest.raises(ConfigError, match="env.openenv.observation_key = 'board': the observation has metadata, text"):
