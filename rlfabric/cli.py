@@ -15,15 +15,11 @@ from typing import Any
 from ray.exceptions import RayError
 
 from rlfabric.actor_slots import RunAbortedError, error_summary
+from rlfabric.cli_support import default_run_dir, import_user_modules, saved_algo
 from rlfabric.config import ConfigError, load_config
-from rlfabric.run.log import CONFIG_FILE
+from rlfabric.submit import add_submit_parser, cmd_submit
 
 _ANSI_COLOR = re.compile(r"\x1b\[[0-9;]*m")
-
-
-def _default_run_dir(env_id: str) -> Path:
-    name = env_id.replace("gym:", "").replace(":", "_").replace("/", "_")
-    return Path("runs") / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"
 
 
 def _print_summary(summary: dict) -> None:
@@ -84,8 +80,7 @@ def cmd_train_llm(args: argparse.Namespace, cfg: object | None) -> int:
         trainer = GRPOTrainer.from_run_dir(args.resume, args.overrides, quiet=args.quiet)
         where = f"from {trainer.resume_from.name}"  # type: ignore[union-attr]
     else:
-        name = cfg.data.train.replace("task:", "").split("?")[0].replace("/", "_")  # type: ignore[attr-defined]
-        run_dir = Path(args.run_dir) if args.run_dir else _default_run_dir(f"grpo-{Path(name).stem}")
+        run_dir = Path(args.run_dir) if args.run_dir else default_run_dir(cfg)
         trainer = GRPOTrainer(cfg, run_dir, quiet=args.quiet)  # type: ignore[arg-type]
         where = "new run"
     print(f"rlfabric: GRPO on {trainer.cfg.data.train} -> {trainer.run_dir} ({where})", file=sys.stderr)
@@ -114,7 +109,7 @@ def cmd_train_llm(args: argparse.Namespace, cfg: object | None) -> int:
 def cmd_train(args: argparse.Namespace) -> int:
     from rlfabric.game_driver import ppo_trainer, ppo_trainer_from_run_dir
 
-    _import_user_modules(args.import_modules)
+    import_user_modules(args.import_modules)
     if not args.resume:
         cfg = load_config(args.config, args.overrides)
         if cfg.algo == "grpo":
@@ -124,11 +119,11 @@ def cmd_train(args: argparse.Namespace) -> int:
             raise ConfigError("--resume DIR uses the run's saved config; pass only key=value overrides, not a file")
         if args.run_dir:
             raise ConfigError("--resume DIR continues the run in DIR; --run-dir is for new runs, drop it")
-        if _saved_algo(Path(args.resume)) == "grpo":
+        if saved_algo(Path(args.resume)) == "grpo":
             return cmd_train_llm(args, None)
         trainer = ppo_trainer_from_run_dir(args.resume, args.overrides, quiet=args.quiet)
     else:
-        run_dir = Path(args.run_dir) if args.run_dir else _default_run_dir(cfg.env.id)
+        run_dir = Path(args.run_dir) if args.run_dir else default_run_dir(cfg)
         trainer = ppo_trainer(cfg, run_dir, quiet=args.quiet)
     where = ""
     if args.resume:
@@ -149,7 +144,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 def cmd_train_rm(args: argparse.Namespace) -> int:
     from rlfabric.reward_model_stage import REWARD_MODEL_DIR, RUN_MODEL_SPECS, train_reward_model_run
 
-    _import_user_modules(args.import_modules)
+    import_user_modules(args.import_modules)
     cfg = load_config(args.config, args.overrides)
     if cfg.algo != "grpo":
         raise ConfigError(f"algo = {cfg.algo!r}: train-rm reads the reward_model section of a GRPO config")
@@ -171,7 +166,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from rlfabric.eval_report import format_report
     from rlfabric.evaluation import TRAIN_SELECTOR, BestOfNEval, eval_config, find_policy, parse_n_list, parse_selector
 
-    _import_user_modules(args.import_modules)
+    import_user_modules(args.import_modules)
     if args.config and "=" in args.config and not os.path.exists(args.config):  # an override, not a file
         args.overrides, args.config = [args.config, *args.overrides], None
     n = parse_n_list(args.n)
@@ -215,24 +210,12 @@ def cmd_eval(args: argparse.Namespace) -> int:
     return 0
 
 
-def _saved_algo(run_dir: Path) -> str:
-    """The ``algo`` of the config saved in a run directory ("ppo" when it cannot tell: that path reports a
-    missing or unreadable directory itself)."""
-    import yaml
-
-    try:
-        data = yaml.safe_load((run_dir / CONFIG_FILE).read_text())
-    except (OSError, yaml.YAMLError):
-        return "ppo"
-    return str(data.get("algo", "ppo")) if isinstance(data, dict) else "ppo"
-
-
 def cmd_envs_list(args: argparse.Namespace) -> int:
     import gymnasium as gym
 
     from rlfabric import registry
 
-    _import_user_modules(args.import_modules)
+    import_user_modules(args.import_modules)
     print("rlfabric environments (registered and from the 'rlfabric.envs' entry-point group):")
     for name, source in sorted(registry.list_envs().items()):
         print(f"  {name:<32} {source}")
@@ -269,7 +252,7 @@ def cmd_envs_check(args: argparse.Namespace) -> int:
 
     from rlfabric import registry
 
-    _import_user_modules(args.import_modules)
+    import_user_modules(args.import_modules)
     from rlfabric.envs.task_library import TASK_SERVERS
 
     if args.name in TASK_SERVERS:  # an MCP task server: its tasks against its verifier
@@ -501,29 +484,6 @@ def _check_text_env(args: argparse.Namespace, env: Any) -> int:
     return 0
 
 
-def _import_user_modules(names: list[str] | None) -> None:
-    """Import modules that call register_env or register_reward, so their names show up.
-
-    A module is looked up in the current directory first, as ``python -m`` does. What such a module registers
-    reaches the Ray workers by value (``rlfabric.shipping``), so they need not import it themselves.
-    """
-    import importlib
-
-    if names:
-        cwd = os.getcwd()
-        if cwd not in sys.path:
-            sys.path.insert(0, cwd)
-    for name in names or []:
-        try:
-            importlib.import_module(name)
-        except ImportError as exc:
-            if exc.name == name or name.startswith(f"{exc.name}."):  # the module itself, not an import inside it
-                raise ConfigError(
-                    f"--import {name!r}: no such module in the current directory ({cwd}) or on the Python path"
-                ) from None
-            raise ConfigError(f"--import {name!r}: {exc.__class__.__name__}: {exc}") from None
-
-
 class _AnyOrderParser(argparse.ArgumentParser):
     """Options and positionals in any order (``train a=1 --import m b=2``): a parser without subcommands parses
     intermixed (``parse_known_intermixed_args``), which a plain parser does not (its ``b=2`` would be unknown)."""
@@ -562,6 +522,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="module to import first (one that calls register_env or register_reward)",
     )
     train.set_defaults(func=cmd_train)
+
+    add_submit_parser(sub, cmd_submit)
 
     train_rm = sub.add_parser(
         "train-rm", help="train a reward model from preference pairs (the reward_model section of a GRPO config)"
@@ -643,7 +605,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _split_config_arg(args: argparse.Namespace) -> None:
     # `rlfabric train key=value` (no config file): the first positional is an override.
-    if args.command in ("train", "train-rm") and args.config and "=" in args.config and not os.path.exists(args.config):
+    if (
+        args.command in ("train", "train-rm", "submit")
+        and args.config
+        and "=" in args.config
+        and not os.path.exists(args.config)
+    ):
         args.overrides = [args.config, *args.overrides]
         args.config = None
 

@@ -11,16 +11,18 @@ import pytest
 from rlfabric.run.interrupts import stop_requests
 
 
-def test_first_sigint_requests_a_stop_and_a_second_interrupts():
-    before = signal.getsignal(signal.SIGINT)
+@pytest.mark.parametrize("first", [signal.SIGINT, signal.SIGTERM], ids=["sigint", "sigterm"])
+def test_first_signal_requests_a_stop_and_a_second_interrupts(first):
+    """SIGTERM (what `ray job stop` sends) is a stop request like Ctrl-C."""
+    before = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
     with stop_requests() as stop:
         assert not stop.is_set()
-        os.kill(os.getpid(), signal.SIGINT)  # delivered to the main thread at the next bytecode
-        assert stop.wait(5), "the first SIGINT sets the event instead of raising"
+        os.kill(os.getpid(), first)  # delivered to the main thread at the next bytecode
+        assert stop.wait(5), "the first signal sets the event instead of raising"
         with pytest.raises(KeyboardInterrupt):
             os.kill(os.getpid(), signal.SIGINT)
             stop.wait(5)  # the handler raises here, in the main thread
-    assert signal.getsignal(signal.SIGINT) is before  # the previous handler is back
+    assert {sig: signal.getsignal(sig) for sig in before} == before  # the previous handlers are back
 
 
 def test_off_the_main_thread_sigint_keeps_its_usual_effect():

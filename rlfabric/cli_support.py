@@ -1,0 +1,59 @@
+"""What the ``rlfabric`` subcommands share: user modules imported first, a run's default directory, the algorithm
+of a saved run."""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from rlfabric.config import ConfigError
+from rlfabric.run.log import CONFIG_FILE
+
+
+def import_user_modules(names: list[str] | None) -> None:
+    """Import modules that call register_env or register_reward, so their names show up.
+
+    A module is looked up in the current directory first, as ``python -m`` does. What such a module registers
+    reaches the Ray workers by value (``rlfabric.shipping``), so they need not import it themselves.
+    """
+    cwd = os.getcwd()
+    if names and cwd not in sys.path:
+        sys.path.insert(0, cwd)
+    for name in names or []:
+        try:
+            importlib.import_module(name)
+        except ImportError as exc:
+            if exc.name == name or name.startswith(f"{exc.name}."):  # the module itself, not an import inside it
+                raise ConfigError(
+                    f"--import {name!r}: no such module in the current directory ({cwd}) or on the Python path"
+                ) from None
+            raise ConfigError(f"--import {name!r}: {exc.__class__.__name__}: {exc}") from None
+
+
+def run_name(cfg: Any) -> str:
+    """What a run is called in its default directory: ``grpo-<task>`` for GRPO, the env's id for PPO."""
+    if cfg.algo == "grpo":
+        task = cfg.data.train.replace("task:", "").split("?")[0].replace("/", "_")
+        return f"grpo-{Path(task).stem}"
+    return cfg.env.id.replace("gym:", "").replace(":", "_").replace("/", "_")
+
+
+def default_run_dir(cfg: Any) -> Path:
+    """``runs/<run name>-<time>``."""
+    return Path("runs") / f"{run_name(cfg)}-{time.strftime('%Y%m%d-%H%M%S')}"
+
+
+def saved_algo(run_dir: Path) -> str:
+    """The ``algo`` of the config saved in a run directory ("ppo" when it cannot tell: that path reports a
+    missing or unreadable directory itself)."""
+    import yaml
+
+    try:
+        data = yaml.safe_load((run_dir / CONFIG_FILE).read_text())
+    except (OSError, yaml.YAMLError):
+        return "ppo"
+    return str(data.get("algo", "ppo")) if isinstance(data, dict) else "ppo"

@@ -1,0 +1,186 @@
+"""Training as a Ray job on a cluster started with `ray start --head` (token authentication on, as this Ray turns it
+on by default): `rlfabric submit` ships the user's folder (an env module registered with --import), the job's logs
+show the progress line, `ray job stop` ends the run with a checkpoint, and `rlfabric submit --resume` continues it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from rlfabric.run.log import read_metrics
+
+CORRIDOR_MODULE = '''
+import gymnasium as gym
+import numpy as np
+
+import rlfabric
+
+
+class Corridor(gym.Env):
+    """Walk right to the end of a corridor; only this folder has it."""
+
+    def __init__(self, length: int = 5) -> None:
+        self.length = length
+        self.observation_space = gym.spaces.Box(0.0, 1.0, shape=(1,), dtype=np.float32)
+        self.action_space = gym.spaces.Discrete(2)
+        self.pos = 0
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        self.pos = 0
+        return np.array([0.0], np.float32), {}
+
+    def step(self, action):
+        self.pos = max(0, self.pos + (1 if action == 1 else -1))
+        done = self.pos >= self.length
+        return np.array([self.pos / self.length], np.float32), (1.0 if done else -0.1), done, False, {}
+
+
+rlfabric.register_env("corridor", lambda **kw: Corridor(**kw))
+'''
+
+CONFIG = """algo: ppo
+env:
+  id: corridor
+runners:
+  num_runners: 1
+  envs_per_runner: 2
+ppo:
+  train_batch_size: 64
+  minibatch_size: 64
+  num_epochs: 2
+training:
+  total_env_steps: {steps}
+  checkpoint_every: {checkpoint_every}
+  eval_episodes: 2
+"""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def cli(*args: str, cwd: Path, env: dict[str, str], timeout: float = 240) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "rlfabric.cli", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout
+    )
+
+
+@pytest.fixture(scope="module")
+def ray_head():
+    """A one-node cluster from `ray start --head --block`, with a temp folder of its own (so jobs' drivers find this
+    cluster, not another on the machine); its processes are one process group, stopped at the end."""
+    temp_dir = tempfile.mkdtemp(prefix="rfjob-")
+    dashboard = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_ADDRESS", "RAY_AUTH_MODE"))}
+    head = subprocess.Popen(
+        [
+            "ray",
+            "start",
+            "--head",
+            "--block",
+            f"--port={free_port()}",
+            "--num-cpus=2",
+            "--include-dashboard=true",
+            f"--dashboard-port={dashboard}",
+            f"--temp-dir={temp_dir}",
+            "--disable-usage-stats",
+        ],  # fmt: skip
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    address = f"http://127.0.0.1:{dashboard}"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        probe = subprocess.run(
+            [sys.executable, "-c", f"from ray.job_submission import JobSubmissionClient as C; C({address!r})"],
+            env={**env, "RAY_AUTH_MODE": "token"},
+            capture_output=True,
+        )
+        if probe.returncode == 0:
+            break
+        assert head.poll() is None, "ray start --head exited"
+        time.sleep(1)
+    else:
+        pytest.fail(f"no Ray dashboard at {address} after 120 s")
+    yield address, env
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(head.pid, sig)
+        except ProcessLookupError:
+            break
+        try:
+            head.wait(15)
+        except subprocess.TimeoutExpired:
+            continue
+    subprocess.run(["pkill", "-9", "-f", temp_dir], check=False)
+
+
+@pytest.fixture
+def project(tmp_path):
+    """A user's folder: an env module and a config; nothing of it is installed."""
+    (tmp_path / "corridor_env.py").write_text(CORRIDOR_MODULE)
+    return tmp_path
+
+
+def test_a_submitted_job_trains_a_users_env_and_its_logs_show_progress(ray_head, project):
+    address, env = ray_head
+    (project / "ppo.yaml").write_text(CONFIG.format(steps=640, checkpoint_every=1))
+    done = cli("submit", "ppo.yaml", "--import", "corridor_env", "--address", address, cwd=project, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    run_dir = Path(done.stderr.split("run directory (on the head node): ")[1].split()[0])
+    assert run_dir.parent == project / "runs" and run_dir.name.startswith("corridor-")  # absolute, in the folder
+    assert f"rlfabric submit --resume {run_dir}" in done.stderr  # what to do next, printed
+    assert "rlfabric: training corridor" in done.stdout  # the job's own output, followed to its end
+    assert re.search(r"iter +\d+ \| env steps +[\d,]+ ", done.stdout), done.stdout[-2000:]  # the progress line
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["env_steps"] >= 640
+
+
+def test_a_stopped_job_leaves_a_checkpoint_and_a_resubmitted_one_continues(ray_head, project):
+    address, env = ray_head
+    # checkpoint_every 0: a checkpoint at the end only, so the one left is the stop's
+    (project / "ppo.yaml").write_text(CONFIG.format(steps=200_000, checkpoint_every=0))
+    run_dir = project / "run"
+    started = cli("submit", "ppo.yaml", "--import", "corridor_env", "--address", address, "--run-dir", "run",
+                  "--no-wait", cwd=project, env=env)  # fmt: skip
+    assert started.returncode == 0, started.stderr[-3000:]
+    job_id = started.stderr.split("submitted ")[1].split()[0]
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline and len(read_metrics(run_dir)) < 3:
+        time.sleep(0.5)
+    assert len(read_metrics(run_dir)) >= 3, "the job trained nothing within 180 s"
+    # the real CLI, as a user stops a job (its token: RAY_AUTH_MODE=token, as docs/cluster.md says)
+    user_env = {**env, "RAY_AUTH_MODE": "token"}
+    stop = subprocess.run(
+        ["ray", "job", "stop", "--address", address, job_id], env=user_env, capture_output=True, text=True, timeout=300
+    )
+    assert stop.returncode == 0, stop.stderr[-2000:]
+    checkpoints = sorted((run_dir / "checkpoints").glob("*"))
+    assert checkpoints, "ray job stop left no checkpoint"  # written on the way out (SIGTERM is a stop request)
+    stopped_at = read_metrics(run_dir)[-1]["env_steps"]
+    assert stopped_at < 200_000
+
+    resumed = cli("submit", "--resume", str(run_dir), "training.total_env_steps=" + str(stopped_at + 640),
+                  "--import", "corridor_env", "--address", address, cwd=project, env=env)  # fmt: skip
+    assert resumed.returncode == 0, resumed.stderr[-3000:] + resumed.stdout[-3000:]
+    assert "resuming from" in resumed.stdout
+    rows = read_metrics(run_dir)
+    env_steps = [r["env_steps"] for r in rows if "env_steps" in r]
+    assert env_steps == sorted(env_steps)  # continued from the checkpoint, not started over
+    assert env_steps[-1] >= stopped_at + 640
