@@ -597,5 +597,8 @@ class LLMRolloutWorker:
     def pid(self) -> int:
         return os.getpid()
 
+    def node_id(self) -> str:
+        return ray.get_runtime_context().get_node_id()
+
     def shutdown(self) -> None:
         self.core.shutdown()

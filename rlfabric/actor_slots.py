@@ -6,14 +6,20 @@ the actor doing it; a failure report names both. ``replace`` starts a fresh
 actor in the slot only when the report is about the slot's current generation, so several reports about one dead
 actor (a late reply, or two requests in flight on it) replace it once. A slot that fails too often in a row with
 no success in between is a bug, not bad luck: the run stops with its last error.
+
+A replacement needs a node that can hold it: when the failed actor's node died with the only resources of its
+kind, a pending replacement would make every later call wait out its deadline. ``replace`` waits a while for such
+a node to join, then stops the run with a ``PlacementError`` naming the resources asked for.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import ray
+from ray.exceptions import ObjectLostError, RayTaskError
 
 MAX_CONSECUTIVE_FAILURES = 5
 
@@ -21,11 +27,33 @@ MAX_CONSECUTIVE_FAILURES = 5
 def error_summary(exc: BaseException) -> str:
     """The last line of an exception's text (for a remote error: the original exception), at most 300 chars."""
     text = str(exc).strip()
-    return text.splitlines()[-1][:300] if text else exc.__class__.__name__
+    return text.splitlines()[-1].strip()[:300] if text else exc.__class__.__name__
+
+
+def lost_object(exc: BaseException) -> str | None:
+    """The hex id of the object whose loss failed a ``ray.get`` or a remote call that read it (its copy died with
+    its node and cannot be rebuilt: ``ObjectLostError`` and its kinds, such as ``OwnerDiedError`` and
+    ``ObjectReconstructionFailedError``); None when ``exc`` is any other failure."""
+    cause = exc.cause if isinstance(exc, RayTaskError) else exc
+    return cause.object_ref_hex if isinstance(cause, ObjectLostError) else None
+
+
+def fits_on_a_node(resources: Mapping[str, float], nodes: list[Mapping[str, float]]) -> bool:
+    """Whether one of ``nodes`` (each node's total resources, as ``ray.nodes()`` reports them) has every amount in
+    ``resources``."""
+    return any(all(node.get(k, 0.0) >= v for k, v in resources.items() if v) for node in nodes)
+
+
+def _fmt(resources: Mapping[str, float]) -> str:
+    return ", ".join(f"{k}={v:g}" for k, v in sorted(resources.items()) if v) or "nothing"
 
 
 class RunAbortedError(RuntimeError):
     """The run cannot go on: an actor slot keeps failing with the same bug, or nothing can be trained."""
+
+
+class PlacementError(RunAbortedError):
+    """An actor that failed cannot be replaced: no alive node of the cluster has the resources it asks for."""
 
 
 class ActorSlots:
@@ -35,10 +63,15 @@ class ActorSlots:
         make: Callable[[int, int], Any],
         count: int,
         max_consecutive_failures: int = MAX_CONSECUTIVE_FAILURES,
+        resources: Mapping[str, float] | None = None,
+        placement_wait_s: float = 0.0,
     ) -> None:
-        """``make(slot, generation)`` starts the actor for a slot; ``role`` names it in notes and errors."""
+        """``make(slot, generation)`` starts the actor for a slot; ``role`` names it in notes and errors.
+        ``resources``: what one actor asks Ray for ("CPU", "GPU", custom); a replacement waits up to
+        ``placement_wait_s`` for an alive node that has them (None: not checked)."""
         self.role, self.make = role, make
         self.max_consecutive_failures = max_consecutive_failures
+        self.resources, self.placement_wait_s = resources, placement_wait_s
         self.generations = [0] * count
         self.handles = [make(i, 0) for i in range(count)]
         self.consecutive_failures = [0] * count
@@ -58,8 +91,9 @@ class ActorSlots:
 
     def replace(self, slot: int, generation: int, reason: str, failure: bool = True) -> bool:
         """Kill and restart ``slot`` if ``generation`` is still its current one; False when it already was
-        replaced (the report is about an actor that is gone). Raises RunAbortedError past the failure limit;
-        ``failure=False`` replaces an actor that did its work but cannot be reused, which does not count."""
+        replaced (the report is about an actor that is gone). Raises RunAbortedError past the failure limit, and
+        PlacementError when no alive node can hold the replacement (see ``_wait_for_room``); ``failure=False``
+        replaces an actor that did its work but cannot be reused, which does not count."""
         if generation != self.generations[slot]:
             return False
         self.consecutive_failures[slot] += int(failure)
@@ -67,11 +101,27 @@ class ActorSlots:
             raise RunAbortedError(
                 f"{self.role} {slot} failed {self.consecutive_failures[slot]} times in a row; last: {reason}"
             )
+        self._wait_for_room(slot, reason)
         ray.kill(self.handles[slot], no_restart=True)
         self.generations[slot] += 1
         self.handles[slot] = self.make(slot, self.generations[slot])
         self.restarts += 1
         return True
+
+    def _wait_for_room(self, slot: int, reason: str) -> None:
+        """Return once an alive node has the resources one actor asks for (at once, unless its node was lost
+        with the only such resources); raise PlacementError, naming them, when none joins within
+        ``placement_wait_s``."""
+        if self.resources is None:
+            return
+        deadline = time.monotonic() + self.placement_wait_s
+        while not fits_on_a_node(self.resources, [n["Resources"] for n in ray.nodes() if n.get("Alive")]):
+            if time.monotonic() >= deadline:
+                raise PlacementError(
+                    f"{self.role} {slot} cannot be replaced: no alive node has {_fmt(self.resources)} "
+                    f"(waited {self.placement_wait_s:g}s for one to join); last failure: {reason}"
+                )
+            time.sleep(min(1.0, self.placement_wait_s))
 
     def shutdown(self) -> None:
         for handle in self.handles:

@@ -20,6 +20,7 @@ import ray
 import torch
 
 from rlfabric import registry
+from rlfabric.actor_slots import lost_object
 from rlfabric.actors.env_runner import EnvRunner
 from rlfabric.actors.learner import Learner
 from rlfabric.config import Config, ConfigError, RayConfig
@@ -45,7 +46,7 @@ class Progress:
 
     iteration: int = 0
     env_steps: int = 0  # steps the learner trained on
-    env_steps_sampled: int = 0  # including fragments dropped as too stale (not those lost with a runner)
+    env_steps_sampled: int = 0  # including fragments dropped as too stale (not those lost with a runner or node)
     episodes: int = 0
     dropped_fragments: int = 0
     runner_restarts: int = 0
@@ -129,7 +130,7 @@ class Trainer:
         self.registry_blob = b""
         self.fragments_per_batch = cfg.runners.num_runners  # one fragment per runner per train batch
         self._update_refs: list[ray.ObjectRef] | None = None  # the learners' update in flight, if any
-        self._batch: list[dict[str, Any]] = []  # metadata of the fragments it trains on
+        self._batch: list[Completed] = []  # the fragments it trains on
         self._sampled_this_version: set[int] = set()  # sync mode: runners that sampled for this version
         self._iter_start = self._run_start = time.monotonic()
         self._start_elapsed = 0.0
@@ -208,7 +209,11 @@ class Trainer:
         self.registry_blob = registry.snapshot()
         self._make_placement_group()
         self.pool = RunnerPool(
-            self._make_runner, r.num_runners, r.sample_timeout_s, num_fragments=self._fragments_per_sample()
+            self._make_runner,
+            r.num_runners,
+            r.sample_timeout_s,
+            num_fragments=self._fragments_per_sample(),
+            resources={"CPU": r.num_cpus, **r.resources},
         )
         r, lc = self.cfg.runners, self.cfg.learner
         try:
@@ -365,7 +370,7 @@ class Trainer:
             if update_refs and len(ray.wait(update_refs, num_returns=len(update_refs), timeout=0)[0]) == len(
                 update_refs
             ):
-                self._complete_update()
+                buffer[:0] = self._complete_update()  # a batch that lost a fragment is filled up again
             completed, failed = self.pool.collect([r for r in ready if r not in update_refs])
             for reason in self.pool.failures[len(self.pool.failures) - len(failed) :]:
                 self.log.note(f"{reason}; replaced it and asked again")
@@ -375,27 +380,59 @@ class Trainer:
             if self._update_refs is None and len(buffer) >= self.fragments_per_batch and not self._should_stop():
                 batch, buffer = buffer[: self.fragments_per_batch], buffer[self.fragments_per_batch :]
                 batch.sort(key=lambda c: c.runner)  # arrival order varies; a fixed order keeps seeded runs repeatable
-                self._batch = [c.meta for c in batch]
+                self._batch = batch
                 self._update_refs = self._start_update(batch)
         self._tick()
 
     def _tick(self) -> None:
         self.progress.elapsed_s = self._start_elapsed + time.monotonic() - self._run_start
 
-    def _complete_update(self) -> None:
-        """Take the finished update's statistics, log it, publish the new version, checkpoint when due."""
-        stats = self._update_stats(ray.get(self._update_refs))
+    def _complete_update(self) -> list[Completed]:
+        """Take the finished update's statistics, log it, publish the new version, checkpoint when due.
+
+        An update that could not read a fragment of its batch (the fragment was lost with its runner's node after
+        the driver accepted it) trained on nothing: the lost fragment is counted in ``lost_fragments`` and its
+        runner samples again; the batch's other fragments are returned, to be trained on with the new one."""
+        results: list[dict[str, float]] = []
+        lost: set[str] = set()
+        for ref in self._update_refs:  # one per learner: a game's learners each read their policy's fragments
+            try:
+                results.append(ray.get(ref))
+            except ray.exceptions.RayError as exc:
+                if lost_object(exc) is None:
+                    raise
+                lost.add(lost_object(exc))
         self._update_refs = None
+        if lost:
+            if results:  # another learner trained on the batch: asking again would train it twice
+                raise RunAbortedError(f"a fragment was lost with its node after {len(results)} learner(s) trained")
+            return self._drop_lost(lost)
+        stats = self._update_stats(results)
         self._tick()
         # Counted and logged before anything that blocks, so an interrupt never leaves a checkpoint whose
         # iteration has no metrics row.
-        self._log_iteration(self._batch, stats, time.monotonic() - self._iter_start)
+        self._log_iteration([c.meta for c in self._batch], stats, time.monotonic() - self._iter_start)
         self._iter_start = time.monotonic()
         self._publish()
         self._sampled_this_version.clear()
         every = self.cfg.training.checkpoint_every
         if every and self.progress.iteration % every == 0:
             self.save_checkpoint()
+        return []
+
+    def _drop_lost(self, lost: set[str]) -> list[Completed]:
+        """The batch without the fragments whose objects (hex ids in ``lost``) are gone; those are counted as lost
+        and their runners owe a fragment again."""
+        kept = []
+        for done in self._batch:
+            if lost.isdisjoint(ref.hex() for ref in done.data_refs):
+                kept.append(done)
+                continue
+            self.pool.lost_fragments += 1
+            self.progress.env_steps_sampled -= done.meta["env_steps"]
+            self._sampled_this_version.discard(done.runner)  # sync mode: that runner samples this version again
+        self.log.note(f"{len(self._batch) - len(kept)} fragment(s) lost with their node before the learner read them")
+        return kept
 
     def _log_iteration(self, batch: list[dict[str, Any]], stats: dict[str, float], seconds: float) -> None:
         """Count one update (trained on policy version ``self.version``, producing ``self.version + 1``)."""

@@ -26,7 +26,7 @@ def actor_requests(cfg: LLMConfig) -> list[ActorRequest]:
     g, lc, r = cfg.generator, cfg.learner, cfg.rewards
     reference = int(cfg.grpo.kl_coef > 0 and cfg.grpo.reference == "actor")
     requests = [
-        ActorRequest("generator", g.num_generators, {"CPU": g.num_cpus, "GPU": g.num_gpus, **g.resources}),
+        ActorRequest("generator", g.num_generators, generator_resources(cfg)),
         ActorRequest("learner", lc.num_learners + reference, {"CPU": lc.num_cpus, "GPU": lc.num_gpus, **lc.resources}),
         ActorRequest("rewards", r.num_actors, {"CPU": r.num_cpus}),
     ]
@@ -37,6 +37,12 @@ def actor_requests(cfg: LLMConfig) -> list[ActorRequest]:
     for field, spec in judge_specs(cfg):
         requests.append(judge_request(field, spec, 1 if field.startswith("rewards.shadow") else r.num_workers))
     return requests
+
+
+def generator_resources(cfg: LLMConfig) -> dict[str, float]:
+    """What one generator asks Ray for (``generator.num_cpus``, ``num_gpus``, ``resources``)."""
+    g = cfg.generator
+    return {"CPU": g.num_cpus, "GPU": g.num_gpus, **g.resources}
 
 
 def wanted_cpus(cfg: LLMConfig) -> float:

@@ -28,7 +28,7 @@ import numpy as np
 import ray
 
 from rlfabric import rewards
-from rlfabric.actor_slots import ActorSlots, RunAbortedError, error_summary
+from rlfabric.actor_slots import ActorSlots, PlacementError, RunAbortedError, error_summary, lost_object
 from rlfabric.actors.llm_learner import ADDITIVE_LEARNER_METRICS, LEARNER_METRICS
 from rlfabric.actors.llm_rollout import PromptSet, RolloutRequest
 from rlfabric.compact import payload_bytes
@@ -40,6 +40,7 @@ from rlfabric.grpo_report import eval_row, run_summary, step_row
 from rlfabric.likelihood_scorers import LikelihoodScorers
 from rlfabric.llm_actors import (
     actor_requests,
+    generator_resources,
     start_generator,
     start_learners,
     start_reference,
@@ -150,6 +151,10 @@ class GRPOTrainer:
         # The likelihood scorer (a policy likelihood reward): a named actor the reward services find by name.
         self.scorers = LikelihoodScorers(cfg, self.weights, self._note)
         self._steps_without_scores = 0
+        # a generator lost with its node during a step's weight load that could not be replaced: raised once that
+        # step (which the learners did train) is counted and logged
+        self._unplaced: PlacementError | None = None
+        self._saved_step = 0  # the step of the latest checkpoint (of this session or the one resumed)
         self._last_shown: list[dict[str, Any]] = []  # the last evaluation's sample completions
         self._phase_start: dict[Any, tuple[float, int]] = {}  # when each phase's progress began, for its ETA
 
@@ -290,6 +295,8 @@ class GRPOTrainer:
             "generator",
             lambda slot, generation: start_generator(self.cfg, self.base_model_dir, self._sampling_seed()),
             self.cfg.generator.num_generators,
+            resources=generator_resources(self.cfg),
+            placement_wait_s=self.cfg.generator.timeout_s,
         )
         self.learners = start_learners(self.cfg, self.model_dir, self.reference_dir)
         self.reference = start_reference(self.cfg, self.reference_dir, self.tokenizer.pad_token_id)
@@ -336,6 +343,18 @@ class GRPOTrainer:
         value = ray.get(refs, timeout=timeout)
         self._add_to_step("driver_received_bytes", payload_bytes(value))
         return value
+
+    def _lost_record(self, steps: list[ray.ObjectRef], step: StepBatch) -> str | None:
+        """Wait for the learners' update; the hex id of the record of ``step`` that every learner failed to read
+        because it was lost with its node (they then trained on nothing), else None."""
+        lost = []
+        for ref in steps:
+            try:
+                ray.get(ref)
+            except ray.exceptions.RayError as exc:
+                lost.append(lost_object(exc))
+        records = {ref.hex() for ref in step.refs}
+        return lost[0] if len(lost) == len(steps) and all(hex_id in records for hex_id in lost) else None
 
     def _from_learners(self, refs: list[ray.ObjectRef], doing: str) -> list[Any]:
         """Every learner's answer; a learner that died or raised stops the run with its rank named (the latest
@@ -388,17 +407,31 @@ class GRPOTrainer:
 
     def _update(self, step: StepBatch) -> dict[str, float]:
         """One learner update on the chosen groups: the learners (and a reference actor) read the records by
-        ref and pack the batch themselves; the driver sends refs and group ids and gets the metrics back."""
-        groups = [gid for gid, _, _ in step.groups]
-        ref_logprobs = None
-        if self.reference is not None:  # an ObjectRef the learners resolve: never fetched here
-            ref_logprobs = self.reference.logprobs_of.remote(step.refs, groups)
-        with self._timed("update_time_s"):
-            steps = [ln.train_on.remote(step.refs, groups, self._lr(), ref_logprobs) for ln in self.learners]
-            publishing = self.weights.start()  # every generator and scorer, queued behind the step
-            metrics = [LEARNER_METRICS.unpack(m) for m in self._from_learners(steps, "its update")]
+        ref and pack the batch themselves; the driver sends refs and group ids and gets the metrics back.
+
+        A record lost with its rollout worker's node after it arrived fails every learner before it trains: it
+        is collected again (``RolloutScheduler.recollect``) and the update asked again."""
+        while True:
+            groups = [gid for gid, _, _ in step.groups]
+            ref_logprobs = None
+            if self.reference is not None:  # an ObjectRef the learners resolve: never fetched here
+                ref_logprobs = self.reference.logprobs_of.remote(step.refs, groups)
+            with self._timed("update_time_s"):
+                steps = [ln.train_on.remote(step.refs, groups, self._lr(), ref_logprobs) for ln in self.learners]
+                publishing = self.weights.start()  # every generator and scorer, queued behind the step
+                lost = self._lost_record(steps, step)
+                if lost is None:
+                    metrics = [LEARNER_METRICS.unpack(m) for m in self._from_learners(steps, "its update")]
+                    break
+            self.weights.finish(publishing)  # the unchanged weights: loaded before anything is published again
+            self.rollouts.recollect(step, lost)
+            if not step.groups:
+                return {}
         with self._timed("weight_sync_time_s"):
-            self.version = self.weights.finish(publishing)
+            try:
+                self.version = self.weights.finish(publishing)
+            except PlacementError as exc:  # the learners did train: the step counts before the run stops
+                self.version, self._unplaced = int(self._fetch(publishing.version)), exc
         # Some metrics are each rank's share of the whole batch's value (one shared denominator, or counts): they add.
         return {
             k: float((np.sum if k in ADDITIVE_LEARNER_METRICS else np.mean)([m[k] for m in metrics]))
@@ -497,7 +530,11 @@ class GRPOTrainer:
             logged = [r for r in read_metrics(self.run_dir) if r.get("label") == "initial"]
             initial = logged[0] if logged else {"eval_accuracy": None}
         with stop_requests(STOP_NOTICE) as stop:
-            self._grpo_steps(stop)
+            try:
+                self._grpo_steps(stop)
+            except PlacementError:  # what was trained is kept: resume where the cluster has room again
+                self._checkpoint_unless_saved()
+                raise
         self.rollouts.cancel_in_flight()  # generated ahead for steps that will not run
         if self.counters.trained_samples == 0:
             raise RunAbortedError(
@@ -536,6 +573,8 @@ class GRPOTrainer:
             self.counters.step += 1
             self.counters.trained_samples += sum(n for _, n, _ in step.groups)
             self._log(self._step_row(step, metrics, started))
+            if self._unplaced is not None:
+                raise self._unplaced
             self._check_scoring(step)
             if t.eval_every and self.counters.step % t.eval_every == 0 and self.counters.step < t.total_steps:
                 self.evaluate(f"step_{self.counters.step}")
@@ -561,10 +600,13 @@ class GRPOTrainer:
     def _stop_if_asked(self, stop: threading.Event) -> None:
         if not stop.is_set():
             return
-        every = self.cfg.training.checkpoint_every
-        if every and self.counters.step % every:  # else the step just saved one
-            self.save_checkpoint()
+        self._checkpoint_unless_saved()
         raise KeyboardInterrupt
+
+    def _checkpoint_unless_saved(self) -> None:
+        """A checkpoint of the steps done, when checkpointing is on and none holds them yet."""
+        if self.cfg.training.checkpoint_every and self._saved_step != self.counters.step:
+            self.save_checkpoint()
 
     # -- outputs ----------------------------------------------------------------------------------------------
 
@@ -575,6 +617,7 @@ class GRPOTrainer:
         state = json.dumps(self._state())  # written last, atomically: the state file marks a complete checkpoint
         store.write_atomically(path / TRAINER_STATE_FILE, lambda tmp: tmp.write_text(state))
         store.prune(self.cfg.training.keep_checkpoints)
+        self._saved_step = self.counters.step
         return path
 
     def _state(self) -> dict[str, Any]:
@@ -596,6 +639,7 @@ class GRPOTrainer:
     def _restore(self, state: dict[str, Any]) -> None:
         for key, value in state["counters"].items():  # in place: the rollout scheduler counts into it too
             setattr(self.counters, key, value)
+        self._saved_step = self.counters.step
         self.version = int(state["version"])
         self.rng.bit_generator.state = state["rng"]
         self.rollouts.order = [int(i) for i in state["order"]]

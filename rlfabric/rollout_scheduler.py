@@ -4,7 +4,7 @@ The driver's side of the rollout layer: it draws prompt indices from a shuffled 
 ``RolloutRequest``s with a deadline, receives the small metadata (the record stays in the object store), asks a
 failed request again exactly once (with the same prompts and group ids) after replacing what failed, and chooses
 groups from the per-group statistics alone: staleness against ``training.max_policy_lag``, dynamic sampling and
-its refill rounds.
+its refill rounds. A record lost with its node before the learners read it is collected again the same way.
 """
 
 from __future__ import annotations
@@ -50,6 +50,9 @@ class StepBatch:
     refs: list[ray.ObjectRef] = field(default_factory=list)
     groups: list[tuple[int, int, int]] = field(default_factory=list)  # (group id, rows, oldest policy version)
     scored: list[dict[str, Any]] = field(default_factory=list)
+    # the request and metadata of each record in refs: a record lost with its node is asked for again
+    sources: list[tuple[RolloutRequest, dict[str, Any]]] = field(default_factory=list)
+    recollected: int = 0  # records of this step collected again
 
 
 class RolloutScheduler:
@@ -198,8 +201,9 @@ class RolloutScheduler:
             what = "episode" if plays_episodes(self.cfg) else "reward"  # what failed the sample
             self._note(f"{what} failed: {error} ({self.counters.failed_samples} failed samples so far)")
 
-    def accept(self, meta: dict[str, Any], ref: ray.ObjectRef | None, step: StepBatch) -> None:
-        """Count one rollout's samples and choose its groups to train on from its per-group statistics."""
+    def accept(self, meta: dict[str, Any], ref: ray.ObjectRef | None, step: StepBatch, request: RolloutRequest) -> None:
+        """Count one rollout's samples (of ``request``) and choose its groups to train on from its per-group
+        statistics."""
         c, lag, version = self.counters, self.cfg.training.max_policy_lag, self._version()
         c.samples += meta["samples"]
         c.tokens_generated += meta.get("tokens", 0)
@@ -228,19 +232,48 @@ class RolloutScheduler:
         if chosen and ref is not None:
             step.refs.append(ref)
             step.groups += chosen
+            step.sources.append((request, meta))
 
     def gather_batch(self) -> StepBatch:
         """The groups to train on for one step (the oldest rollout in flight), refilling groups dropped by
         dynamic sampling."""
         g = self.cfg.grpo
         step = StepBatch()
-        pending = self.in_flight.popleft()
-        self.accept(*self.receive(pending), step)
+        self._take(self.in_flight.popleft(), step)
         for _round in range(g.max_sampling_rounds - 1 if g.dynamic_sampling else 0):
             missing = g.prompts_per_step - len(step.groups)
             if missing <= 0:
                 break
-            self.accept(*self.receive(self.submit(missing)), step)
-        if len(step.groups) > g.prompts_per_step:
-            step.groups = sorted(step.groups)[: g.prompts_per_step]
+            self._take(self.submit(missing), step)
         return step
+
+    def _take(self, pending: Pending, step: StepBatch) -> None:
+        """Receive a rollout into ``step``, which trains on ``grpo.prompts_per_step`` groups at most."""
+        self.accept(*self.receive(pending), step, pending.request)
+        if len(step.groups) > self.cfg.grpo.prompts_per_step:
+            step.groups = sorted(step.groups)[: self.cfg.grpo.prompts_per_step]
+
+    def recollect(self, step: StepBatch, lost: str) -> None:
+        """Take the record whose object (hex id ``lost``) was lost with its node before the learners read it out of
+        ``step``, with its groups and metadata, and ask its rollout again with the same prompts and group ids
+        (``resampled_samples``; its samples are not counted twice in ``samples``). After ``ROLLOUT_ATTEMPTS``
+        such losses in one step, a lost record's samples are recorded as failed instead."""
+        k = next(i for i, ref in enumerate(step.refs) if ref.hex() == lost)
+        del step.refs[k]
+        request, meta = step.sources.pop(k)
+        ids = range(request.first_group, request.first_group + len(request.indices))
+        step.groups = [group for group in step.groups if group[0] not in ids]
+        step.scored = [m for m in step.scored if m is not meta]
+        samples = meta["samples"]
+        if step.recollected >= ROLLOUT_ATTEMPTS:
+            self.counters.failed_samples += samples
+            self._note(
+                f"{samples} samples failed: their record was lost with its node, after {ROLLOUT_ATTEMPTS} records of "
+                "this step were collected again"
+            )
+            return
+        step.recollected += 1
+        self.counters.samples -= samples
+        self.counters.resampled_samples += samples
+        self._note(f"a record of {samples} samples was lost with its node before the learners read it; asked again")
+        self._take(self.send(request), step)

@@ -1,8 +1,10 @@
 """The driver's view of its env runners: launch, sample with a deadline, replace the dead or hung.
 
 The pool hands out ObjectRefs only; fragment data never passes through the driver. A runner whose sample raises
-(its process died) or misses ``sample_timeout_s`` (a hung env) is killed and replaced by a fresh actor with the
-current weights; its fragment is counted as lost and the driver simply asks again.
+(its process or its node died) or misses ``sample_timeout_s`` (a hung env) is killed and replaced by a fresh actor
+with the current weights; its fragment is counted as lost and the driver simply asks again. A replacement waits up
+to ``sample_timeout_s`` for an alive node with the resources a runner asks for, else the run stops
+(``PlacementError``).
 """
 
 from __future__ import annotations
@@ -47,12 +49,16 @@ class RunnerPool:
         num_runners: int,
         sample_timeout_s: float,
         num_fragments: int = 1,
+        resources: dict[str, float] | None = None,
     ) -> None:
         """``make_runner(index, generation)`` creates the actor; generation counts replacements of that slot.
-        ``num_fragments``: the data objects a sample returns after its metadata (one per trainable policy)."""
+        ``num_fragments``: the data objects a sample returns after its metadata (one per trainable policy).
+        ``resources``: what one runner asks Ray for (None: replacements are not checked against the nodes)."""
         self.sample_timeout_s = sample_timeout_s
         self.num_fragments = num_fragments
-        self.slots = ActorSlots("runner", make_runner, num_runners)
+        self.slots = ActorSlots(
+            "runner", make_runner, num_runners, resources=resources, placement_wait_s=sample_timeout_s
+        )
         self.in_flight: dict[ray.ObjectRef, InFlight] = {}
         # The latest call of each state-setting method (weights, opponents) with its args: a replacement runner
         # gets them all before it samples.
