@@ -103,6 +103,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "rlfabric.rollout_scheduler",  # which prompts go out, which groups come back to train on
             "rlfabric.weight_publisher",  # learner 0's weights to the generators
             "rlfabric.run",  # the run skeleton: outputs, checkpoints, resume, progress, plots, Ctrl-C
+            "rlfabric.cli_support",  # what the subcommands share: user modules, default run directories
+            "rlfabric.submit",  # rlfabric submit: a run as a Ray job on a running cluster
             "rlfabric.cli",
         ),
     ),
