@@ -29,6 +29,21 @@ class RayConfig:
     num_cpus: int | None = None
     # Placement group strategy for all actors (null: no placement group).
     placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] | None = None
+    # A placement group per role, by config section: {runners: SPREAD, learner: STRICT_PACK} (PPO), {generator:
+    # SPREAD, learner: STRICT_PACK} (GRPO). Roles not named are placed by Ray alone.
+    placement: dict[str, str] = dataclasses.field(default_factory=dict)
+
+
+PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
+
+
+def check_placement(placement: dict[str, str], roles: tuple[str, ...]) -> None:
+    """``ray.placement``: one line for a role this kind of run does not have or a strategy Ray does not know."""
+    for role, strategy in placement.items():
+        if role not in roles:
+            raise ConfigError(f"ray.placement: unknown role {role!r}; this run's roles are {', '.join(roles)}")
+        if strategy not in PLACEMENT_STRATEGIES:
+            raise ConfigError(f"ray.placement.{role} = {strategy!r}: must be one of {', '.join(PLACEMENT_STRATEGIES)}")
 
 
 # ---------------------------------------------------------------------------------------------------------

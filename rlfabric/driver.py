@@ -24,6 +24,8 @@ from rlfabric.actor_slots import lost_object
 from rlfabric.actors.env_runner import EnvRunner
 from rlfabric.actors.learner import Learner
 from rlfabric.config import Config, ConfigError, RayConfig
+from rlfabric.placement import ActorRequest, RoleGroups, record_plan
+from rlfabric.ppo_config import PPO_ROLES
 from rlfabric.run.checkpoints import CHECKPOINT_DIR, CheckpointStore
 from rlfabric.run.interrupts import stop_requests
 from rlfabric.run.log import CONFIG_FILE, RunLog, write_summary
@@ -126,6 +128,7 @@ class Trainer:
         self.learner: Any = None
         self.log: RunLog | None = None
         self.placement_group: Any = None
+        self.role_groups: RoleGroups | None = None  # ray.placement: a group per role
         self.version = 0
         self.registry_blob = b""
         self.fragments_per_batch = cfg.runners.num_runners  # one fragment per runner per train batch
@@ -166,16 +169,22 @@ class Trainer:
             opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
                 self.placement_group, placement_group_bundle_index=bundle
             )
+        elif self.role_groups is not None:
+            opts.update(self.role_groups.options(*(("learner", 0) if bundle == 0 else ("runners", bundle - 1))))
         return opts
 
     def _make_placement_group(self) -> None:
+        r, lc = self.cfg.runners, self.cfg.learner
+        learner_bundle = {"CPU": lc.num_cpus, **({"GPU": lc.num_gpus} if lc.num_gpus else {}), **lc.resources}
+        if self.cfg.ray.placement:
+            runners = ActorRequest("runners", r.num_runners, {"CPU": r.num_cpus, **r.resources})
+            learner = ActorRequest("learner", 1, learner_bundle)
+            self.role_groups = RoleGroups([runners, learner], self.cfg.ray.placement, SETUP_TIMEOUT_S)
         strategy = self.cfg.ray.placement_strategy
         if strategy is None:
             return
         from ray.util.placement_group import placement_group
 
-        r, lc = self.cfg.runners, self.cfg.learner
-        learner_bundle = {"CPU": lc.num_cpus, **({"GPU": lc.num_gpus} if lc.num_gpus else {}), **lc.resources}
         runner_bundles = [{"CPU": r.num_cpus, **r.resources} for _ in range(r.num_runners)]
         pg = placement_group([learner_bundle, *runner_bundles], strategy=strategy)
         try:
@@ -247,6 +256,9 @@ class Trainer:
             quiet=self.quiet,
             progress_line=lambda row: ppo_progress_line(row, total),
         )
+        placement = self.cfg.ray.placement or dict.fromkeys(PPO_ROLES, self.cfg.ray.placement_strategy)
+        for line in record_plan(self.run_dir, {"runners": self.pool.runners, "learner": self._learners()}, placement):
+            self.log.note(f"placement: {line}")
         self._publish()
 
     # -- the learner (one; a game has one per trainable policy: rlfabric.game_driver) ----------------------
@@ -515,6 +527,8 @@ class Trainer:
                 ray.kill(learner)
         if self.placement_group is not None:
             ray.util.remove_placement_group(self.placement_group)
+        if self.role_groups is not None:
+            self.role_groups.remove()
 
 
 def train(cfg: Config, run_dir: str | Path, quiet: bool = False) -> dict[str, Any]:

@@ -126,6 +126,11 @@ def _refuse_unsupported(cfg: Config) -> None:
             "ray.placement_strategy is not valid with several trainable policies yet (one learner bundle is reserved);"
             " set it null"
         )
+    if "learner" in cfg.ray.placement and len(trainable_policies(cfg.multi_agent)) > 1:
+        raise ConfigError(
+            "ray.placement.learner is not valid with several trainable policies yet (one learner bundle is "
+            "reserved); leave the learner out of ray.placement"
+        )
 
 
 class GameTrainer(Trainer):

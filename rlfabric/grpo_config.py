@@ -12,7 +12,7 @@ import string
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from rlfabric.config_base import ConfigError, RayConfig, positive, require
+from rlfabric.config_base import ConfigError, RayConfig, check_placement, positive, require
 from rlfabric.objectives import STATE_KEYED_STEP_CREDITS, TABLES, check_step_credit
 from rlfabric.reward_config import RewardModelConfig, RewardsConfig, validate_reward_model, validate_rewards
 
@@ -22,6 +22,8 @@ DEFAULT_ALPHABET = string.digits + "+-*/=()., :?<>\n" + string.ascii_letters  # 
 TOOL_ALPHABET = DEFAULT_ALPHABET + "{}[]\"'_\\"  # and Hermes JSON tool calls (and JSON's error messages)
 BUILTIN_ALPHABETS = {"default": DEFAULT_ALPHABET, "tool": TOOL_ALPHABET}
 _TEMPLATE_CHARACTERS = "systemuserassistant: \n"  # what the character chat template writes around the texts
+
+GRPO_ROLES = ("generator", "learner")  # the roles ray.placement may name (reward workers go with the rollout worker)
 
 
 @dataclass
@@ -317,6 +319,7 @@ class LLMConfig:
 
 def validate_llm(cfg: LLMConfig) -> LLMConfig:
     """Range and cross-field checks for ``algo: grpo``; return the config unchanged."""
+    check_placement(cfg.ray.placement, GRPO_ROLES)
     g, s, t = cfg.grpo, cfg.sampling, cfg.training
     for path, value in (
         ("grpo.prompts_per_step", g.prompts_per_step),

@@ -5,7 +5,7 @@ actor, the rollout worker, and what they all ask Ray for (the likelihood scorer 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import ray
@@ -138,8 +138,9 @@ def batch_spec(cfg: LLMConfig) -> dict[str, Any]:
     }
 
 
-def start_generator(cfg: LLMConfig, model_dir: str, seed: int) -> Any:
-    """One generator actor serving ``model_dir``, sampling from ``seed``."""
+def start_generator(cfg: LLMConfig, model_dir: str, seed: int, placement: dict[str, Any] | None = None) -> Any:
+    """One generator actor serving ``model_dir``, sampling from ``seed``; ``placement``: its placement group's
+    scheduling options (``ray.placement``)."""
     from rlfabric.actors.generator import Generator
 
     g = cfg.generator
@@ -155,21 +156,26 @@ def start_generator(cfg: LLMConfig, model_dir: str, seed: int) -> Any:
         }
     else:
         options = {**dataclasses.asdict(g.vllm), "seed": seed}
-    return Generator.options(num_cpus=g.num_cpus, num_gpus=g.num_gpus, resources=g.resources).remote(
-        g.backend, model_dir, options, num_threads=torch_threads(cfg, "generator")
-    )
+    return Generator.options(
+        num_cpus=g.num_cpus, num_gpus=g.num_gpus, resources=g.resources, **(placement or {})
+    ).remote(g.backend, model_dir, options, num_threads=torch_threads(cfg, "generator"))
 
 
-def start_learners(cfg: LLMConfig, model_dir: str, reference_dir: str | None) -> list[Any]:
+def start_learners(
+    cfg: LLMConfig, model_dir: str, reference_dir: str | None, placement: Callable[[int], dict[str, Any]] | None = None
+) -> list[Any]:
     """``learner.num_learners`` learner actors from ``model_dir``, their data-parallel process group formed (or a
-    ``RunAbortedError`` naming what was asked for, after ``SETUP_TIMEOUT_S``)."""
+    ``RunAbortedError`` naming what was asked for, after ``SETUP_TIMEOUT_S``); ``placement(rank)``: a learner's
+    placement group scheduling options (``ray.placement``)."""
     from rlfabric.actors.llm_learner import LLMLearner
 
     lc = cfg.learner
     device = lc.device if lc.device != "auto" else ("cuda" if lc.num_gpus > 0 else "cpu")
     grpo = {**dataclasses.asdict(cfg.grpo), "norm_length": cfg.sampling.max_new_tokens}
     learners = [
-        LLMLearner.options(num_cpus=lc.num_cpus, num_gpus=lc.num_gpus, resources=lc.resources).remote(
+        LLMLearner.options(
+            num_cpus=lc.num_cpus, num_gpus=lc.num_gpus, resources=lc.resources, **(placement(rank) if placement else {})
+        ).remote(
             model_dir=model_dir,
             grpo=grpo,
             sft=dataclasses.asdict(cfg.sft),
@@ -204,14 +210,16 @@ def start_learners(cfg: LLMConfig, model_dir: str, reference_dir: str | None) ->
     return learners
 
 
-def start_reference(cfg: LLMConfig, reference_dir: str | None, pad_id: int) -> Any:
-    """The reference actor (``grpo.reference: actor`` with a KL term), or None."""
+def start_reference(
+    cfg: LLMConfig, reference_dir: str | None, pad_id: int, placement: dict[str, Any] | None = None
+) -> Any:
+    """The reference actor (``grpo.reference: actor`` with a KL term), or None; ``placement``: as the learners'."""
     if not (cfg.grpo.kl_coef > 0 and cfg.grpo.reference == "actor"):
         return None
     from rlfabric.actors.reference import Reference
 
     lc = cfg.learner
-    return Reference.options(num_cpus=lc.num_cpus, num_gpus=lc.num_gpus).remote(
+    return Reference.options(num_cpus=lc.num_cpus, num_gpus=lc.num_gpus, **(placement or {})).remote(
         reference_dir,
         cfg.sampling.temperature,
         cfg.grpo.micro_batch_size,

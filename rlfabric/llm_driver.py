@@ -21,6 +21,7 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -72,7 +73,7 @@ from rlfabric.llm_text_env import (
 )
 from rlfabric.models.hf import check_model_source, encode_prompt, model_max_positions
 from rlfabric.models.llm_batch import pad_rows_for_learners
-from rlfabric.placement import check_fits
+from rlfabric.placement import RoleGroups, check_fits, record_plan
 from rlfabric.reward_model_stage import ensure_reward_model, point_at_run_reward_model
 from rlfabric.rollout_scheduler import RolloutScheduler, StepBatch
 from rlfabric.run.checkpoints import CHECKPOINT_DIR
@@ -123,6 +124,7 @@ class GRPOTrainer:
         # what the rollout workers play beyond single-turn completions, and the warm-up's demonstrations on it
         self.episodes = EpisodeSources()
         self.tool_servers: dict[str, Any] = {}  # supervised MCP servers by name (env.tool_servers)
+        self.role_groups: RoleGroups | None = None  # ray.placement: a placement group per role
         self.log: RunLog | None = None
         self._elapsed_before = 0.0  # wall clock of the sessions before a resume
         # The weights the KL penalty anchors to: the initial model, or the policy after the SFT warm-up (saved
@@ -286,6 +288,7 @@ class GRPOTrainer:
         self._load_data()
         ensure_ray(self.cfg.ray, wanted_cpus(self.cfg), openmp_env())
         check_fits(actor_requests(self.cfg), [n["Resources"] for n in ray.nodes() if n.get("Alive")])
+        groups = self.role_groups = RoleGroups(actor_requests(self.cfg), self.cfg.ray.placement, SETUP_TIMEOUT_S)
         if needs_ray(self.cfg):
             self._sources_after_ray()
         if self.episodes.text_env is not None and self.cfg.env.tool_servers:
@@ -293,13 +296,16 @@ class GRPOTrainer:
             self.tool_servers = start_tool_servers(self.cfg.env.tool_servers, e.text_env, e.demonstrations)
         self.generators = ActorSlots(
             "generator",
-            lambda slot, generation: start_generator(self.cfg, self.base_model_dir, self._sampling_seed()),
+            lambda slot, generation: start_generator(
+                self.cfg, self.base_model_dir, self._sampling_seed(), groups.options("generator", slot)
+            ),
             self.cfg.generator.num_generators,
             resources=generator_resources(self.cfg),
             placement_wait_s=self.cfg.generator.timeout_s,
         )
-        self.learners = start_learners(self.cfg, self.model_dir, self.reference_dir)
-        self.reference = start_reference(self.cfg, self.reference_dir, self.tokenizer.pad_token_id)
+        self.learners = start_learners(self.cfg, self.model_dir, self.reference_dir, partial(groups.options, "learner"))
+        reference_placement = groups.options("learner", self.cfg.learner.num_learners)
+        self.reference = start_reference(self.cfg, self.reference_dir, self.tokenizer.pad_token_id, reference_placement)
         self.scorers.start(self.base_model_dir)  # like the generators: the first model, then every published version
         self.rollouts.prompt_refs = {
             "train": ray.put(PromptSet(self.train_rows, self.train_ids)),
@@ -317,6 +323,9 @@ class GRPOTrainer:
                 f"actors did not start within {SETUP_TIMEOUT_S:.0f}s: the cluster may lack the CPUs/GPUs asked "
                 "for (generator.num_cpus/num_gpus, learner.num_cpus/num_gpus)"
             ) from None
+        actors = {"generator": self.generators.handles, "rollout worker": self.rollout_workers.handles}
+        for line in record_plan(self.run_dir, {**actors, "learner": self.learners}, self.cfg.ray.placement):
+            self.log.note(f"placement: {line}")
         self.weights.attach(self.learners[0], self.generators, self.reference, self.scorers.slots)
         self.weights.choose_transport()
         self._note_slow_attention()
@@ -689,6 +698,8 @@ class GRPOTrainer:
             self.weights.shared_files,
         )
         self.scorers.close()
+        if self.role_groups is not None:
+            self.role_groups.remove()
         self.generators, self.rollout_workers, self.learners, self.reference = None, None, [], None
         stop_tool_servers(self.tool_servers)
         self.episodes.close()

@@ -10,8 +10,10 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from rlfabric.config_base import RayConfig, require
+from rlfabric.config_base import RayConfig, check_placement, require
 from rlfabric.multiagent.config import MultiAgentConfig, validate_multi_agent
+
+PPO_ROLES = ("runners", "learner")  # the roles ray.placement may name
 
 
 @dataclass
@@ -144,10 +146,17 @@ def validate(cfg: Config) -> Config:
         lc.device,
         "'cuda' needs learner.num_gpus > 0 (Ray hides GPUs from actors that did not ask for one)",
     )
-    if cfg.ray.placement_strategy is not None:  # Ray rejects empty placement-group bundles
-        for path, role in (("runners", r), ("learner", lc)):
+    check_placement(cfg.ray.placement, PPO_ROLES)
+    require(
+        not (cfg.ray.placement and cfg.ray.placement_strategy),
+        "ray.placement",
+        cfg.ray.placement,
+        "is exclusive with ray.placement_strategy (one group for all actors): use one or the other",
+    )
+    for path, role in (("runners", r), ("learner", lc)):  # Ray rejects empty placement-group bundles
+        if cfg.ray.placement_strategy is not None or path in cfg.ray.placement:
             asks = role.num_cpus > 0 or getattr(role, "num_gpus", 0) > 0 or any(role.resources.values())
-            require(asks, f"{path}.num_cpus", role.num_cpus, "must be > 0 when ray.placement_strategy is set")
+            require(asks, f"{path}.num_cpus", role.num_cpus, "must be > 0 when its actors are in a placement group")
     require(cfg.ray.num_cpus is None or cfg.ray.num_cpus >= 1, "ray.num_cpus", cfg.ray.num_cpus, "must be >= 1 or null")
     envs = r.num_runners * r.envs_per_runner
     require(

@@ -1,0 +1,106 @@
+"""Placement per role (``ray.placement``) on a three-node cluster: a role's placement group puts its actors where
+its strategy says, the run writes where each actor went (``placement.json``, and a line per role), and a group the
+cluster cannot place is one line naming the role before any actor starts."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import ray
+from grpo_runs import BASE, merged
+from ray.cluster_utils import Cluster
+
+from rlfabric.config import ConfigError, config_from_dict, ppo_config_from_dict
+from rlfabric.driver import Trainer
+from rlfabric.llm_driver import GRPOTrainer
+
+
+@pytest.fixture(scope="module")
+def three_nodes():
+    """A head with 1 CPU and two worker nodes with 2 CPUs each."""
+    if ray.is_initialized():
+        ray.shutdown()
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
+    workers = [cluster.add_node(num_cpus=2) for _ in range(2)]
+    ray.init(address=cluster.address, log_to_driver=False)
+    cluster.wait_for_nodes()
+    yield cluster, workers
+    ray.shutdown()
+    cluster.shutdown()
+
+
+def plan(run_dir) -> dict:
+    return json.loads((run_dir / "placement.json").read_text())
+
+
+def test_ppo_runners_spread_over_the_nodes_and_the_plan_says_where(three_nodes, tmp_path):
+    cluster, workers = three_nodes
+    cfg = ppo_config_from_dict(
+        {
+            "env": {"id": "gym:CartPole-v1"},
+            "runners": {"num_runners": 2, "envs_per_runner": 2, "num_cpus": 1},
+            "learner": {"num_cpus": 1},
+            "ppo": {"train_batch_size": 128, "minibatch_size": 64, "num_epochs": 1},
+            "training": {"total_env_steps": 256, "eval_episodes": 0},
+            "ray": {"placement": {"runners": "STRICT_SPREAD"}},
+        }
+    )
+    trainer = Trainer(cfg, tmp_path, quiet=True)
+    try:
+        trainer.setup()
+        trainer.train()
+    finally:
+        trainer.close()
+    where = plan(tmp_path)
+    runner_nodes = [node.split("/")[1] for node in where["runners"]["nodes"]]
+    assert where["runners"]["strategy"] == "STRICT_SPREAD" and len(runner_nodes) == 2
+    assert len(set(runner_nodes)) == 2  # one runner on each of two nodes
+    assert where["learner"]["strategy"] is None and len(where["learner"]["nodes"]) == 1
+    all_nodes = {n.node_id[:8] for n in [cluster.head_node, *workers]}
+    assert set(runner_nodes) <= all_nodes
+
+
+def test_grpo_generators_spread_and_learner_packed(three_nodes, tmp_path):
+    cfg = config_from_dict(
+        merged(
+            BASE,
+            {
+                "generator": {"num_generators": 2, "num_cpus": 1},
+                "learner": {"num_cpus": 1},
+                "training": {"total_steps": 1},
+                "ray": {"placement": {"generator": "STRICT_SPREAD", "learner": "STRICT_PACK"}},
+            },
+        )
+    )
+    trainer = GRPOTrainer(cfg, tmp_path / "run", quiet=True)
+    try:
+        trainer.setup()
+        trainer.train()
+    finally:
+        trainer.close()
+    where = plan(tmp_path / "run")
+    generator_nodes = {node.split("/")[1] for node in where["generator"]["nodes"]}
+    assert len(generator_nodes) == 2 and where["generator"]["strategy"] == "STRICT_SPREAD"
+    assert where["learner"]["strategy"] == "STRICT_PACK" and len(where["learner"]["nodes"]) == 1
+
+
+def test_a_role_group_the_cluster_cannot_place_is_one_line_before_any_actor_starts(three_nodes, tmp_path):
+    """Four runners, each on a node of its own, on a cluster of three nodes: said before any actor starts."""
+    cfg = ppo_config_from_dict(
+        {
+            "runners": {"num_runners": 4, "envs_per_runner": 1, "num_cpus": 1},
+            "ppo": {"train_batch_size": 128, "minibatch_size": 64},
+            "ray": {"placement": {"runners": "STRICT_SPREAD"}},
+        }
+    )
+    trainer = Trainer(cfg, tmp_path, quiet=True)
+    try:
+        with pytest.raises(
+            ConfigError, match=r"ray.placement.runners = 'STRICT_SPREAD': the cluster could not place 4"
+        ):
+            trainer.setup()
+        assert trainer.pool is None  # no runner started
+    finally:
+        trainer.close()
+    assert not [g for g in ray.util.placement_group_table().values() if g["state"] == "CREATED"]
