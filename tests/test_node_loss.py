@@ -151,19 +151,24 @@ def test_ppo_runner_node_lost_mid_run(cluster, tmp_path):
     assert summary["env_steps"] == 1024
 
 
-def test_ppo_with_no_node_for_a_runner_stops_with_what_it_asked_for(cluster, tmp_path):
-    lost = cluster.add_node(num_cpus=2, resources={"rollout": 2})
-    trainer = ppo_trainer(tmp_path / "run", runners={"sample_timeout_s": 10.0})
+def error_once_node_lost(cluster, lost, trainer, trained_some) -> BaseException | None:
+    """Train in a thread, remove ``lost`` once ``trained_some()``, and return what the run raised (it must end)."""
     try:
         trainer.setup()
         thread, out = in_thread(trainer.train)
-        wait_for(lambda: trainer.progress.iteration >= 1, thread)
+        wait_for(trained_some, thread)
         cluster.remove_node(lost)
         thread.join(timeout=120)
         assert not thread.is_alive()
     finally:
         trainer.close()
-    error = out.get("error")
+    return out.get("error")
+
+
+def test_ppo_with_no_node_for_a_runner_stops_with_what_it_asked_for(cluster, tmp_path):
+    lost = cluster.add_node(num_cpus=2, resources={"rollout": 2})
+    trainer = ppo_trainer(tmp_path / "run", runners={"sample_timeout_s": 10.0})
+    error = error_once_node_lost(cluster, lost, trainer, lambda: trainer.progress.iteration >= 1)
     assert isinstance(error, PlacementError), error
     message = str(error)
     assert "\n" not in message and "no alive node has CPU=0.5, rollout=1" in message, message
@@ -232,16 +237,7 @@ def test_grpo_with_no_node_for_a_generator_stops_with_what_it_asked_for(cluster,
     lost = cluster.add_node(num_cpus=2, resources={"gen": 2})
     changes = merged(GRPO, {"generator": {"timeout_s": 20}})
     trainer = GRPOTrainer(config_from_dict(merged(BASE, changes)), tmp_path / "run", quiet=True)
-    try:
-        trainer.setup()
-        thread, out = in_thread(trainer.train)
-        wait_for(lambda: trainer.counters.step >= 1, thread)
-        cluster.remove_node(lost)
-        thread.join(timeout=120)
-        assert not thread.is_alive()
-    finally:
-        trainer.close()
-    error = out.get("error")
+    error = error_once_node_lost(cluster, lost, trainer, lambda: trainer.counters.step >= 1)
     assert isinstance(error, PlacementError), error
     message = str(error)
     assert "\n" not in message and "generator 0 cannot be replaced: no alive node has CPU=0.5, gen=1" in message

@@ -5,6 +5,7 @@ show the progress line, `ray job stop` ends the run with a checkpoint, and `rlfa
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import re
@@ -17,38 +18,20 @@ import time
 from pathlib import Path
 
 import pytest
+from test_cluster import CorridorEnv
 
 from rlfabric.run.log import read_metrics
 
-CORRIDOR_MODULE = '''
-import gymnasium as gym
-import numpy as np
-
-import rlfabric
-
-
-class Corridor(gym.Env):
-    """Walk right to the end of a corridor; only this folder has it."""
-
-    def __init__(self, length: int = 5) -> None:
-        self.length = length
-        self.observation_space = gym.spaces.Box(0.0, 1.0, shape=(1,), dtype=np.float32)
-        self.action_space = gym.spaces.Discrete(2)
-        self.pos = 0
-
-    def reset(self, *, seed=None, options=None):
-        super().reset(seed=seed)
-        self.pos = 0
-        return np.array([0.0], np.float32), {}
-
-    def step(self, action):
-        self.pos = max(0, self.pos + (1 if action == 1 else -1))
-        done = self.pos >= self.length
-        return np.array([self.pos / self.length], np.float32), (1.0 if done else -0.1), done, False, {}
-
-
-rlfabric.register_env("corridor", lambda **kw: Corridor(**kw))
-'''
+# The env exists only in the submitting folder: a module written there from test_cluster's class.
+CORRIDOR_MODULE = "\n".join(
+    [
+        "import gymnasium as gym",
+        "import numpy as np",
+        "import rlfabric",
+        inspect.getsource(CorridorEnv),
+        'rlfabric.register_env("corridor", lambda **kw: CorridorEnv(**kw))',
+    ]
+)
 
 CONFIG = """algo: ppo
 env:
