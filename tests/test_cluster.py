@@ -4,6 +4,7 @@ supervised MCP tool server placed on another node serves episodes from this one 
 from __future__ import annotations
 
 import asyncio
+import time
 
 import gymnasium as gym
 import numpy as np
@@ -96,6 +97,40 @@ def test_a_tool_server_on_another_node_serves_sessions_from_this_one(two_node_cl
         tools, value = asyncio.run(write_then_read())
         assert {"put", "get", "delete", "keys"} <= set(tools) and value == "mint"
         assert health["alive"] and health["url"] == url
+    finally:
+        ray.get(server.stop.remote(), timeout=30)
+        ray.kill(server)
+
+
+def test_a_tool_server_whose_node_is_lost_is_started_again_on_another(two_node_cluster):
+    """Ray restarts the server's actor (max_restarts) on the node left with the resource it asks for; the restarted
+    actor starts its server there, and address() gives episodes the new URL."""
+    cluster, _ = two_node_cluster
+    first = cluster.add_node(num_cpus=1, resources={"tools": 1})
+    server = ToolServer.options(resources={"tools": 1}).remote("notes", TASK_SERVERS["notes"].http_command)
+    try:
+        ray.get(server.start.remote(), timeout=60)
+        old_pid = ray.get(server.health.remote(), timeout=30)["pid"]
+        cluster.add_node(num_cpus=1, resources={"tools": 1})
+        cluster.remove_node(first)
+        url = None
+        deadline = time.monotonic() + 120
+        while url is None and time.monotonic() < deadline:
+            try:  # while Ray restarts the actor, calls fail with ActorUnavailableError (an episode's would fail)
+                url, _ = ray.get(server.address.remote(), timeout=120)
+            except ray.exceptions.ActorUnavailableError:
+                time.sleep(0.5)
+        assert url is not None and ray.get(server.health.remote(), timeout=30)["pid"] != old_pid
+
+        async def write_then_read() -> str:
+            session = await McpSession.open(url)
+            try:
+                await session.call("put", {"key": "owl", "value": "mint"})
+                return await session.call("get", {"key": "owl"})
+            finally:
+                await session.close()
+
+        assert asyncio.run(write_then_read()) == "mint"
     finally:
         ray.get(server.stop.remote(), timeout=30)
         ray.kill(server)
