@@ -142,16 +142,21 @@ def cmd_submit(args: argparse.Namespace) -> int:
     excludes = list(UPLOAD_EXCLUDES)
     if run_dir.is_relative_to(working_dir):
         excludes.append(str(run_dir.relative_to(working_dir)))
-    job_id = client.submit_job(
-        entrypoint=job_entrypoint(args, config, run_dir),
-        submission_id=f"rlfabric-{name}-{time.strftime('%Y%m%d-%H%M%S')}",
-        runtime_env={
+    job = {
+        "entrypoint": job_entrypoint(args, config, run_dir),
+        "submission_id": f"rlfabric-{name}-{time.strftime('%Y%m%d-%H%M%S')}",
+        "runtime_env": {
             "working_dir": str(working_dir),
             "excludes": excludes,
             "env_vars": {"RAY_JOB_STOP_WAIT_TIME_S": str(args.stop_timeout_s), "PYTHONUNBUFFERED": "1"},
         },
-        metadata={"run_dir": str(run_dir)},
-    )
+        "metadata": {"run_dir": str(run_dir)},
+    }
+    try:
+        job_id = _submit(client, job)
+    except RuntimeError as exc:  # the Jobs API's refusals: one line, not a traceback
+        print(f"rlfabric: {address} did not take the job: {str(exc).strip()}", file=sys.stderr)
+        return 1
     print(
         f"rlfabric: submitted {job_id} to {address}\n"
         f"  run directory (on the head node): {run_dir}\n"
@@ -163,6 +168,19 @@ def cmd_submit(args: argparse.Namespace) -> int:
     if args.no_wait:
         return 0
     return _follow(client, job_id)
+
+
+def _submit(client: Any, job: dict[str, Any], wait_s: float = 60.0) -> str:
+    """``client.submit_job(**job)``, asked again for up to ``wait_s`` while the head's job agent is not up yet (right
+    after ``ray start``, the dashboard answers before the agent that runs jobs does)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            return client.submit_job(**job)
+        except RuntimeError as exc:
+            if "No available agent" not in str(exc) or time.monotonic() > deadline:
+                raise
+            time.sleep(1.0)
 
 
 def _follow(client: Any, job_id: str) -> int:

@@ -9,6 +9,7 @@ import inspect
 import json
 import os
 import re
+import secrets
 import signal
 import socket
 import subprocess
@@ -65,10 +66,15 @@ def cli(*args: str, cwd: Path, env: dict[str, str], timeout: float = 240) -> sub
 @pytest.fixture(scope="module")
 def ray_head():
     """A one-node cluster from `ray start --head --block`, with a temp folder of its own (so jobs' drivers find this
-    cluster, not another on the machine); its processes are one process group, stopped at the end."""
+    cluster, not another on the machine), token authentication on with a token of its own (RAY_AUTH_TOKEN_PATH:
+    clients find it there, as they find ~/.ray/auth_token); its processes are one process group, stopped at the
+    end. Yields the dashboard's address and the environment a user's shell would have (the token's path only)."""
     temp_dir = tempfile.mkdtemp(prefix="rfjob-")
+    token = Path(temp_dir) / "auth_token"
+    token.write_text(secrets.token_hex(32))
     dashboard = free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_ADDRESS", "RAY_AUTH_MODE"))}
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_ADDRESS", "RAY_AUTH"))}
+    env["RAY_AUTH_TOKEN_PATH"] = str(token)
     head = subprocess.Popen(
         [
             "ray",
@@ -80,38 +86,41 @@ def ray_head():
             "--include-dashboard=true",
             f"--dashboard-port={dashboard}",
             f"--temp-dir={temp_dir}",
+            f"--dashboard-agent-listen-port={free_port()}",
             "--disable-usage-stats",
         ],  # fmt: skip
-        env=env,
+        env={**env, "RAY_AUTH_MODE": "token"},
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
         start_new_session=True,
     )
     address = f"http://127.0.0.1:{dashboard}"
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        probe = subprocess.run(
-            [sys.executable, "-c", f"from ray.job_submission import JobSubmissionClient as C; C({address!r})"],
-            env={**env, "RAY_AUTH_MODE": "token"},
-            capture_output=True,
-        )
-        if probe.returncode == 0:
-            break
-        assert head.poll() is None, "ray start --head exited"
-        time.sleep(1)
-    else:
-        pytest.fail(f"no Ray dashboard at {address} after 120 s")
-    yield address, env
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        try:
-            os.killpg(head.pid, sig)
-        except ProcessLookupError:
-            break
-        try:
-            head.wait(15)
-        except subprocess.TimeoutExpired:
-            continue
-    subprocess.run(["pkill", "-9", "-f", temp_dir], check=False)
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            probe = subprocess.run(
+                [sys.executable, "-c", f"from ray.job_submission import JobSubmissionClient as C; C({address!r})"],
+                env={**env, "RAY_AUTH_MODE": "token"},
+                capture_output=True,
+            )
+            if probe.returncode == 0:
+                break
+            assert head.poll() is None, "ray start --head exited"
+            time.sleep(1)
+        else:
+            pytest.fail(f"no Ray dashboard at {address} after 120 s")
+        yield address, env
+    finally:
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            try:
+                os.killpg(head.pid, sig)
+            except ProcessLookupError:
+                break
+            try:
+                head.wait(15)
+            except subprocess.TimeoutExpired:
+                continue
+        subprocess.run(["pkill", "-9", "-f", temp_dir], check=False)  # anything that left the process group
 
 
 @pytest.fixture
@@ -148,7 +157,7 @@ def test_a_stopped_job_leaves_a_checkpoint_and_a_resubmitted_one_continues(ray_h
     while time.monotonic() < deadline and len(read_metrics(run_dir)) < 3:
         time.sleep(0.5)
     assert len(read_metrics(run_dir)) >= 3, "the job trained nothing within 180 s"
-    # the real CLI, as a user stops a job (its token: RAY_AUTH_MODE=token, as docs/cluster.md says)
+    # the real CLI, as a user stops a job (it sends the token only with RAY_AUTH_MODE=token, as docs/cluster.md says)
     user_env = {**env, "RAY_AUTH_MODE": "token"}
     stop = subprocess.run(
         ["ray", "job", "stop", "--address", address, job_id], env=user_env, capture_output=True, text=True, timeout=300
