@@ -441,6 +441,11 @@ class GRPOTrainer:
                 self.version = self.weights.finish(publishing)
             except PlacementError as exc:  # the learners did train: the step counts before the run stops
                 self.version, self._unplaced = int(self._fetch(publishing.version)), exc
+            except ray.exceptions.RayError as exc:  # generators' failures are handled inside: learner 0's publish
+                step = self.counters.step
+                raise RunAbortedError(
+                    f"learner 0 failed during the weight publication at step {step}: {error_summary(exc)}"
+                ) from None
         # Some metrics are each rank's share of the whole batch's value (one shared denominator, or counts): they add.
         return {
             k: float((np.sum if k in ADDITIVE_LEARNER_METRICS else np.mean)([m[k] for m in metrics]))

@@ -4,10 +4,10 @@ What it adds to ``ray job submit ... -- rlfabric train CONFIG``: the config is c
 uploaded; the run directory is made absolute (a job's working folder is a temporary copy, so a relative
 ``runs/...`` would be lost with it: the path must be one the head node sees, its own disk or shared storage);
 the working folder (user modules for ``--import``, the config) ships as the job's ``working_dir``; the cluster's
-token is found where ``ray start`` left it (this Ray turns token authentication on, and its job CLI does not
-read the token unless ``RAY_AUTH_MODE=token``); ``ray job stop`` gets ``--stop-timeout-s`` for the run to finish
-its step and write a checkpoint (Ray's default is 3 s, then SIGKILL); and it prints the commands that follow,
-logs, stop and ``rlfabric submit --resume RUN_DIR``.
+token is found where Ray keeps it (this Ray turns token authentication on whenever a token exists, and its job
+CLI does not send the token unless ``RAY_AUTH_MODE=token``); ``ray job stop`` gets ``--stop-timeout-s`` for the
+run to finish its step and write a checkpoint (Ray's default is 3 s, then SIGKILL); and it prints the commands
+that follow, logs, stop and ``rlfabric submit --resume RUN_DIR``.
 """
 
 from __future__ import annotations

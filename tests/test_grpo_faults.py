@@ -302,8 +302,9 @@ def test_a_killed_learner_is_named_and_its_checkpoint_resumes(local_ray, tmp_pat
 
     from rlfabric.actor_slots import RunAbortedError
 
-    # the kill lands in step 4's update, or in the checkpoint save after it (an incomplete checkpoint, not resumed)
-    named = r"learner 0 failed during (its update at step [34]|the checkpoint save at step 4)"
+    # the kill lands in step 4's update, the weight publication after an update, or the checkpoint save after step 4
+    # (an incomplete checkpoint, not resumed): which one, the machine's timing decides
+    named = r"learner 0 failed during (its update|the weight publication) at step [34]|the checkpoint save at step 4"
     with pytest.raises(RunAbortedError, match=named):
         train_in_process(cfg, tmp_path / "run", during=kill_learner_after_step_3)
     resumed = GRPOTrainer.from_run_dir(tmp_path / "run", quiet=True)
