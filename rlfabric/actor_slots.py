@@ -44,7 +44,8 @@ def fits_on_a_node(resources: Mapping[str, float], nodes: list[Mapping[str, floa
     return any(all(node.get(k, 0.0) >= v for k, v in resources.items() if v) for node in nodes)
 
 
-def _fmt(resources: Mapping[str, float]) -> str:
+def format_resources(resources: Mapping[str, float]) -> str:
+    """``CPU=1, rollout=2`` (the amounts asked for, zeros left out), or ``nothing``."""
     return ", ".join(f"{k}={v:g}" for k, v in sorted(resources.items()) if v) or "nothing"
 
 
@@ -118,7 +119,7 @@ class ActorSlots:
         while not fits_on_a_node(self.resources, [n["Resources"] for n in ray.nodes() if n.get("Alive")]):
             if time.monotonic() >= deadline:
                 raise PlacementError(
-                    f"{self.role} {slot} cannot be replaced: no alive node has {_fmt(self.resources)} "
+                    f"{self.role} {slot} cannot be replaced: no alive node has {format_resources(self.resources)} "
                     f"(waited {self.placement_wait_s:g}s for one to join); last failure: {reason}"
                 )
             time.sleep(min(1.0, self.placement_wait_s))

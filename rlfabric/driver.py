@@ -173,11 +173,15 @@ class Trainer:
             opts.update(self.role_groups.options(*(("learner", 0) if bundle == 0 else ("runners", bundle - 1))))
         return opts
 
+    def _runner_resources(self) -> dict[str, float]:
+        """What one runner asks Ray for: its bundle, and what a replacement needs a node to have."""
+        return {"CPU": self.cfg.runners.num_cpus, **self.cfg.runners.resources}
+
     def _make_placement_group(self) -> None:
         r, lc = self.cfg.runners, self.cfg.learner
         learner_bundle = {"CPU": lc.num_cpus, **({"GPU": lc.num_gpus} if lc.num_gpus else {}), **lc.resources}
         if self.cfg.ray.placement:
-            runners = ActorRequest("runners", r.num_runners, {"CPU": r.num_cpus, **r.resources})
+            runners = ActorRequest("runners", r.num_runners, self._runner_resources())
             learner = ActorRequest("learner", 1, learner_bundle)
             self.role_groups = RoleGroups([runners, learner], self.cfg.ray.placement, SETUP_TIMEOUT_S)
         strategy = self.cfg.ray.placement_strategy
@@ -185,7 +189,7 @@ class Trainer:
             return
         from ray.util.placement_group import placement_group
 
-        runner_bundles = [{"CPU": r.num_cpus, **r.resources} for _ in range(r.num_runners)]
+        runner_bundles = [self._runner_resources() for _ in range(r.num_runners)]
         pg = placement_group([learner_bundle, *runner_bundles], strategy=strategy)
         try:
             ray.get(pg.ready(), timeout=SETUP_TIMEOUT_S)
@@ -222,7 +226,7 @@ class Trainer:
             r.num_runners,
             r.sample_timeout_s,
             num_fragments=self._fragments_per_sample(),
-            resources={"CPU": r.num_cpus, **r.resources},
+            resources=self._runner_resources(),
         )
         r, lc = self.cfg.runners, self.cfg.learner
         try:

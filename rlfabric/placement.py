@@ -21,6 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from rlfabric.actor_slots import fits_on_a_node
+from rlfabric.actor_slots import format_resources as _fmt
 from rlfabric.config_base import ConfigError
 
 
@@ -33,10 +35,6 @@ class ActorRequest:
     resources: Mapping[str, float]
 
 
-def _fmt(resources: Mapping[str, float]) -> str:
-    return ", ".join(f"{k}={v:g}" for k, v in sorted(resources.items()) if v) or "nothing"
-
-
 def check_fits(requests: list[ActorRequest], nodes: list[Mapping[str, float]]) -> None:
     """Raise ConfigError when some actor fits on no node, or all of them together exceed the cluster's total.
 
@@ -44,7 +42,7 @@ def check_fits(requests: list[ActorRequest], nodes: list[Mapping[str, float]]) -
     beyond the totals: Ray may still fail to pack requests that fit in sum, and the setup deadline covers that.
     """
     for r in requests:
-        if r.count and not any(all(node.get(k, 0.0) >= v for k, v in r.resources.items()) for node in nodes):
+        if r.count and not fits_on_a_node(r.resources, nodes):
             largest = max(nodes, key=lambda n: n.get("CPU", 0.0), default={})
             raise ConfigError(
                 f"{r.role}.num_cpus/num_gpus/resources ask for {_fmt(r.resources)} per actor, which no node of the "
