@@ -54,6 +54,21 @@ def test_dr_grpo_advantages_are_centered_but_not_scaled():
     close(grpo.grpo_advantages(UNEVEN_REWARDS, UNEVEN_GROUPS, scale_by_std=False), [-1, -1, 0, 1, 1, 0])
 
 
+@pytest.mark.parametrize("value", [0.1, 0.3, 1.1, 0.7])
+def test_a_group_of_equal_float32_rewards_gets_exactly_zero_advantage(value):
+    # Eight float32 copies of 0.1 sum to a mean one rounding off 0.1; divided by (std + eps) that rounding once
+    # made an advantage of -0.0074 for every sample of a group with no signal.
+    rewards = torch.tensor([value] * 8 + [1.0, 0.0, 0.0, 1.0], dtype=torch.float32)
+    groups = torch.tensor([0] * 8 + [1] * 4)
+    for advantages in (
+        grpo.grpo_advantages(rewards, groups),
+        grpo.grpo_advantages(rewards, groups, scale_by_std=False),
+        grpo.rloo_advantages(rewards, groups),
+    ):
+        assert advantages[:8].tolist() == [0.0] * 8
+        close(advantages[8:] / advantages[8], [1.0, -1.0, -1.0, 1.0])
+
+
 def test_grpo_advantages_follow_their_samples_under_permutation_and_accept_integer_rewards():
     perm = torch.tensor([5, 2, 0, 4, 1, 3])
     full = grpo.grpo_advantages(UNEVEN_REWARDS, UNEVEN_GROUPS)

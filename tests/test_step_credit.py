@@ -104,6 +104,16 @@ def test_gigpo_without_std_centres_both_terms():
     np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-7)
 
 
+def test_equal_rewards_give_exactly_zero_advantage():
+    # Eight one-step episodes of one group from the same state, each rewarded 0.1 (not exact in binary): both
+    # terms must centre to exactly 0, or the learner trains rows that carry no signal (it skips rows of zeros).
+    n = 8
+    got = gigpo_advantages(
+        np.arange(n), np.zeros(n, int), np.full(n, 0.1), np.full(n, 0.1), keys(*["A"] * n), omega=1.0
+    )
+    assert got.tolist() == [0.0] * n
+
+
 def test_gigpo_step_term_is_zero_when_no_state_repeats():
     # One group of two episodes whose states are all different: every step group is one step.
     rows, groups = np.array([0, 0, 1]), np.array([5, 5])

@@ -55,7 +55,8 @@ def group_normalize(values: np.ndarray, group_ids: np.ndarray, eps: float = EPS)
     out = np.zeros_like(x)
     for g in np.unique(groups):
         rows = groups == g
-        centered = x[rows] - x[rows].mean()
+        shifted = x[rows] - x[rows].max()  # equal values centre to exactly 0 (as grpo_advantages)
+        centered = shifted - shifted.mean()
         std = x[rows].std(ddof=1) if rows.sum() > 1 else 0.0
         out[rows] = centered / (std + eps)
     return out

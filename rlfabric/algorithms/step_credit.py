@@ -50,8 +50,11 @@ def group_normalize(
     values = np.asarray(values, np.float64)
     index, groups = _group_index(keys)
     counts = np.bincount(index, minlength=groups).astype(np.float64)
-    means = np.bincount(index, values, minlength=groups) / np.maximum(counts, 1)
-    centered = values - means[index]
+    # The mean of v - max_k v, so entries of one key that are all equal centre to exactly 0 (as grpo_advantages).
+    peaks = np.full(groups, -np.inf)
+    np.maximum.at(peaks, index, values)
+    shifted = values - peaks[index]
+    centered = shifted - (np.bincount(index, shifted, minlength=groups) / np.maximum(counts, 1))[index]
     if not scale_by_std:
         return centered
     variance = np.bincount(index, centered**2, minlength=groups) / np.maximum(counts - 1, 1)
