@@ -586,6 +586,8 @@ class GRPOTrainer:
                 metrics = self._update(step)
             self.counters.step += 1
             self.counters.trained_samples += sum(n for _, n, _ in step.groups)
+            if self.counters.step < t.total_steps and self._unplaced is None and not stop.is_set():
+                self.rollouts.fill()  # the next rollout generates on the new weights while this step is logged
             self._log(self._step_row(step, metrics, started))
             if self._unplaced is not None:
                 raise self._unplaced
