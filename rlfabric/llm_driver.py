@@ -8,9 +8,11 @@ counters. Per step:
 2. the reward services score whole groups and return named components; the configured weights sum them;
 3. groups without signal are dropped and refilled (dynamic sampling), advantages are computed per group;
 4. the learners update on one packed batch (read from the object store) and the new weights go back to every
-   generator with one ``ray.put``.
+   generator (``rlfabric.weight_publisher``: through a shared-memory file on one node, else one ``ray.put``).
 
 ``training.max_policy_lag`` = k > 0 keeps k batches generating while the learner updates (bounded async).
+
+What a run does once before its first step (model, data, Ray, actors) is ``rlfabric.llm_setup``.
 """
 
 from __future__ import annotations
@@ -21,7 +23,6 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -31,56 +32,44 @@ import ray
 from rlfabric import rewards
 from rlfabric.actor_slots import ActorSlots, PlacementError, RunAbortedError, error_summary, lost_object
 from rlfabric.actors.llm_learner import ADDITIVE_LEARNER_METRICS, LEARNER_METRICS
-from rlfabric.actors.llm_rollout import PromptSet, RolloutRequest
+from rlfabric.actors.llm_rollout import RolloutRequest
 from rlfabric.compact import payload_bytes
 from rlfabric.config import ConfigError
-from rlfabric.data import check_prompt_lengths, load_heldout, load_prompts
-from rlfabric.driver import ensure_ray
 from rlfabric.grpo_config import LLMConfig, plays_episodes
 from rlfabric.grpo_report import eval_row, run_summary, step_row
 from rlfabric.likelihood_scorers import LikelihoodScorers
 from rlfabric.llm_actors import (
-    actor_requests,
-    generator_resources,
-    start_generator,
-    start_learners,
-    start_reference,
-    start_rollout_worker,
     stop_actors,
-    wanted_cpus,
 )
-from rlfabric.llm_episode_sources import EpisodeSources, needs_ray, sources_after_ray, sources_before_ray
-from rlfabric.llm_resources import SETUP_TIMEOUT_S, openmp_env
+from rlfabric.llm_episode_sources import EpisodeSources
+from rlfabric.llm_resources import SETUP_TIMEOUT_S
 from rlfabric.llm_run_state import (
     FINAL_MODEL_DIR,
-    INITIAL_MODEL_DIR,
     REFERENCE_MODEL_DIR,
     SAMPLES_FILE,
     TRAINER_STATE_FILE,
     Counters,
     checkpoints,
-    not_final,
-    read_trainer_state,
     reference_entry,
     reference_path,
     resume_point,
 )
+from rlfabric.llm_setup import GRPOSetup
 from rlfabric.llm_sft import sft_batch
 from rlfabric.llm_text_env import (
-    start_tool_servers,
     stop_tool_servers,
     tool_server_restarts,
 )
-from rlfabric.models.hf import check_model_source, encode_prompt, model_max_positions
+from rlfabric.models.hf import check_model_source
 from rlfabric.models.llm_batch import pad_rows_for_learners
-from rlfabric.placement import RoleGroups, check_fits, record_plan
-from rlfabric.reward_model_stage import ensure_reward_model, point_at_run_reward_model
+from rlfabric.placement import RoleGroups
+from rlfabric.reward_model_stage import point_at_run_reward_model
 from rlfabric.rollout_scheduler import RolloutScheduler, StepBatch
 from rlfabric.run.checkpoints import CHECKPOINT_DIR
 from rlfabric.run.interrupts import stop_requests
 from rlfabric.run.log import RunLog, read_metrics, write_summary
 from rlfabric.run.plots import plot_llm_curves
-from rlfabric.run.progress import grpo_progress_line, phase_progress, tensorboard_view
+from rlfabric.run.progress import grpo_progress_line, phase_progress
 from rlfabric.weight_publisher import WeightPublisher
 
 MAX_GENERATION_RETRIES = 3
@@ -88,7 +77,7 @@ MAX_STEPS_WITHOUT_SCORES = 3  # steps in a row in which every sample failed its 
 STOP_NOTICE = "rlfabric: stopping after this step, with a checkpoint when checkpointing is on (Ctrl-C again: at once)"
 
 
-class GRPOTrainer:
+class GRPOTrainer(GRPOSetup):
     """Runs one LLM post-training job (``algo: grpo``) described by a validated LLMConfig."""
 
     def __init__(
@@ -182,170 +171,6 @@ class GRPOTrainer:
         run_dir = Path(run_dir)
         cfg, checkpoint = resume_point(run_dir, overrides)
         return cls(cfg, run_dir, quiet=quiet, resume_from=checkpoint)
-
-    # -- setup ------------------------------------------------------------------------------------------------
-
-    def _model_dir(self, build: bool = True) -> str:
-        """The model the run starts from: ``model.path``, or the builtin model (built here when ``build``)."""
-        m = self.cfg.model
-        if m.path != "builtin":
-            return m.path
-        from rlfabric.models.hf import build_small_model_dir
-
-        b = m.builtin
-        path = self.run_dir / INITIAL_MODEL_DIR
-        if not build:
-            return str(path)
-        build_small_model_dir(
-            path,
-            seed=self.cfg.training.seed,
-            **dataclasses.asdict(b),  # the builtin section's fields are the builder's arguments
-        )
-        return str(path)
-
-    def _train_reward_model(self) -> None:
-        """The reward model of ``reward_model.pairs``, trained before any actor starts (kept on resume); its rows
-        go to metrics.jsonl as phases ``rm_lm``, ``rm`` and ``rm_eval``."""
-        assert self.log is not None
-        log = self.log
-        folder = ensure_reward_model(
-            self.cfg, self.run_dir, self.tokenizer, lambda row: log.log({"iteration": 0, "step": 0, **row})
-        )
-        if folder is not None:
-            log.note(f"reward model ready: {folder}")
-        for i in self.trained_reward_specs:
-            rewards.resolve_reward(dataclasses.asdict(self.cfg.rewards.functions[i]), f"rewards.functions[{i}]")
-
-    def _load_data(self) -> None:
-        d, seed, cfg = self.cfg.data, self.cfg.training.seed, self.cfg
-        if cfg.env.verifiers.id:  # the environment's own rows, read from its actor once Ray runs
-            self.train_rows, self.eval_rows = [], []
-            return
-        self.train_rows = load_prompts(d.train, num_rows=d.num_train, seed=seed, prompt_key=d.prompt_key)
-        if not self.train_rows:
-            raise ConfigError(f"data.train = {d.train!r}: holds no prompts")
-        eval_spec = d.eval or d.train
-        self.eval_rows = load_heldout(
-            eval_spec, train_rows=self.train_rows, num_rows=d.num_eval, seed=seed, prompt_key=d.prompt_key
-        )
-        self.rollouts.num_train_prompts = len(self.train_rows)
-        context = model_max_positions(self.model_dir)
-        if plays_episodes(cfg):  # task rows: the env's reset or the agent writes the prompts
-            if not needs_ray(cfg):
-                self.episodes = sources_before_ray(cfg, self.tokenizer, self.model_dir, self.train_rows[0], context)
-            self.train_ids, self.eval_ids = [[] for _ in self.train_rows], [[] for _ in self.eval_rows]
-            return
-        self.train_ids = [encode_prompt(self.tokenizer, r[d.prompt_key], d.chat_template) for r in self.train_rows]
-        self.eval_ids = [encode_prompt(self.tokenizer, r[d.prompt_key], d.chat_template) for r in self.eval_rows]
-        check_prompt_lengths(  # prompts that cannot fit the model's context fail here, not in a generator
-            {"data.train": self.train_ids, "data.eval": self.eval_ids},
-            max_new_tokens=cfg.sampling.max_new_tokens,
-            max_positions=context,
-            model=cfg.model.path,
-        )
-
-    def _sources_after_ray(self) -> None:
-        """A verifiers environment or an OpenEnv server (``rlfabric.llm_episode_sources``): its actor runs in
-        packages of its own, so it is set up once Ray runs, before any other actor starts."""
-        context = model_max_positions(self.model_dir)
-        self.episodes = sources_after_ray(self.cfg, self.tokenizer, self.model_dir, self.train_rows, context)
-        if self.episodes.verifiers is not None:  # its rows are the run's
-            self.train_rows, self.eval_rows = self.episodes.verifiers.train_rows, self.episodes.verifiers.eval_rows
-            self.rollouts.num_train_prompts = len(self.train_rows)
-            self.train_ids, self.eval_ids = [[] for _ in self.train_rows], [[] for _ in self.eval_rows]
-
-    def _sampling_seed(self) -> int:
-        """The generators' sampling seed: the run's, moved on by the policy version, so a resumed run does not
-        replay the random draws its first session began with."""
-        return self.cfg.training.seed + self.version
-
-    def setup(self) -> None:
-        from rlfabric.models.hf import load_tokenizer
-
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        state = read_trainer_state(self.resume_from) if self.resume_from else None
-        self.log = RunLog(
-            self.run_dir,
-            self.cfg,
-            resume_at=state["counters"]["step"] if state else None,
-            quiet=self.quiet,
-            step_key="step",
-            progress_line=self._progress_line,
-            relabel=not_final,
-            tensorboard_view=tensorboard_view,
-        )
-        # Generators start from the run's first model and then take published weights; a resumed run's learners
-        # start from the checkpoint (a Hugging Face model folder), which may be pruned later.
-        self.base_model_dir = self._model_dir(build=state is None)
-        if state:
-            self.model_dir = str(self.resume_from)
-            self._restore(state)
-        else:
-            self.model_dir = self.base_model_dir
-            self.reference_dir = self.model_dir
-        self.tokenizer = load_tokenizer(self.model_dir)
-        self._train_reward_model()
-        self._load_data()
-        ensure_ray(self.cfg.ray, wanted_cpus(self.cfg), openmp_env())
-        check_fits(actor_requests(self.cfg), [n["Resources"] for n in ray.nodes() if n.get("Alive")])
-        groups = self.role_groups = RoleGroups(actor_requests(self.cfg), self.cfg.ray.placement, SETUP_TIMEOUT_S)
-        if needs_ray(self.cfg):
-            self._sources_after_ray()
-        if self.episodes.text_env is not None and self.cfg.env.tool_servers:
-            e = self.episodes
-            self.tool_servers = start_tool_servers(self.cfg.env.tool_servers, e.text_env, e.demonstrations)
-        self.generators = ActorSlots(
-            "generator",
-            lambda slot, generation: start_generator(
-                self.cfg, self.base_model_dir, self._sampling_seed(), groups.options("generator", slot)
-            ),
-            self.cfg.generator.num_generators,
-            resources=generator_resources(self.cfg),
-            placement_wait_s=self.cfg.generator.timeout_s,
-        )
-        self.learners = start_learners(self.cfg, self.model_dir, self.reference_dir, partial(groups.options, "learner"))
-        reference_placement = groups.options("learner", self.cfg.learner.num_learners)
-        self.reference = start_reference(self.cfg, self.reference_dir, self.tokenizer.pad_token_id, reference_placement)
-        self.scorers.start(self.base_model_dir)  # like the generators: the first model, then every published version
-        self.rollouts.prompt_refs = {
-            "train": ray.put(PromptSet(self.train_rows, self.train_ids)),
-            "eval": ray.put(PromptSet(self.eval_rows, self.eval_ids)),
-        }
-        self.rollout_workers = ActorSlots("rollout worker", lambda slot, generation: self._start_rollout_worker(), 1)
-        self.rollouts.attach(self.generators, self.rollout_workers)
-        try:  # every actor answers before the clock starts, or setup names the one that did not
-            ray.get([g.version.remote() for g in self.generators.handles], timeout=SETUP_TIMEOUT_S)
-            ray.get([w.pid.remote() for w in self.rollout_workers.handles], timeout=SETUP_TIMEOUT_S)
-            ray.get([ln.get_version.remote() for ln in self.learners], timeout=SETUP_TIMEOUT_S)
-            ray.get([s.version.remote() for s in self.scorers.handles], timeout=SETUP_TIMEOUT_S)
-        except ray.exceptions.GetTimeoutError:
-            raise RunAbortedError(
-                f"actors did not start within {SETUP_TIMEOUT_S:.0f}s: the cluster may lack the CPUs/GPUs asked "
-                "for (generator.num_cpus/num_gpus, learner.num_cpus/num_gpus)"
-            ) from None
-        actors = {"generator": self.generators.handles, "rollout worker": self.rollout_workers.handles}
-        for line in record_plan(self.run_dir, {**actors, "learner": self.learners}, self.cfg.ray.placement):
-            self.log.note(f"placement: {line}")
-        self.weights.attach(self.learners[0], self.generators, self.reference, self.scorers.slots)
-        self.weights.choose_transport()
-        self._note_slow_attention()
-        if state:
-            assert self.resume_from is not None
-            ray.get([ln.load_optimizer.remote(str(self.resume_from)) for ln in self.learners])
-            self.version = self.weights.publish()  # the generators take the checkpoint's policy version
-            self.log.note(f"resumed from {self.resume_from.name} (step {self.counters.step}, v{self.version})")
-        self._start = time.monotonic() - self._elapsed_before  # times and rates count every session
-
-    def _start_rollout_worker(self) -> Any:
-        worker = start_rollout_worker(
-            self.cfg,
-            self.episodes.text_env,
-            self.scorers.reward_name,
-            model_dir=self.base_model_dir,
-            agent=self.episodes.agent,
-        )
-        self.rollouts.load_prompts_into(worker)
-        return worker
 
     def _fetch(self, refs: Any, timeout: float | None = None) -> Any:
         """``ray.get`` for the step loop, counting the bytes the driver receives (``driver_received_bytes``)."""

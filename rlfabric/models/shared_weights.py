@@ -5,7 +5,7 @@ and handing the ObjectRef on costs ownership round trips. On one node the learne
 straight into a file in ``/dev/shm`` that every reader maps once and reads in place (one copy, no store).
 
 The file holds one version at a time, stamped with its number. The driver publishes the next version only after
-every reader has loaded the last one (``GRPOTrainer._publish`` waits for them); a reader checks the stamp before and
+every reader has loaded the last one (``WeightPublisher.finish`` waits for them); a reader checks the stamp before and
 after its copy, so a version overwritten mid-read is an error, never a silent mix of two versions. When the node
 has no ``/dev/shm`` or too little room in it, ``SharedWeightsWriter.create`` says why and the learner publishes
 through the object store instead.
