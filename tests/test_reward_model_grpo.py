@@ -26,7 +26,7 @@ def test_grpo_against_a_reward_model_trained_from_pairs_raises_verifier_accuracy
     assert ranking[0]["rm_eval_accuracy_answer"] < 0.75 < 0.9 <= ranking[-1]["rm_eval_accuracy_answer"], ranking
     evals = {r["label"]: r["eval_accuracy"] for r in metrics if r.get("phase") == "eval"}
     grpo = [evals["step_25"], evals["final"]]
-    # Measured on two seeds: 39% after SFT -> 68.5% and 57% at steps 25 and 50; 43% -> 55.5% and 50%.
+    # Measured on two seeds: 39% after SFT -> 55% and 57.5% at steps 25 and 50; 43% -> 50.5% and 57%.
     assert min(grpo) > evals["after_sft"] and max(grpo) >= evals["after_sft"] + 0.1, evals
     assert all("reward_answer" in r and "reward_correct" in r for r in metrics if r.get("phase") == "grpo")
     assert summary["steps"] == 50 and summary["failed_samples"] == 0
