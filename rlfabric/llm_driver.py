@@ -116,6 +116,7 @@ class GRPOTrainer(GRPOSetup):
         self.role_groups: RoleGroups | None = None  # ray.placement: a placement group per role
         self.log: RunLog | None = None
         self._elapsed_before = 0.0  # wall clock of the sessions before a resume
+        self._restarts_before: dict[str, int] = {}  # supervised actors' restarts in the sessions before a resume
         # The weights the KL penalty anchors to: the initial model, or the policy after the SFT warm-up (saved
         # for --resume only when there is a KL term and checkpoints; None: not saved).
         self.reference_dir: str | None = None
@@ -354,8 +355,14 @@ class GRPOTrainer(GRPOSetup):
 
     def _step_row(self, step: StepBatch, metrics: dict, started: float) -> dict:
         row = step_row(step.scored, step.groups, self.counters, self.version, time.monotonic() - started)
+        return {**row, **self._restarts(), **self._step_timings, **metrics}
+
+    def _restarts(self) -> dict[str, int]:
+        """The restarts the run's supervised actors have counted (a likelihood scorer, tool servers, an OpenEnv
+        server), each of the run's sessions included: the actors count only since they started."""
         servers = {"tool_server_restarts": tool_server_restarts(self.tool_servers)} if self.tool_servers else {}
-        return {**row, **self.scorers.metrics(), **self.episodes.metrics(), **servers, **self._step_timings, **metrics}
+        now = {**self.scorers.metrics(), **self.episodes.metrics(), **servers}
+        return {k: v if v is None else v + self._restarts_before.get(k, 0) for k, v in now.items()}  # None: no answer
 
     def train(self) -> dict[str, Any]:
         if self.log is None:
@@ -475,6 +482,7 @@ class GRPOTrainer(GRPOSetup):
             "group_counter": self.rollouts.group_counter,
             "reference_model": reference,
             "elapsed_s": time.monotonic() - self._start,  # wall clock of every session so far
+            "restarts": self._restarts(),
         }
 
     def _restore(self, state: dict[str, Any]) -> None:
@@ -487,6 +495,7 @@ class GRPOTrainer(GRPOSetup):
         self.rollouts.group_counter = int(state["group_counter"])
         self.reference_dir = reference_path(state.get("reference_model"), self.run_dir)
         self._elapsed_before = float(state.get("elapsed_s", 0.0))
+        self._restarts_before = {k: int(v) for k, v in state.get("restarts", {}).items()}
 
     def _write_samples(self) -> list[dict[str, Any]]:
         shown = self._last_shown[: self.cfg.training.show_samples]
@@ -503,8 +512,8 @@ class GRPOTrainer(GRPOSetup):
         after_sft = next((r["eval_accuracy"] for r in rows if r.get("label") == "after_sft"), None)
         plot = plot_llm_curves(self.run_dir, f"GRPO on {self.cfg.data.train}")
         extra = {
-            "tool_server_restarts": tool_server_restarts(self.tool_servers),
-            **self.episodes.metrics(),
+            "tool_server_restarts": None,  # the run has no tool servers
+            **self._restarts(),
             "weight_transport": self.weights.weights_via,
             "final_model": str(model_path),
             "plot": str(plot) if plot else None,

@@ -304,7 +304,7 @@ def test_a_killed_scorer_costs_only_the_groups_it_was_scoring_and_is_replaced(tm
             ]
         },
         learner={"weight_transport": "object_store"},  # the test above leaves it at auto: shared memory here
-        training={"total_steps": 3},
+        training={"total_steps": 3, "checkpoint_every": 3},
     )
     assert run.summary["weight_transport"] == "object_store"
     first, second, third = run.phase("grpo")
@@ -315,3 +315,13 @@ def test_a_killed_scorer_costs_only_the_groups_it_was_scoring_and_is_replaced(tm
     assert (second["reward_likelihood_version"], third["reward_likelihood_version"]) == (0, 1)
     assert third["likelihood_scorer_restarts"] == 1 and third["failed_samples"] == 8
     assert run.summary["trained_samples"] == 16 and run.summary["policy_version"] == 2
+    # A resumed run starts a new scorer; the restart of the first session still counts.
+    trainer = GRPOTrainer.from_run_dir(tmp_path / "run", ["training.total_steps=4"], quiet=True)
+    try:
+        summary = trainer.train()
+    finally:
+        trainer.close()
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    fourth = [r for r in rows if r.get("phase") == "grpo"][-1]
+    assert fourth["step"] == 4 and fourth["likelihood_scorer_restarts"] == 1
+    assert summary["likelihood_scorer_restarts"] == 1
