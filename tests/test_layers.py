@@ -85,6 +85,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "rlfabric.driver",
             "rlfabric.game_driver",  # PPO on multi-agent games: a learner per trainable policy, self-play
             "rlfabric.llm_driver",
+            "rlfabric.llm_setup",  # what a GRPO run does once before its first step: model, data, Ray, actors
             "rlfabric.llm_run_state",  # a GRPO run's checkpoint state, counters, KL reference entry, resume point
             "rlfabric.grpo_report",  # a GRPO step's metrics row, an evaluation's row, the run's summary
             "rlfabric.llm_resources",  # CPUs, torch threads, OpenMP wait policy, setup deadline
