@@ -38,9 +38,7 @@ from rlfabric.config import ConfigError
 from rlfabric.grpo_config import LLMConfig, plays_episodes
 from rlfabric.grpo_report import eval_row, run_summary, step_row
 from rlfabric.likelihood_scorers import LikelihoodScorers
-from rlfabric.llm_actors import (
-    stop_actors,
-)
+from rlfabric.llm_actors import stop_actors
 from rlfabric.llm_episode_sources import EpisodeSources
 from rlfabric.llm_resources import SETUP_TIMEOUT_S
 from rlfabric.llm_run_state import (
@@ -56,10 +54,7 @@ from rlfabric.llm_run_state import (
 )
 from rlfabric.llm_setup import GRPOSetup
 from rlfabric.llm_sft import sft_batch
-from rlfabric.llm_text_env import (
-    stop_tool_servers,
-    tool_server_restarts,
-)
+from rlfabric.llm_text_env import stop_tool_servers, tool_server_restarts
 from rlfabric.models.hf import check_model_source
 from rlfabric.models.llm_batch import pad_rows_for_learners
 from rlfabric.placement import RoleGroups
@@ -357,7 +352,7 @@ class GRPOTrainer(GRPOSetup):
         row = step_row(step.scored, step.groups, self.counters, self.version, time.monotonic() - started)
         return {**row, **self._restarts(), **self._step_timings, **metrics}
 
-    def _restarts(self) -> dict[str, int]:
+    def _restarts(self) -> dict[str, int | None]:
         """The restarts the run's supervised actors have counted (a likelihood scorer, tool servers, an OpenEnv
         server), each of the run's sessions included: the actors count only since they started."""
         servers = {"tool_server_restarts": tool_server_restarts(self.tool_servers)} if self.tool_servers else {}
@@ -482,7 +477,8 @@ class GRPOTrainer(GRPOSetup):
             "group_counter": self.rollouts.group_counter,
             "reference_model": reference,
             "elapsed_s": time.monotonic() - self._start,  # wall clock of every session so far
-            "restarts": self._restarts(),
+            # a count whose actors did not answer keeps at least the earlier sessions' (None would not resume)
+            "restarts": {k: self._restarts_before.get(k, 0) if v is None else v for k, v in self._restarts().items()},
         }
 
     def _restore(self, state: dict[str, Any]) -> None:
