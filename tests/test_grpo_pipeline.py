@@ -299,6 +299,35 @@ def test_skipping_zero_advantage_rows_gives_the_same_update(dp_setup, zero_group
     assert m_all["skipped_rows"] == 0
 
 
+def test_gradients_are_clipped_to_max_grad_norm_and_untouched_within_it(dp_setup):
+    """With ratio 1 and no KL or entropy term the loss is linear in the advantages, so clipping the gradient by
+    c = max_norm / (||g|| + 1e-6) gives the update of advantages scaled by c, unclipped. The bound is tiny, so the
+    clipped gradient is near AdamW's epsilon and the update differs from the unclipped one. A bound the gradient
+    stays within changes nothing, bit for bit."""
+    model_dir, batch = dp_setup
+    threads = torch.get_num_threads()
+
+    def step(max_grad_norm: float | None, advantage_scale: float = 1.0, steps: int = 1):
+        learner = LLMLearnerCore(**learner_kwargs(model_dir, "token_mean", 64))
+        learner.g["max_grad_norm"] = max_grad_norm
+        scaled = {**batch, "advantages": batch["advantages"] * np.float32(advantage_scale)}
+        norm = [learner.train_step(scaled, 1e-3)["grad_norm"] for _ in range(steps)][0]
+        return learner.state_dict_cpu(), norm
+
+    try:
+        clipped, norm = step(1e-7)
+        unclipped, unclipped_norm = step(None)
+        scaled, _ = step(None, advantage_scale=1e-7 / (norm + 1e-6))
+        roomy, _ = step(1e9, steps=2)
+        unclipped_twice, _ = step(None, steps=2)
+    finally:
+        torch.set_num_threads(threads)
+    assert norm == pytest.approx(unclipped_norm, rel=1e-6) and norm > 1e-3  # the norm before clipping
+    assert max_abs_diff(clipped, scaled) < 1e-6
+    assert max_abs_diff(clipped, unclipped) > 1e-4
+    assert max_abs_diff(roomy, unclipped_twice) == 0.0
+
+
 def test_data_parallel_learners_and_accumulation_match_one_big_batch(local_ray, dp_setup):
     """One GRPO update per loss aggregation, in a row, by three learners that must stay equal: one micro-batch of
     the whole batch, micro-batches of 4 (gradient accumulation), and two gloo ranks on micro-batches of 2."""
