@@ -21,8 +21,15 @@ import ray
 from rlfabric import registry, shipping
 from rlfabric.actors.env_runner import RunnerProcess
 from rlfabric.multiagent.baselines import scripted_rule, text_renderer
-from rlfabric.multiagent.config import MultiAgentConfig, PolicySpec, policy_specs, trainable_policies
+from rlfabric.multiagent.config import (
+    MultiAgentConfig,
+    PolicySpec,
+    policy_specs,
+    trainable_policies,
+    trained_llm_policies,
+)
 from rlfabric.multiagent.games import CriticInput, EpisodeEnd, GameCopy, Request
+from rlfabric.multiagent.llm_turns import LLMTurnBuffer
 from rlfabric.multiagent.mapping import plan_game
 from rlfabric.multiagent.selfplay import game_score
 from rlfabric.multiagent.spaces import AgentSpaces
@@ -113,6 +120,8 @@ class GameRunnerCore:
             else:
                 rule = self._callable(spec.rule, scripted_rule) if spec.kind == "scripted" and spec.rule else None
                 self.policies[name] = FixedPolicy(self.policy_spaces[name], seed + 101 * i, rule)
+        # a trained llm policy's moves wait here for the end of their episode (their return)
+        self.llm_turns = {p: LLMTurnBuffer(p) for p in trained_llm_policies(multi_agent) if p in self.policies}
         self.snapshots: dict[int, NeuralNetPolicy] = {}
         self.snapshot_ids: list[int] = []
         self.snapshot_probs = np.zeros(0)
@@ -227,8 +236,10 @@ class GameRunnerCore:
                 obs_seen = obs
             if actor.startswith(SNAPSHOT) and self.cfg.self_play.opponent_epsilon > 0:
                 actions = self._explore(actions, masks)
+            turns = policy.last_turns if isinstance(policy, LLMPlayer) else None
             for i, r in enumerate(reqs):
                 r.obs = obs_seen[i]  # what the net saw (normalized when normalizing), which the learner trains on
+                r.extra = None if turns is None else turns[i]
                 out.setdefault(r.copy, []).append((r, actions[i], float(logps[i]), policy.version))
         return out
 
@@ -266,12 +277,19 @@ class GameRunnerCore:
         rows: dict[str, list[tuple[str, Any]]] = {p: [] for p in self.trainable}
         for c in self.copies:
             for agent, actor, stream in c.take_rows():
-                rows[actor].append((agent, stream))
+                if actor in self.llm_turns:
+                    self.llm_turns[actor].add(c.index, agent, stream)
+                else:
+                    rows[actor].append((agent, stream))
         fragments = [self._fragment(p, rows[p]) for p in self.trainable]
         meta = {
             "version": self.version,
             "env_steps": self.fragment_length * len(self.copies),
-            "agent_steps": {p: int(f.length.sum()) for p, f in zip(self.trainable, fragments, strict=True)},
+            # an llm policy's steps are its moves (one row each); a neural policy's are its rows' lengths
+            "agent_steps": {
+                p: int(f.num_rows if p in self.llm_turns else f.length.sum())
+                for p, f in zip(self.trainable, fragments, strict=True)
+            },
             "episode_returns": [self._trained_return(e) for e in ends],
             "episode_lengths": [e.length for e in ends],
             "policy_returns": self._policy_returns(ends),
@@ -319,6 +337,10 @@ class GameRunnerCore:
         return out
 
     def _fragment(self, policy: str, rows: list[tuple[str, Any]]) -> Trajectories:
+        if policy in self.llm_turns:  # the moves of the episodes that ended, as token rows
+            fragment = self.llm_turns[policy].take_finished(self.rows_made)
+            self.rows_made += fragment.num_rows
+            return fragment
         fragment = game_fragment(
             policy, rows, self.policy_spaces[policy], self.critic_dim, self.rows_made, self.policies[policy]
         )

@@ -3,7 +3,9 @@
 The loop is the PPO driver's (``rlfabric.driver.Trainer``): runners sample fragments, the driver checks versions
 and hands refs to the learners. Here a runner's sample is one fragment per trainable policy, and each policy's
 learner gets only its own fragments' refs; every policy has its own optimizer, statistics and versions (they
-advance together, one update each per iteration). With ``multi_agent.self_play``, the driver keeps the opponent
+advance together, one update each per iteration). A language-model policy with ``train`` has a GameLLMLearner
+(actors/game_llm_learner.py), which trains on its moves and loads its weights into the policy's generator; the
+driver calls it as it calls a PPO learner. With ``multi_agent.self_play``, the driver keeps the opponent
 pool (rlfabric.multiagent.selfplay): snapshots are the learner's published weights refs, the game results the
 runners report update win rates and Elo, and each change of the pool goes to every runner.
 """
@@ -19,6 +21,7 @@ import ray
 import torch
 
 from rlfabric import registry, shipping
+from rlfabric.actors.game_llm_learner import GameLLMLearner
 from rlfabric.actors.game_runner import GameRunner
 from rlfabric.actors.learner import Learner
 from rlfabric.config import Config, ConfigError, config_from_dict
@@ -26,7 +29,7 @@ from rlfabric.driver import Trainer, ensure_ray, latest_checkpoint
 from rlfabric.models import ActionSpec, ActorCritic
 from rlfabric.models.hf import check_model_source
 from rlfabric.multiagent.baselines import scripted_rule, text_renderer
-from rlfabric.multiagent.config import policy_specs, trainable_policies
+from rlfabric.multiagent.config import policy_specs, trainable_policies, trained_llm_policies
 from rlfabric.multiagent.mapping import plan_game
 from rlfabric.multiagent.selfplay import OpponentPool
 from rlfabric.run.plots import plot_self_play
@@ -51,6 +54,11 @@ def frozen_weights(checkpoint: str, from_policy: str | None, field: str) -> dict
         )
     saved_cfg = config_from_dict(state["config"])
     model_state = learners[name]["model"]
+    if "actor.0.weight" not in model_state:
+        raise ConfigError(
+            f"{field} = {checkpoint!r} is not valid: its policy {name!r} is a language model; a frozen policy is a "
+            f"neural one (play the language model with kind: llm, model: its saved folder under llm_models/)"
+        )
     obs_dim = model_state["actor.0.weight"].shape[1]
     critic_dim = model_state["critic.0.weight"].shape[1]
     last = max(int(k.split(".")[1]) for k in model_state if k.startswith("actor.") and k.endswith(".weight"))
@@ -182,7 +190,8 @@ class GameTrainer(Trainer):
     def setup(self) -> None:
         r = self.cfg.runners
         llm = [n for n, s in policy_specs(self.cfg.multi_agent).items() if s.kind == "llm"]
-        ensure_ray(self.cfg.ray, r.num_runners * r.num_cpus + self.cfg.learner.num_cpus + len(llm))
+        llm_learners = len(trained_llm_policies(self.cfg.multi_agent))  # 1 CPU each, like their generators
+        ensure_ray(self.cfg.ray, r.num_runners * r.num_cpus + self.cfg.learner.num_cpus + len(llm) + llm_learners)
         self._start_llm_players(llm)
         super().setup()
 
@@ -209,7 +218,21 @@ class GameTrainer(Trainer):
     def _make_learners(self, spaces: dict[str, Any]) -> None:
         lc = self.cfg.learner
         options = self._actor_options(lc.num_cpus, lc.num_gpus, lc.resources, bundle=0)
+        specs = policy_specs(self.cfg.multi_agent)
         for i, policy in enumerate(self.trainable):
+            spec = specs[policy]
+            if spec.kind == "llm":
+                model_dir, generator = self.llm_generators[policy]
+                self.learners[policy] = GameLLMLearner.options(num_cpus=1).remote(
+                    model_dir,
+                    generator,
+                    lr=spec.lr,
+                    invalid_move_penalty=spec.invalid_move_penalty,
+                    temperature=spec.temperature,
+                    max_new_tokens=spec.max_new_tokens,
+                    seed=self.cfg.training.seed + 1_000 * i,
+                )
+                continue
             s = spaces[policy]
             self.learners[policy] = Learner.options(**options).remote(
                 self.cfg.to_dict(), s["obs_dim"], s["action"], s["critic_dim"], 1_000 * i
@@ -348,6 +371,10 @@ class GameTrainer(Trainer):
         }
         if self.llm_moves:
             out["llm_moves"] = {p: {"moves": m, "invalid": i} for p, (m, i) in self.llm_moves.items()}
+        trained_llms = trained_llm_policies(self.cfg.multi_agent)
+        if trained_llms:  # each trained language model as a Hugging Face folder, to play or train on later
+            saved = [self.learners[p].save_model.remote(str(self.run_dir / "llm_models" / p)) for p in trained_llms]
+            out["llm_models"] = dict(zip(trained_llms, ray.get(saved), strict=True))
         if self.opponents is not None:
             final = self._baseline_eval(self.cfg.multi_agent.eval_games, seed_offset=10**6)
             out["eval_games"] = self.cfg.multi_agent.eval_games

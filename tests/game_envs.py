@@ -77,3 +77,38 @@ def by_seat_old_net(agent: str) -> str:
 def first_legal(observations, masks):
     """A scripted rule: the lowest legal cell."""
     return [int(np.flatnonzero(mask)[0]) for mask in masks]
+
+
+class PickOne(ParallelEnv):
+    """A one-move Parallel game: each of two agents picks 0, 1 or 2 and is rewarded 1 for picking 1, else 0."""
+
+    metadata = {"name": "pick_one_v0", "is_parallelizable": True}
+    possible_agents = ["left", "right"]
+    observation = gymnasium.spaces.Box(0.0, 1.0, (1,), np.float32)
+    action = gymnasium.spaces.Discrete(3)
+
+    def observation_space(self, agent):
+        return self.observation
+
+    def action_space(self, agent):
+        return self.action
+
+    def reset(self, seed=None, options=None):
+        self.agents = list(self.possible_agents)
+        return {a: np.zeros(1, np.float32) for a in self.agents}, {a: {} for a in self.agents}
+
+    def step(self, actions):
+        rewards = {a: float(actions[a] == 1) for a in self.agents}
+        obs = {a: np.zeros(1, np.float32) for a in self.agents}
+        done = dict.fromkeys(self.agents, True)
+        self.agents = []
+        return obs, rewards, done, dict.fromkeys(done, False), {a: {} for a in done}
+
+
+def pick_one():
+    return PickOne()
+
+
+def pick_prompt(observation, mask):
+    """PickOne as text for a language model."""
+    return "pick 0, 1 or 2:"

@@ -96,8 +96,8 @@ def grpo_batch(
     if penalty is not None:
         batch["efficiency_penalty"] = np.float32(penalty.mean() if len(penalty) else 0.0)
     if step_credit == NO_STEP_CREDIT:
-        advantages = compute_advantages(
-            advantage, torch.from_numpy(rewards), torch.from_numpy(traj.group_id), scale_by_std=scale_by_std
+        advantages = compute_advantages(  # group ids copied: a record read from the object store is read-only
+            advantage, torch.from_numpy(rewards), torch.tensor(traj.group_id), scale_by_std=scale_by_std
         )
         batch["advantages"] = advantages.numpy().astype(np.float32)
     else:

@@ -16,8 +16,9 @@ class PolicySpec:
     # neural: a trainable MLP policy with its own learner, optimizer and versions. random: uniform over the legal
     # actions. scripted: a fixed rule, ``rule`` = a shipped one ("tictactoe") or "package.module:function" taking
     # (flat observations [B, D], action masks [B, A] or None) and returning B actions. llm: a language model served
-    # by generator actors (frozen), acting on ``render``'s text of its observation; the first digits of its reply
-    # are the move. frozen: a neural policy trained before, loaded from ``checkpoint`` and never updated.
+    # by a generator actor, acting on ``render``'s text of its observation; the first digits of its reply are the
+    # move; frozen unless ``train``. frozen: a neural policy trained before, loaded from ``checkpoint`` and never
+    # updated.
     kind: Literal["neural", "random", "scripted", "llm", "frozen"] = "neural"
     rule: str | None = None
     # llm: a Hugging Face model folder, or "builtin" (the small character-level model the project builds)
@@ -26,6 +27,12 @@ class PolicySpec:
     render: str | None = None
     temperature: float = 1.0
     max_new_tokens: int = 2
+    # llm: train it on its moves (rlfabric.multiagent.llm_turns): each move's reward is the agent's return from that
+    # move to the end of its episode, minus invalid_move_penalty when the reply named no legal move; GRPO's loss with
+    # the iteration's moves as one group, AdamW at ``lr``, its own learner actor (1 CPU).
+    train: bool = False
+    lr: float = 1e-4
+    invalid_move_penalty: float = 1.0
     # frozen: a PPO run directory (its latest checkpoint) or a checkpoint file, and the policy in it to load
     # (null: the run's only trainable policy)
     checkpoint: str | None = None
@@ -86,8 +93,18 @@ def policy_specs(cfg: MultiAgentConfig) -> dict[str, PolicySpec]:
 
 
 def trainable_policies(cfg: MultiAgentConfig) -> list[str]:
-    """Names of the neural (trainable) policies, in config order: one learner each."""
-    return [name for name, spec in policy_specs(cfg).items() if spec.kind == "neural"]
+    """Names of the trainable policies (neural ones, and llm ones with ``train``), in config order: one learner
+    each."""
+    return [name for name, spec in policy_specs(cfg).items() if is_trained(spec)]
+
+
+def is_trained(spec: PolicySpec) -> bool:
+    return spec.kind == "neural" or (spec.kind == "llm" and spec.train)
+
+
+def trained_llm_policies(cfg: MultiAgentConfig) -> list[str]:
+    """The llm policies with ``train``, in config order: a GameLLMLearner each."""
+    return [name for name, spec in policy_specs(cfg).items() if spec.kind == "llm" and spec.train]
 
 
 def validate_multi_agent(cfg: MultiAgentConfig) -> None:
@@ -102,6 +119,19 @@ def validate_multi_agent(cfg: MultiAgentConfig) -> None:
         require(spec.temperature >= 0, f"multi_agent.policies.{name}.temperature", spec.temperature, "must be >= 0")
         require(
             spec.max_new_tokens >= 1, f"multi_agent.policies.{name}.max_new_tokens", spec.max_new_tokens, "must be >= 1"
+        )
+        require(
+            not spec.train or spec.kind == "llm",
+            f"multi_agent.policies.{name}.train",
+            spec.train,
+            "only an llm policy takes train (a neural policy always trains; the others never do)",
+        )
+        require(spec.lr > 0, f"multi_agent.policies.{name}.lr", spec.lr, "must be > 0")
+        require(
+            spec.invalid_move_penalty >= 0,
+            f"multi_agent.policies.{name}.invalid_move_penalty",
+            spec.invalid_move_penalty,
+            "must be >= 0",
         )
         require(
             spec.kind != "scripted" or bool(spec.rule),
@@ -119,7 +149,7 @@ def validate_multi_agent(cfg: MultiAgentConfig) -> None:
         bool(trainable_policies(cfg)),
         "multi_agent.policies",
         sorted(specs),
-        "at least one policy must be kind: neural (something has to train)",
+        "at least one policy must train: kind neural, or kind llm with train: true",
     )
     require(
         not isinstance(cfg.policy_mapping, str) or ":" in cfg.policy_mapping,
@@ -146,7 +176,8 @@ def validate_multi_agent(cfg: MultiAgentConfig) -> None:
             sp.policy in specs and specs[sp.policy].kind == "neural",
             "multi_agent.self_play.policy",
             sp.policy,
-            f"must name a neural policy of multi_agent.policies ({', '.join(trainable_policies(cfg))})",
+            "must name a neural policy of multi_agent.policies "
+            f"({', '.join(n for n, s in specs.items() if s.kind == 'neural') or 'none'})",
         )
         require(
             sp.snapshot_every is None or sp.snapshot_every >= 1,

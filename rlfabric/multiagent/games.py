@@ -78,6 +78,7 @@ class AgentStream:
     terminated: list[bool] = field(default_factory=list)
     truncated: list[bool] = field(default_factory=list)
     truncations: list[tuple[int, np.ndarray, np.ndarray | None]] = field(default_factory=list)
+    extras: list[Any] = field(default_factory=list)  # what the policy kept with each step (an LLM's turn) or None
     next_obs: np.ndarray | None = None  # what the agent observed after its last closed step (the bootstrap)
     next_critic: np.ndarray | None = None
     pending: dict[str, Any] | None = None  # the open step, awaiting its reward
@@ -94,8 +95,17 @@ class AgentStream:
         action: Any,
         logp: float,
         version: int,
+        extra: Any = None,
     ) -> None:
-        self.pending = {"obs": obs, "critic": critic, "mask": mask, "action": action, "logp": logp, "version": version}
+        self.pending = {
+            "obs": obs,
+            "critic": critic,
+            "mask": mask,
+            "action": action,
+            "logp": logp,
+            "version": version,
+            "extra": extra,
+        }
 
     def close(
         self, reward: float, terminated: bool, truncated: bool, next_obs: np.ndarray, next_critic: np.ndarray | None
@@ -109,6 +119,7 @@ class AgentStream:
         self.actions.append(step["action"])
         self.logprobs.append(step["logp"])
         self.versions.append(step["version"])
+        self.extras.append(step["extra"])
         self.rewards.append(float(reward))
         self.terminated.append(bool(terminated))
         self.truncated.append(bool(truncated) and not terminated)
@@ -130,6 +141,7 @@ class AgentStream:
             self.terminated,
             self.truncated,
             self.truncations,
+            self.extras,
             self.next_obs,
             self.next_critic,
         )
@@ -149,6 +161,7 @@ class Request:
     obs: np.ndarray
     mask: np.ndarray | None
     critic: np.ndarray | None
+    extra: Any = None  # what the acting policy keeps with the step (``AgentStream.extras``), set when it acts
 
 
 @dataclass
@@ -256,7 +269,8 @@ class GameCopy:
     def apply(self, acted: list[tuple[Request, Any, float, int]]) -> list[EpisodeEnd]:
         """Step the env with (request, action, logprob, version) for each request; return finished episodes."""
         for request, action, logp, version in acted:
-            self._stream(request.agent).open(request.obs, request.critic, request.mask, action, logp, version)
+            stream = self._stream(request.agent)
+            stream.open(request.obs, request.critic, request.mask, action, logp, version, request.extra)
         self.length += 1
         if self.parallel:
             obs, rewards, terminations, truncations, _ = self.env.step({r.agent: a for r, a, _, _ in acted})

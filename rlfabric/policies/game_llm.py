@@ -3,7 +3,10 @@ actors (``ServedLLMPolicy``), the reply parsed to a move.
 
 The move is the first number in the reply. A reply without one, or naming a move the action mask forbids, becomes a
 uniformly random legal move and is counted (``invalid``), so an illegal move never reaches the env and a weak model
-costs only the quality of its play. The model is frozen here: its moves are not trained on.
+costs only the quality of its play. Each move's ``LLMTurn`` (the prompt and reply tokens, their logprobs and
+version, whether the reply was invalid) is kept in ``last_turns`` for the runner, which records them for the
+policy's learner when it trains (``rlfabric.multiagent.llm_turns``); its version follows the weights the learner
+loads into the generator.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from rlfabric.models.hf import load_tokenizer
+from rlfabric.multiagent.llm_turns import LLMTurn
 from rlfabric.policies.served import ServedLLMPolicy
 
 NUMBER = re.compile(r"\d+")
@@ -51,19 +55,28 @@ class LLMPlayer:
         self.version = 0
         self.moves = 0
         self.invalid = 0
+        self.last_turns: list[LLMTurn] = []
+
+    def set_weights(self, published: dict[str, Any]) -> None:
+        """The version its learner loaded into the generator (``GameLLMLearner.publish``)."""
+        self.version = int(published["version"])
 
     def act(self, observations: np.ndarray, masks: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
         n = len(observations)
         row_masks: list[Any] = [None] * n if masks is None else list(masks)
         prompts = [self.tokenizer.encode(self.render(o, m)) for o, m in zip(observations, row_masks, strict=True)]
-        texts = self.served.act(prompts).info["text"]
+        acted = self.served.act(prompts)
         actions = np.empty(n, np.int64)
-        for i, (text, mask) in enumerate(zip(texts, row_masks, strict=True)):
+        self.last_turns = []
+        for i, (text, mask) in enumerate(zip(acted.info["text"], row_masks, strict=True)):
             move = parse_move(text, self.num_actions, mask)
+            invalid = move is None
             if move is None:
                 self.invalid += 1
                 legal = np.flatnonzero(mask) if mask is not None else np.arange(self.num_actions)
                 move = int(self.rng.choice(legal))
             actions[i] = move
+            turn = LLMTurn(prompts[i], list(acted.actions[i]), list(acted.logprobs[i]), acted.versions[i], invalid)
+            self.last_turns.append(turn)
         self.moves += n
         return actions, np.zeros(n, np.float32)
