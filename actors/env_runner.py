@@ -36,7 +36,9 @@ class EnvRunnerCore:
         gamma: float,
         obs_clip: float,
         registry_blob: bytes | None = None,
+        episode_id_start: int = 0,
     ) -> None:
+        """``episode_id_start``: the first row's episode id (the driver gives each runner its own range)."""
         if registry_blob is not None:
             registry.load_snapshot(registry_blob)
         self.env_id, self.env_kwargs = env_id, env_kwargs
@@ -49,7 +51,7 @@ class EnvRunnerCore:
         self.raw_obs = self.envs.reset([seed * 1000 + i for i in range(num_envs)])
         self.return_carry = np.zeros(num_envs)
         self.policy = NeuralNetPolicy(obs_clip, seed)  # acts here; versions arrive through set_weights
-        self.rows_made = 0  # rows (env fragments) produced so far: their episode_id counter
+        self.next_episode_id = episode_id_start  # of the next row (env fragment) produced
 
     def spaces(self) -> dict[str, Any]:
         return {"obs_dim": self.obs_dim, "action": self.action}
@@ -109,14 +111,14 @@ class EnvRunnerCore:
             bootstrap_obs=self.policy.inputs(current),
             truncation_index=np.asarray(trunc_index, np.int64).reshape(-1, 2),
             truncation_obs=self.policy.inputs(trunc_raw),
-            first_episode_id=self.rows_made,
+            first_episode_id=self.next_episode_id,
             # What this fragment adds to the global statistics; the learner merges them.
             extras={
                 "obs_stats": RunningStats.of(raw_obs.reshape(T * N, D)).to_dict(),
                 "return_stats": RunningStats.of(returns.reshape(-1, 1)).to_dict(),
             },
         )
-        self.rows_made += N
+        self.next_episode_id += N
         meta = {
             "version": self.version,
             "env_steps": T * N,

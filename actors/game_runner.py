@@ -89,10 +89,12 @@ class GameRunnerCore:
         llm_generators: dict[str, tuple[str, Any]] | None = None,
         agent_policies: dict[str, str] | None = None,
         callables_blob: bytes | None = None,
+        episode_id_start: int = 0,
     ) -> None:
         """``llm_generators``: for each llm policy, (its model folder, the generator actor serving it).
         ``agent_policies``: agent -> policy as the driver resolved it (else the config's mapping is resolved here).
-        ``callables_blob``: the config's scripted rules and renderers, shipped by the driver (``user_callables``)."""
+        ``callables_blob``: the config's scripted rules and renderers, shipped by the driver (``user_callables``).
+        ``episode_id_start``: the first row's episode id (the driver gives each runner its own range)."""
         if registry_blob is not None:
             registry.load_snapshot(registry_blob)
         self.callables = shipping.loads(callables_blob) if callables_blob else {}
@@ -137,7 +139,7 @@ class GameRunnerCore:
         self.critic_dim = self.copies[0].critic_input.dim if centralized else None
         for i, copy in enumerate(self.copies):
             copy.reset(seed * 1000 + i)
-        self.rows_made = 0  # rows produced so far: their episode_id counter
+        self.next_episode_id = episode_id_start  # of the next row produced
 
     def _callable(self, name: str, resolve: Any) -> Any:
         """A rule or renderer the driver shipped, or else resolved here by name."""
@@ -338,13 +340,13 @@ class GameRunnerCore:
 
     def _fragment(self, policy: str, rows: list[tuple[str, Any]]) -> Trajectories:
         if policy in self.llm_turns:  # the moves of the episodes that ended, as token rows
-            fragment = self.llm_turns[policy].take_finished(self.rows_made)
-            self.rows_made += fragment.num_rows
+            fragment = self.llm_turns[policy].take_finished(self.next_episode_id)
+            self.next_episode_id += fragment.num_rows
             return fragment
         fragment = game_fragment(
-            policy, rows, self.policy_spaces[policy], self.critic_dim, self.rows_made, self.policies[policy]
+            policy, rows, self.policy_spaces[policy], self.critic_dim, self.next_episode_id, self.policies[policy]
         )
-        self.rows_made += fragment.num_rows
+        self.next_episode_id += fragment.num_rows
         return fragment
 
     # -- evaluation ---------------------------------------------------------------------------------------------

@@ -53,9 +53,19 @@ class Progress:
     dropped_fragments: int = 0
     runner_restarts: int = 0
     lost_fragments: int = 0
+    runners_started: int = 0  # every runner of the run, replacements and resumed sessions' included: id ranges
     elapsed_s: float = 0.0
     recent_returns: list[float] = field(default_factory=list)
     recent_lengths: list[int] = field(default_factory=list)
+
+
+EPISODE_IDS_PER_RUNNER = 2**32  # runner k of a run numbers its rows from k * 2**32: episode ids unique in the run
+
+
+def next_episode_id_range(progress: Progress) -> int:
+    """The first episode id of the next runner started, counted in ``progress`` (which checkpoints keep)."""
+    progress.runners_started += 1
+    return (progress.runners_started - 1) * EPISODE_IDS_PER_RUNNER
 
 
 def checkpoints(run_dir: Path) -> CheckpointStore:
@@ -213,6 +223,7 @@ class Trainer:
             self.cfg.ppo.gamma,
             self.cfg.ppo.obs_clip,
             self.registry_blob,
+            next_episode_id_range(self.progress),
         )
 
     def setup(self) -> None:

@@ -25,7 +25,7 @@ from rlfabric.actors.game_llm_learner import GameLLMLearner
 from rlfabric.actors.game_runner import GameRunner
 from rlfabric.actors.learner import Learner
 from rlfabric.config import Config, ConfigError, config_from_dict
-from rlfabric.driver import Trainer, ensure_ray, latest_checkpoint
+from rlfabric.driver import Trainer, ensure_ray, latest_checkpoint, next_episode_id_range
 from rlfabric.models import ActionSpec, ActorCritic
 from rlfabric.models.hf import check_model_source
 from rlfabric.multiagent.baselines import scripted_rule, text_renderer
@@ -185,6 +185,7 @@ class GameTrainer(Trainer):
             self.llm_generators,
             self.agent_policies,
             self.callables_blob,
+            next_episode_id_range(self.progress),
         )
 
     def setup(self) -> None:
