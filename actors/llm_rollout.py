@@ -47,7 +47,7 @@ from rlfabric.compact import FloatFields
 from rlfabric.data import row_metadata
 from rlfabric.models.chat_tokens import ChatTokens
 from rlfabric.models.hf import load_tokenizer
-from rlfabric.models.llm_batch import outcome_rewards
+from rlfabric.models.llm_batch import outcome_rewards, step_credit_advantages
 from rlfabric.policies.batching import ActBatcher
 from rlfabric.policies.served import GeneratorsFailed, ServedLLMPolicy
 from rlfabric.reward_config import parse_split
@@ -128,11 +128,20 @@ class RolloutRequest:
     meta: dict[str, Any] = field(default_factory=dict)  # echoed back (the driver's bookkeeping)
 
 
-def group_statistics(group_ids: np.ndarray, rewards: np.ndarray, versions: np.ndarray, groups: list[int]) -> np.ndarray:
+def group_statistics(
+    group_ids: np.ndarray,
+    rewards: np.ndarray,
+    versions: np.ndarray,
+    groups: list[int],
+    step_signal: np.ndarray | None = None,
+) -> np.ndarray:
     """[G, 5] float32 (the driver reads it every step: small), one row per id in ``groups``: id, mean reward, 1.0
-    if its rewards differ (signal), rows scored, oldest policy version among them (-1 when no row survived)."""
+    if its rewards differ or a row's ``step_signal`` [N] is set (signal), rows scored, oldest policy version among
+    them (-1 when no row survived)."""
     out = np.zeros((len(groups), 5), np.float32)
-    signal = group_has_signal(torch.from_numpy(rewards), torch.from_numpy(group_ids)).numpy()
+    signal = group_has_signal(torch.from_numpy(rewards), torch.tensor(group_ids)).numpy()
+    if step_signal is not None:
+        signal = signal | step_signal
     for k, gid in enumerate(groups):
         rows = group_ids == gid
         r = rewards[rows]
@@ -142,6 +151,30 @@ def group_statistics(group_ids: np.ndarray, rewards: np.ndarray, versions: np.nd
     return out
 
 
+def step_credit_signal(trajectories: Trajectories, scalar: np.ndarray, spec: dict[str, Any]) -> np.ndarray | None:
+    """[N] True for the rows of groups where the learner's step-level credit gives some step a nonzero advantage
+    (``step_credit_advantages`` with ``spec``, ``batch_spec``'s options): such a group teaches something even when
+    its outcomes are all equal. None when the record cannot take the step credit (the learner names why)."""
+    if trajectories.step_spans is None or not trajectories.num_rows:
+        return None
+    try:
+        advantages, _ = step_credit_advantages(
+            trajectories,
+            scalar,
+            spec["reward_weights"],
+            spec["step_credit"],
+            spec["advantage"],
+            spec["step_credit_weight"],
+            spec["step_gamma"],
+            spec["scale_by_std"],
+            spec["process"],
+        )
+    except ValueError:
+        return None
+    step_groups = trajectories.group_id[trajectories.step_spans[:, 0]]
+    return np.isin(trajectories.group_id, step_groups[advantages != 0])
+
+
 def episodes_meta(
     trajectories: Trajectories,
     scalar: np.ndarray,
@@ -149,6 +182,7 @@ def episodes_meta(
     sampled: list[int],
     failed: int,
     groups: list[int],
+    step_signal: np.ndarray | None = None,
 ) -> dict[str, Any]:
     """The metadata every rollout of multi-turn episodes reports: rows of the record (the episodes that did not
     fail; an agent's rewritten history gives several), ``failed`` episodes, tokens sampled (``sampled``: per
@@ -158,7 +192,7 @@ def episodes_meta(
         "rows": trajectories.num_rows,
         "failed": failed,
         "tokens": int(sum(sampled)),
-        "group_stats": group_statistics(trajectories.group_id, scalar, versions, groups),
+        "group_stats": group_statistics(trajectories.group_id, scalar, versions, groups, step_signal),
         "component_means": {k: float(v.mean()) for k, v in trajectories.final_rewards.items()}
         if trajectories.num_rows
         else {},
@@ -204,11 +238,14 @@ class LLMRolloutCore:
         shadow: dict[str, Any] | None = None,
         process: dict[str, Any] | None = None,
         model_dir: str | None = None,
+        step_credit: dict[str, Any] | None = None,
     ) -> None:
         """``text_env`` / ``agent``: where episodes come from when the run plays a text env or an outside agent
         (None: single-turn completions); ``process``: the ``rewards.process`` section (None: off); ``model_dir``:
         the policy's folder, whose tokenizer maps step boundaries to tokens when ``process["split"]`` cuts
-        completions into steps."""
+        completions into steps; ``step_credit``: the learner's batch options when it credits steps
+        (``grpo.step_credit``), so a group whose steps get advantages has signal even when its outcomes are equal
+        (``step_credit_signal``); None: outcome rewards alone decide."""
         rewards.load_snapshot(reward_registry)
         self.pool = (
             RewardPool(
@@ -233,6 +270,7 @@ class LLMRolloutCore:
             self.chat = ChatTokens(load_tokenizer(agent.model_dir))
             self.play_agent = agent.load()
         self.weights = reward_weights
+        self.step_credit = step_credit
         self.efficiency = efficiency if efficiency and efficiency["weight"] > 0 else None
         self.combine = combine
         self.shadow = shadow if shadow and shadow["functions"] else None
@@ -262,6 +300,10 @@ class LLMRolloutCore:
         """[N] the scalar reward the learner's advantages use (``outcome_rewards``: the combined components plus
         the efficiency penalty), so the group statistics the driver filters on see what the learner will."""
         return outcome_rewards(trajectories, self.weights, self.combine, self.efficiency)[0]
+
+    def step_signal(self, trajectories: Trajectories, scalar: np.ndarray) -> np.ndarray | None:
+        """The rows whose groups' steps get advantages, when the learner credits steps."""
+        return step_credit_signal(trajectories, scalar, self.step_credit) if self.step_credit else None
 
     def set_prompts(self, name: str, prompts: PromptSet) -> int:
         self.prompt_sets[name] = prompts
@@ -369,7 +411,11 @@ class LLMRolloutCore:
                 "failed": int((~ok).sum()),
                 "tokens": int(sum(len(ids) for ids in sampled)),
                 "group_stats": group_statistics(
-                    trajectories.group_id, scalar, versions, list(range(request.first_group, group_ids[-1] + 1))
+                    trajectories.group_id,
+                    scalar,
+                    versions,
+                    list(range(request.first_group, group_ids[-1] + 1)),
+                    self.step_signal(trajectories, scalar),
                 ),
                 "component_means": {
                     **({k: float(np.mean(v)) for k, v in final.items()} if len(kept) else {}),
@@ -429,7 +475,15 @@ class LLMRolloutCore:
         groups = list(range(request.first_group, int(group_ids[-1]) + 1))
         meta.update(
             {
-                **episodes_meta(trajectories, scalar, versions, sampled, len(episodes) - len(kept), groups),
+                **episodes_meta(
+                    trajectories,
+                    scalar,
+                    versions,
+                    sampled,
+                    len(episodes) - len(kept),
+                    groups,
+                    self.step_signal(trajectories, scalar),
+                ),
                 "turns": sum(len(e.turns) for e in episodes),
                 "env_errors": sum(e.env_errors for e in episodes),
                 "tool_calls": sum(e.tool_calls for e in episodes),
@@ -481,7 +535,15 @@ class LLMRolloutCore:
         groups = list(range(request.first_group, int(group_ids[-1]) + 1))
         meta.update(
             {
-                **episodes_meta(trajectories, scalar, versions, sampled, len(episodes) - len(kept), groups),
+                **episodes_meta(
+                    trajectories,
+                    scalar,
+                    versions,
+                    sampled,
+                    len(episodes) - len(kept),
+                    groups,
+                    self.step_signal(trajectories, scalar),
+                ),
                 "turns": sum(e.trace.calls for e in episodes),
                 "tool_calls": sum(e.trace.tool_calls for e in episodes),
                 "solved_episodes": len(solved),

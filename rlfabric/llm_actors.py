@@ -16,6 +16,7 @@ from rlfabric.grpo_config import LLMConfig
 from rlfabric.judge import JUDGE_CPUS
 from rlfabric.llm_resources import SETUP_TIMEOUT_S, torch_threads
 from rlfabric.models.shared_weights import remove_stale
+from rlfabric.objectives import NO_STEP_CREDIT
 from rlfabric.placement import ActorRequest
 from rlfabric.reward_config import RewardFunctionConfig
 from rlfabric.rewards.likelihood import POLICY
@@ -260,6 +261,7 @@ def start_rollout_worker(
         shadow=shadow,
         process=dataclasses.asdict(r.process),
         model_dir=model_dir,
+        step_credit=batch_spec(cfg) if cfg.grpo.step_credit != NO_STEP_CREDIT else None,
     )
 
 

@@ -118,6 +118,46 @@ def test_per_step_scores_land_on_the_step_spans_and_the_outcome_on_the_answer_sp
         )  # fmt: skip
 
 
+def test_dynamic_sampling_keeps_a_group_whose_steps_get_advantages_though_its_outcomes_are_equal():
+    """One step per row, so each step's reward is its process score plus the outcome. Both groups' outcomes are
+    equal: outcome rewards alone give neither any signal. With step credit, group 5's steps score 1 + 1 and 0 + 1,
+    so its steps get advantages; group 6's score 0.5 + 0 twice, so they get none."""
+    from rlfabric.actors.llm_rollout import group_statistics, step_credit_signal
+
+    record = from_token_sequences(
+        [[1], [1], [2], [2]],
+        [[10, 11], [12, 13], [14, 15], [16, 17]],
+        [[0.0, 0.0]] * 4,
+        [[0, 0]] * 4,
+        episode_ids=[0, 1, 2, 3],
+        group_ids=[5, 5, 6, 6],
+        final_rewards={"correct": [1.0, 1.0, 0.0, 0.0]},
+        truncated=[False] * 4,
+        step_ends=[[2]] * 4,
+        step_rewards=[[{"p": 1.0}], [{"p": 0.0}], [{"p": 0.5}], [{"p": 0.5}]],
+    )
+    outcome = np.array([1.0, 1.0, 0.0, 0.0], np.float32)
+    spec = {
+        "reward_weights": {},
+        "step_credit": "step_mix",
+        "advantage": "grpo",
+        "step_credit_weight": 1.0,
+        "step_gamma": 0.95,
+        "scale_by_std": True,
+        "process": None,
+    }
+    signal_column = 2
+
+    def signal(step_signal):
+        stats = group_statistics(record.group_id, outcome, np.zeros(4, np.int64), [5, 6], step_signal)
+        return stats[:, signal_column].tolist()
+
+    assert step_credit_signal(record, outcome, spec).tolist() == [True, True, False, False]
+    assert signal(step_credit_signal(record, outcome, spec)) == [1.0, 0.0]
+    assert signal(None) == [0.0, 0.0]  # without step credit: the outcomes alone
+    assert signal(step_credit_signal(record, outcome, {**spec, "reward_weights": {"p": 0.0}})) == [0.0, 0.0]
+
+
 # -- the reward service: process rewards beside outcome rewards --------------------------------------------------
 
 
