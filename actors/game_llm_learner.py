@@ -65,10 +65,13 @@ class GameLLMLearner:
         self.loaded_version = 0  # the generator starts from the same model folder
 
     def update_from_refs(self, refs: list[ray.ObjectRef]) -> dict[str, float]:
-        """One update on the moves of these fragments (the ones whose episodes ended); none when there are none."""
+        """One update on the moves of these fragments (the ones whose episodes ended). With none (every episode
+        still being played) the weights stay, but the version advances all the same: the driver counts one version
+        per iteration for every policy, and a neural policy beside this one has advanced."""
         records = [r for r in ray.get(refs) if r.num_rows]
         moves = float(sum(r.num_rows for r in records))
         if not records:
+            self.core.version += 1
             return {"trained_moves": 0.0}
         metrics = self.core.train_on(records, None, self.lr)
         out = {k: float(metrics[k]) for k in REPORTED if k in metrics}

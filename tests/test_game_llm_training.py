@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import ray
 from game_envs import pick_one
 
 import rlfabric
@@ -132,6 +133,24 @@ def test_a_language_model_learns_the_rewarded_move_resumes_and_saves_its_model(l
     played = train(config_from_dict(frozen), tmp_path / "replay", quiet=True)
     assert played["llm_moves"]["picker"]["moves"] == 128
     assert played["llm_moves"]["picker"]["invalid"] < 40
+
+
+def test_an_iteration_with_no_finished_episode_still_advances_the_version(local_ray, tmp_path):
+    """The driver counts one version per iteration for every trainable policy (a neural one beside it advances):
+    an update with no finished moves keeps the weights and advances the version all the same."""
+    from rlfabric.actors.game_llm_learner import GameLLMLearner
+    from rlfabric.models.hf import build_small_model_dir
+
+    model_dir = str(build_small_model_dir(tmp_path / "model", num_layers=1, hidden_size=32, num_heads=2))
+    learner = GameLLMLearner.remote(
+        model_dir, None, lr=1e-3, invalid_move_penalty=1.0, temperature=1.0, max_new_tokens=2, seed=0
+    )
+    before = ray.get(learner.state.remote())["model"]
+    empty = LLMTurnBuffer("picker").take_finished(first_episode_id=0)
+    assert ray.get(learner.update_from_refs.remote([ray.put(empty)])) == {"trained_moves": 0.0}
+    after = ray.get(learner.state.remote())
+    assert after["version"] == 1 and all(np.array_equal(before[k], after["model"][k]) for k in before)
+    ray.kill(learner)
 
 
 def test_a_frozen_policy_cannot_load_a_language_model_from_a_checkpoint(local_ray, tmp_path):
