@@ -473,17 +473,10 @@ class LLMRolloutCore:
         versions = np.array([min((t.version for t in e.turns), default=-1) for e in kept], np.int64)
         sampled = [sum(len(t.sampled) for t in e.turns) for e in episodes]
         groups = list(range(request.first_group, int(group_ids[-1]) + 1))
+        failed_episodes, step_signal = len(episodes) - len(kept), self.step_signal(trajectories, scalar)
         meta.update(
             {
-                **episodes_meta(
-                    trajectories,
-                    scalar,
-                    versions,
-                    sampled,
-                    len(episodes) - len(kept),
-                    groups,
-                    self.step_signal(trajectories, scalar),
-                ),
+                **episodes_meta(trajectories, scalar, versions, sampled, failed_episodes, groups, step_signal),
                 "turns": sum(len(e.turns) for e in episodes),
                 "env_errors": sum(e.env_errors for e in episodes),
                 "tool_calls": sum(e.tool_calls for e in episodes),
@@ -533,17 +526,10 @@ class LLMRolloutCore:
         sampled = [sum(len(t.sampled) for s in e.trace.segments for t in s.turns) for e in episodes]
         solved = [e for e in kept if e.rewards.get("correct", 0.0) > 0]
         groups = list(range(request.first_group, int(group_ids[-1]) + 1))
+        failed_episodes, step_signal = len(episodes) - len(kept), self.step_signal(trajectories, scalar)
         meta.update(
             {
-                **episodes_meta(
-                    trajectories,
-                    scalar,
-                    versions,
-                    sampled,
-                    len(episodes) - len(kept),
-                    groups,
-                    self.step_signal(trajectories, scalar),
-                ),
+                **episodes_meta(trajectories, scalar, versions, sampled, failed_episodes, groups, step_signal),
                 "turns": sum(e.trace.calls for e in episodes),
                 "tool_calls": sum(e.trace.tool_calls for e in episodes),
                 "solved_episodes": len(solved),
