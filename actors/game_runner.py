@@ -341,11 +341,9 @@ class GameRunnerCore:
     def _fragment(self, policy: str, rows: list[tuple[str, Any]]) -> Trajectories:
         if policy in self.llm_turns:  # the moves of the episodes that ended, as token rows
             fragment = self.llm_turns[policy].take_finished(self.next_episode_id)
-            self.next_episode_id += fragment.num_rows
-            return fragment
-        fragment = game_fragment(
-            policy, rows, self.policy_spaces[policy], self.critic_dim, self.next_episode_id, self.policies[policy]
-        )
+        else:
+            spaces, first_id = self.policy_spaces[policy], self.next_episode_id
+            fragment = game_fragment(policy, rows, spaces, self.critic_dim, first_id, self.policies[policy])
         self.next_episode_id += fragment.num_rows
         return fragment
 

@@ -15,14 +15,7 @@ import rlfabric
 from rlfabric.config import ConfigError, config_from_dict
 from rlfabric.game_driver import check_game_config, ppo_trainer_from_run_dir, train
 from rlfabric.multiagent.games import AgentStream
-from rlfabric.multiagent.llm_turns import LLMTurn, LLMTurnBuffer, returns_to_go
-
-
-def test_returns_to_go_restart_at_each_episode_end():
-    rewards = [0.0, 0.0, 1.0, 0.5, -1.0, 2.0]
-    ends = [False, False, True, False, True, False]
-    # by hand: episode one 0+0+1, 0+1, 1; episode two 0.5-1, -1; an unfinished step counts its own reward
-    assert returns_to_go(rewards, ends).tolist() == [1.0, 1.0, 1.0, -0.5, -1.0, 2.0]
+from rlfabric.multiagent.llm_turns import LLMTurn, LLMTurnBuffer
 
 
 def moves(stream: AgentStream, steps: list[tuple[int, float, bool, bool]]) -> AgentStream:
@@ -55,6 +48,17 @@ def test_moves_wait_for_the_end_of_their_episode_and_carry_its_return():
     assert second.num_rows == 4 and by_agent == {"x": -1.0, "o": 0.5}
     assert sorted(second.final_rewards["return"].tolist()) == [-1.0, -1.0, 0.5, 0.5]
     assert buffer.take_finished(first_episode_id=106).num_rows == 0
+
+
+def test_returns_restart_at_each_episode_end():
+    buffer = LLMTurnBuffer("player")
+    steps = [(1, 0.0, False, False), (2, 0.0, False, False), (3, 1.0, True, False)]  # episode one
+    steps += [(4, 0.5, False, False), (5, -1.0, True, False), (6, 2.0, False, False)]  # two; three begun
+    buffer.add(0, "x", moves(AgentStream(True), steps))
+    # by hand: episode one 0+0+1, 0+1, 1; episode two 0.5-1, -1; the third episode's move waits for its end
+    assert buffer.take_finished(0).final_rewards["return"].tolist() == [1.0, 1.0, 1.0, -0.5, -1.0]
+    buffer.add(0, "x", moves(AgentStream(True), [(7, 3.0, True, False)]))
+    assert buffer.take_finished(5).final_rewards["return"].tolist() == [5.0, 3.0]
 
 
 def pick_config(total_env_steps: int, **policy) -> dict:

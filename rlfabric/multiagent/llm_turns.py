@@ -16,11 +16,11 @@ as one group: A = (R - mean R) / (std R + eps), GRPO's group baseline over all t
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 import numpy as np
 
+from rlfabric.algorithms.step_credit import discounted_step_returns
 from rlfabric.multiagent.games import AgentStream
 from rlfabric.trajectory import Trajectories, from_token_sequences
 
@@ -36,16 +36,6 @@ class LLMTurn:
     logprobs: list[float]
     version: int
     invalid: bool
-
-
-def returns_to_go(rewards: Sequence[float], episode_ends: Sequence[bool]) -> np.ndarray:
-    """G_t = r_t + G_{t+1} within an episode, G_t = r_t at a step that ends one (``episode_ends[t]``)."""
-    out = np.zeros(len(rewards), np.float64)
-    running = 0.0
-    for t in range(len(rewards) - 1, -1, -1):
-        running = rewards[t] + (0.0 if episode_ends[t] else running)
-        out[t] = running
-    return out.astype(np.float32)
 
 
 @dataclass
@@ -80,7 +70,9 @@ class LLMTurnBuffer:
             finished = moves[: last_end + 1]
             if last_end + 1 < len(moves):
                 still_playing[key] = moves[last_end + 1 :]
-            returns = returns_to_go([m.reward for m in finished], [m.ends_episode for m in finished])
+            ends = np.array([m.ends_episode for m in finished], bool)
+            episode_of_move = np.cumsum(ends) - ends  # moves up to an episode's last share its number
+            returns = discounted_step_returns(episode_of_move, np.array([m.reward for m in finished]), 1.0)
             rows += [(key[1], m, float(g)) for m, g in zip(finished, returns, strict=True)]
         self.pending = still_playing
         turns = [m.turn for _, m, _ in rows]
