@@ -79,13 +79,27 @@ class GameLLMLearner:
 
     def publish(self) -> tuple[dict[str, int], int]:
         """Load the current weights into the generator (when they changed) and return ({"version": v}, v): the
-        runners' llm players take the version from the first."""
+        runners' llm players take the version from the first. A generator that died keeps the run going: the
+        runners' calls report it, and the driver gives this learner a new one (``serve_with``)."""
         version = self.core.version
         if version != self.loaded_version:
-            weights: FlatWeights = self.core.flat_weights()
-            ray.get(self.generator.update_weights.remote([ray.put(weights)], version))
-            self.loaded_version = version
+            try:
+                self._load_into_generator()
+            except ray.exceptions.RayActorError:
+                pass  # loaded into its replacement instead
         return {"version": version}, version
+
+    def serve_with(self, generator: Any) -> int:
+        """A new generator for the policy (the driver replaced a dead or hung one): load the current weights into
+        it, so its moves are the trained policy's; returns their version."""
+        self.generator = generator
+        self._load_into_generator()
+        return self.core.version
+
+    def _load_into_generator(self) -> None:
+        weights: FlatWeights = self.core.flat_weights()
+        ray.get(self.generator.update_weights.remote([ray.put(weights)], self.core.version))
+        self.loaded_version = self.core.version
 
     def state(self) -> dict[str, Any]:
         return {

@@ -34,20 +34,22 @@ from rlfabric.multiagent.mapping import plan_game
 from rlfabric.multiagent.selfplay import game_score
 from rlfabric.multiagent.spaces import AgentSpaces
 from rlfabric.normalization import RunningStats
-from rlfabric.policies.game_llm import LLMPlayer
+from rlfabric.policies.game_llm import LLMPlayer, LLMServing
 from rlfabric.policies.neural import NeuralNetPolicy
 from rlfabric.policies.served import ServedLLMPolicy
 from rlfabric.trajectory import NO_GROUP, Trajectories
 
 SNAPSHOT = "snapshot:"  # actor name prefix of an opponent-pool snapshot
+LLM_MOVE_TIMEOUT_S = 60.0  # deadline of one batch of an llm policy's moves: past it, its generator counts as hung
 
 
-def llm_player(spec: PolicySpec, served_by: tuple[str, Any], spaces: AgentSpaces, seed: int, render: Any) -> LLMPlayer:
-    """An llm policy's player in this runner, calling its generator actor; ``render`` its observation renderer."""
-    model_dir, generator = served_by
+def llm_player(spec: PolicySpec, serving: LLMServing, spaces: AgentSpaces, seed: int, render: Any) -> LLMPlayer:
+    """An llm policy's player in this runner, calling its generator actor; ``render`` its observation renderer.
+    A generator that fails or misses the deadline fails the sample with ``GeneratorsFailed`` naming it, and the
+    driver replaces it."""
     params = {"temperature": spec.temperature, "max_new_tokens": spec.max_new_tokens}
-    served = ServedLLMPolicy([(0, 0, generator)], params, timeout_s=60.0)
-    return LLMPlayer(served, model_dir, render, spaces.action.n, seed)
+    served = ServedLLMPolicy([serving.generator], params, timeout_s=LLM_MOVE_TIMEOUT_S)
+    return LLMPlayer(served, serving.model_dir, render, spaces.action.n, seed)
 
 
 class FixedPolicy:
@@ -86,12 +88,12 @@ class GameRunnerCore:
         multi_agent: MultiAgentConfig,
         obs_clip: float,
         registry_blob: bytes | None = None,
-        llm_generators: dict[str, tuple[str, Any]] | None = None,
+        llm_servers: dict[str, LLMServing] | None = None,
         agent_policies: dict[str, str] | None = None,
         callables_blob: bytes | None = None,
         episode_id_start: int = 0,
     ) -> None:
-        """``llm_generators``: for each llm policy, (its model folder, the generator actor serving it).
+        """``llm_servers``: for each llm policy, its model folder and the generator actor serving it.
         ``agent_policies``: agent -> policy as the driver resolved it (else the config's mapping is resolved here).
         ``callables_blob``: the config's scripted rules and renderers, shipped by the driver (``user_callables``).
         ``episode_id_start``: the first row's episode id (the driver gives each runner its own range)."""
@@ -117,7 +119,7 @@ class GameRunnerCore:
             elif spec.kind == "llm":
                 render = self._callable(spec.render or "", text_renderer)
                 self.policies[name] = llm_player(
-                    spec, (llm_generators or {})[name], self.policy_spaces[name], seed + i, render
+                    spec, (llm_servers or {})[name], self.policy_spaces[name], seed + i, render
                 )
             else:
                 rule = self._callable(spec.rule, scripted_rule) if spec.kind == "scripted" and spec.rule else None
@@ -190,6 +192,12 @@ class GameRunnerCore:
         for name, w in zip(self.trainable, weights, strict=True):
             self.policies[name].set_weights(w)
         return self.version
+
+    def set_llm_servers(self, servers: dict[str, LLMServing]) -> None:
+        """The generators now serving the llm policies (the driver replaced one that died or hung)."""
+        for name, serving in servers.items():
+            if name in self.policies:
+                self.policies[name].serve_from(serving)
 
     def set_frozen(self, weights: dict[str, dict[str, Any]]) -> None:
         """Install the saved weights of each frozen policy (``rlfabric.game_driver.frozen_weights``)."""

@@ -238,6 +238,7 @@ class Trainer:
             r.sample_timeout_s,
             num_fragments=self._fragments_per_sample(),
             resources=self._runner_resources(),
+            on_failure=self._runner_failed,
         )
         r, lc = self.cfg.runners, self.cfg.learner
         try:
@@ -277,6 +278,10 @@ class Trainer:
         self._publish()
 
     # -- the learner (one; a game has one per trainable policy: rlfabric.game_driver) ----------------------
+
+    def _runner_failed(self, error: Exception) -> None:
+        """A runner's sample raised ``error``; the runner is replaced next (a game's driver also replaces the
+        generator the error names)."""
 
     def _fragments_per_sample(self) -> int:
         return 1

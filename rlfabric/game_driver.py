@@ -25,7 +25,8 @@ from rlfabric.actors.game_llm_learner import GameLLMLearner
 from rlfabric.actors.game_runner import GameRunner
 from rlfabric.actors.learner import Learner
 from rlfabric.config import Config, ConfigError, config_from_dict
-from rlfabric.driver import Trainer, ensure_ray, latest_checkpoint, next_episode_id_range
+from rlfabric.driver import SETUP_TIMEOUT_S, Trainer, ensure_ray, latest_checkpoint, next_episode_id_range
+from rlfabric.game_llm_servers import LLMServers
 from rlfabric.models import ActionSpec, ActorCritic
 from rlfabric.models.hf import check_model_source
 from rlfabric.multiagent.baselines import scripted_rule, text_renderer
@@ -165,7 +166,7 @@ class GameTrainer(Trainer):
             )
         self.policy_returns: dict[str, list[float]] = {}
         self.weights_refs: dict[str, ray.ObjectRef] = {}
-        self.llm_generators: dict[str, tuple[str, Any]] = {}
+        self.llm_servers: LLMServers | None = None
         self.llm_moves: dict[str, list[int]] = {}
 
     # -- actors -------------------------------------------------------------------------------------------------
@@ -182,7 +183,7 @@ class GameTrainer(Trainer):
             self.cfg.multi_agent,
             self.cfg.ppo.obs_clip,
             self.registry_blob,
-            self.llm_generators,
+            self.llm_servers.serving() if self.llm_servers is not None else {},
             self.agent_policies,
             self.callables_blob,
             next_episode_id_range(self.progress),
@@ -193,25 +194,9 @@ class GameTrainer(Trainer):
         llm = [n for n, s in policy_specs(self.cfg.multi_agent).items() if s.kind == "llm"]
         llm_learners = len(trained_llm_policies(self.cfg.multi_agent))  # 1 CPU each, like their generators
         ensure_ray(self.cfg.ray, r.num_runners * r.num_cpus + self.cfg.learner.num_cpus + len(llm) + llm_learners)
-        self._start_llm_players(llm)
+        if llm:
+            self.llm_servers = LLMServers(policy_specs(self.cfg.multi_agent), llm, self.run_dir, self.cfg.training.seed)
         super().setup()
-
-    def _start_llm_players(self, names: list[str]) -> None:
-        """One generator actor (torch engine, 1 CPU) per llm policy, serving its model; "builtin" builds the small
-        character-level model into the run directory first."""
-        from rlfabric.actors.generator import Generator
-        from rlfabric.models.hf import BUILTIN, build_small_model_dir
-
-        specs = policy_specs(self.cfg.multi_agent)
-        for i, name in enumerate(names):
-            model_dir = specs[name].model
-            if model_dir == BUILTIN:
-                model_dir = str(self.run_dir / "llm_players" / name)
-                if not (Path(model_dir) / "config.json").is_file():
-                    build_small_model_dir(model_dir, seed=self.cfg.training.seed + i)
-            options = {"max_batch_size": 64, "device": "cpu", "seed": self.cfg.training.seed + i}
-            generator = Generator.options(num_cpus=1).remote("torch", model_dir, options, num_threads=1)
-            self.llm_generators[name] = (model_dir, generator)
 
     def _fragments_per_sample(self) -> int:
         return len(self.trainable)
@@ -223,10 +208,11 @@ class GameTrainer(Trainer):
         for i, policy in enumerate(self.trainable):
             spec = specs[policy]
             if spec.kind == "llm":
-                model_dir, generator = self.llm_generators[policy]
+                assert self.llm_servers is not None
+                serving = self.llm_servers.serving()[policy]
                 self.learners[policy] = GameLLMLearner.options(num_cpus=1).remote(
-                    model_dir,
-                    generator,
+                    serving.model_dir,
+                    serving.handle,
                     lr=spec.lr,
                     invalid_move_penalty=spec.invalid_move_penalty,
                     temperature=spec.temperature,
@@ -242,10 +228,25 @@ class GameTrainer(Trainer):
     def _learners(self) -> list[Any]:
         return list(self.learners.values())
 
+    def _runner_failed(self, error: Exception) -> None:
+        """A runner whose llm player found its generator dead or hung: replace that generator (once), load the
+        policy's current weights into it when it trains, and point every runner at it."""
+        if self.llm_servers is None:
+            return
+        replaced = self.llm_servers.replace_failed(error)
+        if not replaced:
+            return
+        servers = self.llm_servers.serving()
+        for policy in replaced:
+            self.log.note(f"the generator of llm policy '{policy}' failed; started a new one")
+            if policy in self.learners:
+                ray.get(self.learners[policy].serve_with.remote(servers[policy].handle), timeout=SETUP_TIMEOUT_S)
+        self.pool.broadcast_call("set_llm_servers", servers)
+
     def close(self) -> None:
         super().close()
-        for _, generator in self.llm_generators.values():
-            ray.kill(generator)
+        if self.llm_servers is not None:
+            self.llm_servers.shutdown()
 
     # -- checkpoints --------------------------------------------------------------------------------------------
 
@@ -307,6 +308,8 @@ class GameTrainer(Trainer):
 
     def _accept(self, done: Completed, buffer: list[Completed]) -> None:
         meta = done.meta
+        if self.llm_servers is not None:
+            self.llm_servers.succeeded()
         for policy, (moves, invalid) in meta["llm_moves"].items():
             counts = self.llm_moves.setdefault(policy, [0, 0])
             counts[0] += moves

@@ -50,11 +50,15 @@ class RunnerPool:
         sample_timeout_s: float,
         num_fragments: int = 1,
         resources: dict[str, float] | None = None,
+        on_failure: Callable[[RayError], None] | None = None,
     ) -> None:
         """``make_runner(index, generation)`` creates the actor; generation counts replacements of that slot.
         ``num_fragments``: the data objects a sample returns after its metadata (one per trainable policy).
-        ``resources``: what one runner asks Ray for (None: replacements are not checked against the nodes)."""
+        ``resources``: what one runner asks Ray for (None: replacements are not checked against the nodes).
+        ``on_failure(error)``: told of a sample's error before its runner is replaced (a game's driver replaces
+        the generator the error names, so the new runner calls the new one)."""
         self.sample_timeout_s = sample_timeout_s
+        self.on_failure = on_failure
         self.num_fragments = num_fragments
         self.slots = ActorSlots(
             "runner", make_runner, num_runners, resources=resources, placement_wait_s=sample_timeout_s
@@ -132,6 +136,8 @@ class RunnerPool:
                 meta = ray.get(flight.meta_ref, timeout=0)
             except RayError as exc:  # the process died, or the env raised inside sample()
                 self._discard(flight.data_refs)
+                if self.on_failure is not None:
+                    self.on_failure(exc)
                 self._replace(flight, f"runner {flight.runner} failed: {exc.__class__.__name__}: {error_summary(exc)}")
                 failed.append(flight.runner)
                 continue

@@ -4,6 +4,10 @@ for it, and a run where it learns (through the public ``train``), resumes, and s
 from __future__ import annotations
 
 import json
+import os
+import signal
+import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -13,7 +17,7 @@ from game_envs import pick_one
 
 import rlfabric
 from rlfabric.config import ConfigError, config_from_dict
-from rlfabric.game_driver import check_game_config, ppo_trainer_from_run_dir, train
+from rlfabric.game_driver import check_game_config, ppo_trainer, ppo_trainer_from_run_dir, train
 from rlfabric.multiagent.games import AgentStream
 from rlfabric.multiagent.llm_turns import LLMTurn, LLMTurnBuffer
 
@@ -166,3 +170,40 @@ def test_a_frozen_policy_cannot_load_a_language_model_from_a_checkpoint(local_ra
     cfg["multi_agent"]["policy_mapping"] = {"left": "picker", "right": "old"}
     with pytest.raises(ConfigError, match="its policy 'picker' is a language model"):
         check_game_config(config_from_dict(cfg))
+
+
+@pytest.mark.slow
+def test_a_killed_generator_is_replaced_and_serves_the_trained_weights(local_ray, tmp_path):
+    """SIGKILL of the generator serving a trained language-model policy, mid-run: the driver starts a new one, the
+    learner loads its current weights into it, and the run goes on with every iteration trained (the moves after
+    the kill are played by the trained model, not the initial one, whose replies are mostly not a legal move)."""
+    rlfabric.register_env("pick-one", pick_one)
+    run_dir = tmp_path / "run"
+    trainer = ppo_trainer(config_from_dict(pick_config(1280, train=True, lr=1e-3)), run_dir, quiet=True)
+    killed: list[int] = []
+
+    def kill_generator_after(rows_logged: int) -> None:
+        metrics = run_dir / "metrics.jsonl"
+        while not (metrics.exists() and metrics.read_text().count('"iteration"') >= rows_logged):
+            time.sleep(0.05)
+        pid = ray.get(trainer.llm_servers.serving()["picker"].handle.pid.remote())
+        os.kill(pid, signal.SIGKILL)
+        killed.append(pid)
+
+    thread = threading.Thread(target=kill_generator_after, args=(12,), daemon=True)
+    thread.start()
+    try:
+        trainer.train()
+        replacement = trainer.llm_servers.serving()["picker"].handle
+        assert ray.get(replacement.version.remote(), timeout=30) == 20  # the final weights reached the replacement
+        assert ray.get(replacement.pid.remote(), timeout=30) not in killed
+    finally:
+        trainer.close()
+    thread.join(timeout=5)
+    logged = rows(run_dir)
+    assert killed and [r["policy_version"] for r in logged] == list(range(1, 21))
+    assert all(r["trained_moves"] > 0 for r in logged)
+    # invalid replies per iteration after the kill: the trained model's few, not the initial model's >70%
+    counts = [r["llm_invalid_moves/picker"] for r in logged]
+    per_iteration = [b - a for a, b in zip(counts[11:], counts[12:], strict=False)]
+    assert max(per_iteration) / 128 < 0.4

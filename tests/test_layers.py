@@ -74,6 +74,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "rlfabric.reward_pool",
             "rlfabric.policies.served",  # the LLM policy: calls generator actors
             "rlfabric.policies.game_llm",  # a language model playing an agent of a game, through generator actors
+            "rlfabric.game_llm_servers",  # the generators of a game's language-model policies, supervised
             "rlfabric.judge",  # the LLM-judge reward: calls its own generator actors
         ),
     ),

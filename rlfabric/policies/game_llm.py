@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -22,6 +22,21 @@ from rlfabric.multiagent.llm_turns import LLMTurn
 from rlfabric.policies.served import ServedLLMPolicy
 
 NUMBER = re.compile(r"\d+")
+
+
+class LLMServing(NamedTuple):
+    """Where an llm policy is served: its model folder and the generator actor, with the actor's slot and
+    generation in the driver's pool (a failed call names them, so the driver replaces that actor once)."""
+
+    model_dir: str
+    slot: int
+    generation: int
+    handle: Any
+
+    @property
+    def generator(self) -> tuple[int, int, Any]:
+        """As ``ServedLLMPolicy`` takes it."""
+        return self.slot, self.generation, self.handle
 
 
 def parse_move(text: str, num_actions: int, mask: np.ndarray | None) -> int | None:
@@ -56,6 +71,10 @@ class LLMPlayer:
         self.moves = 0
         self.invalid = 0
         self.last_turns: list[LLMTurn] = []
+
+    def serve_from(self, serving: LLMServing) -> None:
+        """Call a new generator from now on (the driver replaced a dead or hung one)."""
+        self.served.generators = [serving.generator]
 
     def set_weights(self, published: dict[str, Any]) -> None:
         """The version its learner loaded into the generator (``GameLLMLearner.publish``)."""

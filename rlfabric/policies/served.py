@@ -35,6 +35,10 @@ class GeneratorsFailed(RuntimeError):
         super().__init__("; ".join(f"generator {slot} (generation {gen}): {why}" for slot, gen, why in failures))
         self.failures = failures
 
+    def __reduce__(self) -> tuple[type, tuple[list[tuple[int, int, str]]]]:
+        # rebuilt from its failures, so it crosses processes intact (a caller's driver reads which ones failed)
+        return GeneratorsFailed, (self.failures,)
+
 
 class ServedLLMPolicy:
     """See the module docstring. ``params`` are SamplingParams fields; ``timeout_s`` the deadline of one call."""
