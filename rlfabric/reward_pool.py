@@ -5,9 +5,12 @@ One remote call per worker per batch of groups, never one per sample. Failures c
 * a reward function that raises or overruns its per-group deadline fails only that group; the service handles
   both itself and its call returns in time, so groups it finished are kept. A service with a timed-out group
   says it is poisoned (a stuck thread cannot be killed) and is replaced once its call returns;
-* a service that dies (its process killed) or is stuck as a whole misses the driver's backstop deadline
-  (``timeout_s`` per group of the call plus ``grace_s``): it is killed and replaced, and that call's groups are
-  recorded as failed.
+* a service whose process dies (killed, or its node lost) is replaced, and that call's groups are scored again on
+  the replacement, once: the death was not their reward's fault. If the replacement dies on them too (a reward
+  that crashes its process), they are recorded as failed;
+* a service stuck as a whole misses the driver's backstop deadline (``timeout_s`` per group of the call plus
+  ``grace_s``): it is killed and replaced, and that call's groups are recorded as failed (a retry would wait out
+  the same backstop again).
 
 Every wait has a deadline, so scoring never hangs. ``submit``/``collect`` let the driver overlap scoring with
 other work; ``score`` is the two in a row.
@@ -21,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import ray
-from ray.exceptions import RayError, RayTaskError
+from ray.exceptions import RayActorError, RayError, RayTaskError
 
 from rlfabric import rewards
 from rlfabric.actor_slots import ActorSlots, error_summary
@@ -37,11 +40,12 @@ class _Call:
     worker: int
     generation: int  # the slot's generation when the call was made: a replaced worker is not replaced twice
     group_indices: list[int]
-    group_sizes: list[int]
+    groups: list[list[RewardInput]]  # kept to score again, once, if the worker dies on them
     results_ref: ray.ObjectRef
     poisoned_ref: ray.ObjectRef
     deadline: float
     budget_s: float
+    retry: bool = False  # the second try of groups whose first worker died
 
 
 @dataclass
@@ -120,15 +124,14 @@ class RewardPool:
             ticket.calls.append(self._call(worker, [groups[i] for i in indices], indices))
         return ticket
 
-    def _call(self, worker: int, groups: list[list[RewardInput]], indices: list[int]) -> _Call:
+    def _call(self, worker: int, groups: list[list[RewardInput]], indices: list[int], retry: bool = False) -> _Call:
         results_ref, poisoned_ref = self.workers[worker].score.remote(groups)
         budget = self.timeout_s * len(groups) + self.grace_s
         # A call queued behind others on the same worker can start only when they are done.
         deadline = max(time.monotonic(), self.busy_until[worker]) + budget
         self.busy_until[worker] = deadline
-        sizes = [len(g) for g in groups]
         generation = self.slots.generations[worker]
-        return _Call(worker, generation, indices, sizes, results_ref, poisoned_ref, deadline, budget)
+        return _Call(worker, generation, indices, groups, results_ref, poisoned_ref, deadline, budget, retry)
 
     def collect(self, ticket: RewardTicket) -> list[list[RewardResult]]:
         """Results for every group of the ticket, in submission order; waits until the calls' deadlines at most."""
@@ -160,7 +163,9 @@ class RewardPool:
         except RayError as exc:  # the process died (or was replaced while this call waited)
             error = f"reward worker {call.worker} died: {exc.__class__.__name__}: {error_summary(exc)}"
             self._replace(call, error)
-            return _failed(call, error)
+            if isinstance(exc, RayActorError) and not call.retry:
+                return self._finish(self._call(call.worker, call.groups, call.group_indices, retry=True))
+            return _failed(call, error + (" (the second worker to die on these groups)" if call.retry else ""))
         self.slots.succeeded(call.worker, call.generation)  # it answered: whatever it scored is kept
         if poisoned:  # its results are complete; only the process is unusable (a stuck thread cannot be killed)
             self._replace(call, f"reward worker {call.worker} was poisoned by a timed-out group", failure=False)
@@ -187,4 +192,4 @@ class RewardPool:
 
 
 def _failed(call: _Call, error: str) -> list[list[RewardResult]]:
-    return [[RewardResult({}, error) for _ in range(size)] for size in call.group_sizes]
+    return [[RewardResult({}, error) for _ in group] for group in call.groups]

@@ -26,6 +26,8 @@ def tagged(inputs: list[RewardInput]) -> list[dict[str, float]]:
         time.sleep(1000)
     if tag == "freeze":  # stop the whole process, as a reward stuck in C code holding the GIL would
         os.kill(os.getpid(), signal.SIGSTOP)
+    if tag == "crash":  # end the whole process, as a reward crashing in C code would
+        os._exit(1)
     return [{"ok": 1.0, "pid": float(os.getpid())} for _ in inputs]
 
 
@@ -96,20 +98,34 @@ def test_a_hanging_group_times_out_and_its_poisoned_worker_is_replaced(local_ray
         pool.shutdown()
 
 
-def test_a_killed_worker_fails_its_groups_and_is_replaced(local_ray):
+def test_a_killed_worker_is_replaced_and_its_groups_are_scored_again(local_ray):
     pool = make_pool()
     try:
         victim = pool.pids()[0]
         os.kill(victim, signal.SIGKILL)
         results = pool.score([group("a"), group("b"), group("c"), group("d")])
-        ok = scored(results)
-        assert sorted(ok) == [False, False, True, True]  # one worker's share failed, the other's did not
-        failed = [r for g, good in zip(results, ok, strict=True) if not good for r in g]
-        assert all(r.error.startswith("reward worker ") and " died: " in r.error for r in failed)
-        assert all(r.components["pid"] != victim for g, good in zip(results, ok, strict=True) if good for r in g)
-        assert pool.worker_restarts == 1 and pool.failed_samples == 4
-        assert scored(pool.score([group("e"), group("f")])) == [True, True]
+        assert scored(results) == [True, True, True, True]  # the dead worker's share, scored on its replacement
+        assert all(r.components["pid"] != victim for g in results for r in g)
+        assert pool.worker_restarts == 1 and pool.failed_samples == 0
         assert victim not in pool.pids()
+    finally:
+        pool.shutdown()
+
+
+def test_a_reward_that_crashes_its_process_fails_its_call_after_one_retry(local_ray):
+    pool = make_pool()
+    try:
+        results = pool.score([group("crash"), group("a"), group("b"), group("c")])
+        # worker 0's call held "crash" and "a": it died, its replacement died on the same groups, then they failed
+        assert scored(results) == [False, False, True, True]
+        assert all(
+            r.error.startswith("reward worker 0 died: ")
+            and r.error.endswith("the second worker to die on these groups)")
+            for g in results[:2]
+            for r in g
+        )
+        assert pool.worker_restarts == 2 and pool.failed_samples == 4
+        assert scored(pool.score([group("e"), group("f")])) == [True, True]
     finally:
         pool.shutdown()
 
