@@ -9,7 +9,8 @@ generators to use) the worker
    services) and keeps the named components; with ``rewards.process.split`` it first cuts each completion into
    steps (``rlfabric.rewards.process.split_completion``, with the policy's tokenizer), so process rewards score
    each step and their components land on the steps' token spans, the outcome components on the last (answer)
-   span;
+   span; on a text env the env plays the episodes and gives per-turn components, and reward functions, when
+   the config lists them, score each finished episode as one sample (``rlfabric.episode_rewards``);
 3. assembles one ``Trajectories`` record of the scored samples and returns it as an ObjectRef beside small
    metadata: counts, versions and per-group reward statistics, which is all the driver reads.
 
@@ -33,7 +34,7 @@ import ray
 import torch
 
 from rlfabric import registry, rewards
-from rlfabric.agent_loop import EpisodeLimits, episodes_to_trajectories, run_episodes
+from rlfabric.agent_loop import Episode, EpisodeLimits, episodes_to_trajectories, run_episodes
 from rlfabric.agent_rollout import (
     REFUSED_COUNTS,
     AgentSource,
@@ -45,6 +46,7 @@ from rlfabric.agent_rollout import (
 from rlfabric.algorithms.grpo import group_has_signal
 from rlfabric.compact import FloatFields
 from rlfabric.data import row_metadata
+from rlfabric.episode_rewards import score_episodes
 from rlfabric.models.chat_tokens import ChatTokens
 from rlfabric.models.hf import load_tokenizer
 from rlfabric.models.llm_batch import outcome_rewards, step_credit_advantages
@@ -465,6 +467,10 @@ class LLMRolloutCore:
             episodes = asyncio.run(run_episodes(self.make_env, tasks, ActBatcher(policy), self.chat, source.limits))
         except GeneratorsFailed as failed:
             return {**meta, "generator_failures": failed.failures}, None
+        played = time.perf_counter()
+        if self.pool is not None:
+            meta["reward_restarts"] = self._score_episodes(episodes, tasks, g)
+            meta["reward_time_s"] = time.perf_counter() - played
         group_ids = np.repeat(np.arange(request.first_group, request.first_group + len(request.indices)), g)
         episode_ids = [request.first_group * g + i for i in range(len(episodes))]
         trajectories = episodes_to_trajectories(episodes, episode_ids, group_ids)
@@ -487,11 +493,19 @@ class LLMRolloutCore:
                     f"invalid_tool_calls_{kind}": sum(e.invalid_tool_calls.get(kind, 0) for e in episodes)
                     for kind in ERROR_KINDS
                 },
-                "generate_time_s": time.perf_counter() - started,  # episodes interleave generation and env steps
+                "generate_time_s": played - started,  # episodes interleave generation and env steps
             }
         )
         outcomes = [(" | ".join(e.texts), e.rewards, e.error) for e in episodes]
         return self._episodes_outcome(meta, request, tasks, outcomes, scalar, trajectories)
+
+    def _score_episodes(self, episodes: list[Episode], tasks: list[dict[str, Any]], group_size: int) -> int:
+        """``score_episodes`` on this worker's reward services; returns the reward workers replaced meanwhile."""
+        assert self.pool is not None
+        with self.lock:
+            restarts = self.pool.worker_restarts
+            score_episodes(self.pool.score, episodes, tasks, group_size, self.prompt_key)
+            return self.pool.worker_restarts - restarts
 
     def _play_agents(self, request: RolloutRequest) -> tuple[dict[str, Any], Trajectories | None]:
         """``rollout`` with an outside agent (``rlfabric.agent_rollout``): ``group_size`` episodes per task row,

@@ -66,6 +66,10 @@ class Episode:
     prompt: list[int]
     turns: list[TurnTokens] = field(default_factory=list)
     texts: list[str] = field(default_factory=list)
+    # the env's opening observation, and the observation shown after each turn ("" after the last): the episode's
+    # text as the policy saw it, for reward functions (``rlfabric.episode_rewards``)
+    opening: str = ""
+    observations: list[str] = field(default_factory=list)
     truncated: bool = False
     error: str | None = None  # why the episode failed (its env raised or hung); failed episodes are not trained
     # env calls that raised or hung and the episode went on: steps shown to the agent (on_env_error = "observe")
@@ -192,7 +196,7 @@ async def play(
     except Exception as exc:  # noqa: BLE001 - any env failure is the episode's, recorded
         return Episode(task_index, [], error=f"reset {_describe(exc, limits.step_timeout_s)}")
     messages = _opening(env, str(observation))
-    episode = Episode(task_index, chat.prompt(messages))
+    episode = Episode(task_index, chat.prompt(messages), opening=str(observation))
     context = list(episode.prompt)
     for _ in range(limits.max_turns):
         if len(context) + limits.turn_tokens > limits.max_episode_tokens:
@@ -223,6 +227,7 @@ async def play(
             return episode
         episode.turns.append(TurnTokens(sampled, turn.logprobs, turn.version, reply, dict(step.rewards), state_key))
         episode.texts.append(text)
+        episode.observations.append("" if done else str(step.observation))
         messages += [{"role": "assistant", "content": text}, {"role": chat.role, "content": str(step.observation)}]
         context += sampled + reply
         if done:

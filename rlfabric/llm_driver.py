@@ -438,7 +438,9 @@ class GRPOTrainer(GRPOSetup):
 
     def _failing_part(self) -> str:
         """What fails a sample of this run, for the errors that stop it."""
-        return "its episode" if plays_episodes(self.cfg) else "its reward"
+        if not plays_episodes(self.cfg):
+            return "its reward"
+        return "its episode or its reward" if self.cfg.rewards.functions else "its episode"
 
     def _stop_if_asked(self, stop: threading.Event) -> None:
         if not stop.is_set():

@@ -49,6 +49,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "rlfabric.vector",
             "rlfabric.text_env",  # the text env contract (multi-turn envs)
             "rlfabric.agent_loop",  # multi-turn episodes of text envs, built token by token
+            "rlfabric.episode_rewards",  # reward functions on a text env's episodes: inputs, scores on the turns
             "rlfabric.tools",  # tools with JSON schemas, tool-call parsers, checked calls under a deadline
             "rlfabric.mcp_tools",  # tools served by MCP servers, one client session per episode
             "rlfabric.mcp_server_process",  # one HTTP MCP server process: started, pinged, stopped

@@ -1,0 +1,98 @@
+"""Reward functions on a text env's episodes: each finished episode scored as one sample, its scores on its turns.
+
+With ``rewards.functions`` beside ``env.id`` (or an OpenEnv server), the rollout worker sends each group's finished
+episodes to its reward services, as single-turn runs send completions (``rlfabric.reward_pool``). An episode is one
+``RewardInput`` (``episode_input``):
+
+- ``prompt``: the env's opening observation, what the policy was asked;
+- ``completion``: the policy's turns and the observations shown between them, joined by line breaks:
+  ``turn_0 \\n obs_0 \\n turn_1 ... turn_n`` (an observation after the last turn is not shown to the policy, so it
+  is not here either);
+- ``steps``: one per turn, tiling the completion: step 0 is turn 0, step k is ``"\\n" + obs_(k-1) + "\\n" + turn_k``
+  (the action with what led to it), so a process reward model scoring the prefix prompt + steps[0..k] sees the
+  conversation up to the end of turn k;
+- ``metadata``: the task row without its prompt column; ``finish_reason`` "length" when the episode was cut, else
+  "stop"; ``num_tokens`` the tokens the policy sampled.
+
+The scores become per-turn rewards, exactly like the env's own components (``add_scores``): an outcome function's
+components on the last turn, a process function's components on each turn. So the record's ``step_rewards`` hold
+them on the turns' spans and ``final_rewards`` their sum over the episode, as for every component of a text env.
+A component name the env gives too fails the episode (one line naming it): two sources would add up unnoticed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from rlfabric.agent_loop import Episode
+from rlfabric.data import row_metadata
+from rlfabric.rewards import RewardInput, RewardResult
+
+
+def episode_steps(episode: Episode) -> list[str]:
+    """The episode's steps as text, one per turn: turn 0, then ``"\\n" + observation before + "\\n" + turn``."""
+    steps = []
+    for k, text in enumerate(episode.texts):
+        steps.append(text if k == 0 else f"\n{episode.observations[k - 1]}\n{text}")
+    return steps
+
+
+def episode_input(episode: Episode, task: dict[str, Any], prompt_key: str) -> RewardInput:
+    """The ``RewardInput`` of one finished episode (see the module docstring)."""
+    steps = episode_steps(episode)
+    return RewardInput(
+        prompt=episode.opening,
+        completion="".join(steps),
+        metadata=row_metadata(task, prompt_key),
+        finish_reason="length" if episode.truncated else "stop",
+        num_tokens=sum(len(t.sampled) for t in episode.turns),
+        steps=steps,
+    )
+
+
+def add_scores(episode: Episode, result: RewardResult) -> None:
+    """Put a reward result on the episode's turns: its outcome components added to the last turn's rewards, its
+    per-step components to each turn's. A failed result, or one naming a component the env gives too, fails the
+    episode (``episode.error``) instead."""
+    if result.error is not None:
+        episode.error = result.error
+        return
+    steps = result.step_components or []
+    given = set(result.components) | {k for step in steps for k in step}
+    clash = sorted(given & set(episode.rewards))
+    if clash:
+        episode.error = (
+            f"reward component {clash[0]!r} comes from both the env and rewards.functions: rename one of them"
+        )
+        return
+    if steps and len(steps) != len(episode.turns):
+        episode.error = f"a process reward scored {len(steps)} steps of an episode of {len(episode.turns)} turns"
+        return
+    for turn, step in zip(episode.turns, steps, strict=False):
+        for name, value in step.items():
+            turn.rewards[name] = turn.rewards.get(name, 0.0) + float(value)
+    if episode.turns:
+        last = episode.turns[-1].rewards
+        for name, value in result.components.items():
+            last[name] = last.get(name, 0.0) + float(value)
+
+
+def score_episodes(
+    score: Callable[[list[list[RewardInput]]], list[list[RewardResult]]],
+    episodes: list[Episode],
+    tasks: list[dict[str, Any]],
+    group_size: int,
+    prompt_key: str,
+) -> None:
+    """Score the finished episodes, ``group_size`` consecutive ones per group (``score``: a reward pool's, one
+    call for all groups), and put each result on its episode's turns (``add_scores``); ``tasks[i]`` is episode
+    i's task row. Episodes that already failed are not scored."""
+    groups = [
+        [i for i in range(start, start + group_size) if episodes[i].error is None]
+        for start in range(0, len(episodes), group_size)
+    ]
+    results = score([[episode_input(episodes[i], tasks[i], prompt_key) for i in group] for group in groups])
+    for group, group_results in zip(groups, results, strict=True):
+        for i, result in zip(group, group_results, strict=True):
+            add_scores(episodes[i], result)

@@ -1,0 +1,148 @@
+"""Reward functions on a text env's episodes: an episode as one reward input (its opening, its turns and the
+observations between them, one step per turn), the scores placed on its turns, and a GRPO run that trains with
+an outcome and a process reward function beside the env's own components."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+from grpo_runs import run_grpo
+
+from rlfabric.agent_loop import EpisodeLimits, ScriptedTurns, episodes_to_trajectories, run_episodes
+from rlfabric.config import ConfigError, config_from_dict
+from rlfabric.envs.guess_number import GuessNumber
+from rlfabric.episode_rewards import add_scores, episode_input, score_episodes
+from rlfabric.models.chat_tokens import ChatTokens
+from rlfabric.models.hf import build_char_tokenizer
+from rlfabric.rewards import RewardInput, RewardResult, pointwise, process_reward, register_reward
+
+
+def scripted(guesses: list[str]):
+    """A player that says ``guesses`` in order, one per turn."""
+
+    def player(task, messages):
+        return guesses[sum(m["role"] == "assistant" for m in messages)]
+
+    return player
+
+
+def played(secret: int, guesses: list[str], max_turns: int = 5):
+    chat = ChatTokens(build_char_tokenizer())
+    turns = ScriptedTurns(scripted(guesses), chat)
+    (episode,) = asyncio.run(
+        run_episodes(lambda: GuessNumber(16), [{"secret": secret}], turns, chat, EpisodeLimits(max_turns=max_turns))
+    )
+    return episode
+
+
+def test_an_episode_is_one_reward_input_with_a_step_per_turn():
+    episode = played(3, ["5", "2", "3"])
+    reward_input = episode_input(episode, {"secret": 3, "prompt": "unused"}, "prompt")
+    assert reward_input.prompt == "Guess my number, 1 to 16."
+    # "5" -> lower, "2" -> higher, "3" -> Right. (the last observation ends the episode: the policy never sees it)
+    assert reward_input.steps == ["5", "\nlower\n2", "\nhigher\n3"]
+    assert reward_input.completion == "5\nlower\n2\nhigher\n3"
+    assert reward_input.metadata == {"secret": 3}
+    assert reward_input.finish_reason == "stop" and reward_input.num_tokens == 6  # each guess and its end token
+
+    cut = played(3, ["9", "8", "7"], max_turns=2)
+    assert episode_input(cut, {"secret": 3}, "prompt").finish_reason == "length"
+
+
+def test_scores_become_per_turn_rewards_outcome_on_the_last_turn():
+    episode = played(3, ["5", "x", "3"])  # the env: invalid on turn 1, correct on turn 2
+    add_scores(episode, RewardResult({"short": -0.5}, None, [{"judged": 1.0}, {"judged": 0.0}, {"judged": 0.5}]))
+    assert [t.rewards for t in episode.turns] == [
+        {"judged": 1.0},
+        {"invalid": 1.0, "judged": 0.0},
+        {"correct": 1.0, "judged": 0.5, "short": -0.5},
+    ]
+    record = episodes_to_trajectories([episode], [0], [0])
+    assert record.step_rewards["judged"].tolist() == [1.0, 0.0, 0.5]
+    assert record.final_rewards["judged"].tolist() == [1.5] and record.final_rewards["short"].tolist() == [-0.5]
+    assert record.final_rewards["correct"].tolist() == [1.0]
+
+
+def test_a_failed_score_or_a_component_the_env_gives_too_fails_the_episode():
+    failed = played(3, ["3"])
+    add_scores(failed, RewardResult({}, "judge: ValueError: no verdict"))
+    assert failed.error == "judge: ValueError: no verdict"
+    clash = played(3, ["3"])
+    add_scores(clash, RewardResult({"correct": 1.0, "z": 0.0}))
+    assert clash.error == "reward component 'correct' comes from both the env and rewards.functions: rename one of them"
+    assert clash.turns[0].rewards == {"correct": 1.0}  # nothing was added
+
+
+def test_each_group_of_finished_episodes_is_scored_in_one_call():
+    episodes = [played(3, ["3"]), played(3, ["1", "3"]), played(5, ["5"]), played(5, ["9", "1", "5"])]
+    episodes[2].error = "step missed its 5s deadline"
+    calls = []
+
+    def score(groups: list[list[RewardInput]]) -> list[list[RewardResult]]:
+        calls.append([[i.completion for i in g] for g in groups])
+        return [[RewardResult({"chars": float(len(i.completion))}) for i in g] for g in groups]
+
+    score_episodes(score, episodes, [{"secret": 3}] * 2 + [{"secret": 5}] * 2, 2, "prompt")
+    # one call: group 0 (episodes 0 and 1), group 1 (episode 3; episode 2 failed and is not scored)
+    assert calls == [[["3", "1\nhigher\n3"], ["9\nlower\n1\nhigher\n5"]]]
+    assert [e.turns[-1].rewards.get("chars") for e in episodes] == [1.0, 10.0, None, 18.0]
+
+
+# -- a run -----------------------------------------------------------------------------------------------------
+
+
+@pointwise
+def turns_taken(inputs: list[RewardInput]) -> list[dict[str, float]]:
+    """An outcome reward: minus the number of turns (steps) of each episode."""
+    return [{"turn_cost": -float(len(sample.step_texts()))} for sample in inputs]
+
+
+@pointwise
+@process_reward
+def names_a_number(inputs: list[RewardInput]) -> list[list[dict[str, float]]]:
+    """A process reward: 1 for each turn whose own text (after "\n" observation "\n" from the second step on) has a
+    digit."""
+    out = []
+    for sample in inputs:
+        turns = [step if k == 0 else step.split("\n", 2)[2] for k, step in enumerate(sample.step_texts())]
+        out.append([{"numeric": float(any(c.isdigit() for c in turn))} for turn in turns])
+    return out
+
+
+register_reward("turns_taken", turns_taken)
+register_reward("names_a_number", names_a_number)
+
+GAME = {
+    "model": {"builtin": {"num_layers": 1, "hidden_size": 32, "num_heads": 2, "max_positions": 256}},
+    "data": {"train": "task:guess_number?min_high=4&max_high=10", "num_train": 16, "num_eval": 6},
+    "env": {"id": "rlfabric/GuessNumber-v0", "max_turns": 3, "step_timeout_s": 5.0},
+    "rewards": {
+        "functions": [{"name": "turns_taken"}, {"name": "names_a_number"}],
+        "weights": {"invalid": -0.5, "turn_cost": 0.1, "numeric": 0.2},
+    },
+    "sampling": {"max_new_tokens": 4},
+}
+
+
+def test_grpo_on_a_text_env_trains_with_outcome_and_process_reward_functions(local_ray, tmp_path):
+    run = run_grpo(tmp_path / "run", training={"total_steps": 3, "show_samples": 4}, **GAME)
+    steps = run.phase("grpo")
+    assert len(steps) == 3 and sum(r["trained_rows"] for r in steps) > 0
+    for row in steps:
+        # the outcome function counted the turns the env played; the means are over the same episodes
+        assert row["reward_turn_cost"] == pytest.approx(-row["turns_mean"], abs=1e-5)
+        # a turn names a number or the env calls it invalid: per episode, numeric + invalid = turns
+        assert row["reward_numeric"] + row.get("reward_invalid", 0.0) == pytest.approx(row["turns_mean"], abs=1e-5)
+        assert row["failed_samples"] == 0
+    shown = [json.loads(line) for line in (run.run_dir / "samples.jsonl").read_text().splitlines()]
+    assert shown and all({"turn_cost", "numeric"} <= set(s["components"]) for s in shown)
+
+
+def test_reward_functions_stay_refused_for_an_agent_or_a_verifiers_environment():
+    from grpo_runs import BASE, merged
+
+    cfg = merged(BASE, {"env": {"agent": "some.module:agent"}, "rewards": {"functions": [{"name": "arithmetic"}]}})
+    with pytest.raises(ConfigError, match=r"rewards.functions = \['arithmetic'\] is not valid: must be \[\] with env"):
+        config_from_dict(cfg)
