@@ -63,8 +63,8 @@ def test_an_env_that_cannot_reset_stops_setup_before_ray_with_its_error(tmp_path
     [
         ({"env": {"id": "rlfabric/GuessNumber-v0"}, "sft": {"steps": 10}}, "sft.steps = 10 is not valid"),
         (
-            {"env": {"id": "rlfabric/GuessNumber-v0"}, "rewards": {"functions": [{"name": "arithmetic"}]}},
-            "rewards.functions = \\['arithmetic'\\] is not valid",
+            {"env": {"id": "rlfabric/GuessNumber-v0"}, "rewards": {"process": {"split": "newline"}}},
+            "rewards.process.split = 'newline' is not valid: must be 'none' with env.id",
         ),
         ({"env": {"id": "rlfabric/GuessNumber-v0", "max_turns": 0}}, "env.max_turns = 0 is not valid"),
     ],
