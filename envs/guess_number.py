@@ -16,6 +16,7 @@ import random
 import re
 from typing import Any
 
+from rlfabric.rewards import RewardInput, pointwise, process_reward
 from rlfabric.text_env import TextStep
 
 _NUMBER = re.compile(r"-?\d+")
@@ -58,14 +59,47 @@ def bisection_player(task: dict[str, Any], messages: list[dict[str, str]]) -> st
     low, high = 1, int(top.group(1)) if top else int(task.get("high", 16))
     for said, heard in zip(messages[1::2], messages[2::2], strict=False):
         found = _NUMBER.search(said["content"])
-        if found is None:
-            continue
-        guess = int(found.group())
-        if heard["content"] == "higher":
-            low = max(low, guess + 1)
-        elif heard["content"] == "lower":
-            high = min(high, guess - 1)
+        if found is not None:
+            low, high = narrowed(low, high, int(found.group()), heard["content"])
     return str((low + high) // 2)
+
+
+def narrowed(low: int, high: int, guess: int, heard: str) -> tuple[int, int]:
+    """The range low..high left once ``guess`` got the reply ``heard``: "higher" lifts the bottom above the guess,
+    "lower" drops the top below it; any other reply leaves it."""
+    if heard == "higher":
+        return max(low, guess + 1), high
+    if heard == "lower":
+        return low, min(high, guess - 1)
+    return low, high
+
+
+@pointwise
+@process_reward
+def consistent_guesses(inputs: list[RewardInput]) -> list[list[dict[str, float]]]:
+    """A process reward on GuessNumber's episodes, beside the env (``rlfabric.episode_rewards``: a step per turn,
+    step k > 0 being "\\n" + the reply to the guess before + "\\n" + the turn): per turn, ``inconsistent`` = 1 when
+    the turn's guess lies outside the range the replies so far leave (1..top at first), a turn without a number
+    included, else 0. Bisection scores 0 on every turn; a guess outside the range can never be right, so the score
+    tells a careless turn from an unlucky one before the episode's outcome does. Weight it negatively: a bonus per
+    consistent turn would pay for long episodes. Spec: ``rlfabric.envs.guess_number:consistent_guesses``."""
+    scored = []
+    for sample in inputs:
+        top = _RANGE.search(sample.prompt)
+        low, high = 1, int(top.group(1)) if top else int(sample.metadata.get("high", 16))
+        guess: int | None = None
+        turns = []
+        for k, step in enumerate(sample.step_texts()):
+            turn = step
+            if k > 0:
+                _, heard, turn = step.split("\n", 2)
+                if guess is not None:
+                    low, high = narrowed(low, high, guess, heard)
+            found = _NUMBER.search(turn)
+            guess = int(found.group()) if found else None
+            turns.append({"inconsistent": float(guess is None or not low <= guess <= high)})
+        scored.append(turns)
+    return scored
 
 
 def careless_player(task: dict[str, Any], messages: list[dict[str, str]]) -> str:

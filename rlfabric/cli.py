@@ -67,8 +67,9 @@ def _print_llm_summary(summary: dict) -> None:
         print("  sample completions (held-out, greedy):")
         for s in summary["sample_completions"]:
             mark = "ok " if s["components"].get("correct") else "err" if s["error"] else "-- "
-            expected = s["metadata"].get("answer", "")
-            print(f"    [{mark}] {s['prompt']!r} -> {s['completion']!r}  (expected {expected!r})")
+            answer = s["metadata"].get("answer")  # a text env's task may have none: its env judges the episode
+            expected = "" if answer is None else f"  (expected {answer!r})"
+            print(f"    [{mark}] {s['prompt']!r} -> {s['completion']!r}{expected}")
 
 
 def cmd_train_llm(args: argparse.Namespace, cfg: object | None) -> int:

@@ -90,6 +90,17 @@ def test_each_group_of_finished_episodes_is_scored_in_one_call():
     assert [e.turns[-1].rewards.get("chars") for e in episodes] == [1.0, 10.0, None, 18.0]
 
 
+def test_guess_numbers_process_reward_marks_the_turns_that_ignore_the_replies():
+    from rlfabric.envs.guess_number import consistent_guesses
+
+    # 1..16, secret 7: "8" lower (1..7), "9" is above 7, "x" names nothing, "7" right
+    careless = episode_input(played(7, ["8", "9", "x", "7"]), {"secret": 7}, "prompt")
+    # "8" lower (1..7), "3" higher (4..7), "6" higher (7..7), "7" right: every guess in the range left
+    careful = episode_input(played(7, ["8", "3", "6", "7"]), {"secret": 7}, "prompt")
+    scores = consistent_guesses([careless, careful])
+    assert [[s["inconsistent"] for s in turns] for turns in scores] == [[0, 1, 1, 0], [0, 0, 0, 0]]
+
+
 # -- a run -----------------------------------------------------------------------------------------------------
 
 
