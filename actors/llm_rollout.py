@@ -21,7 +21,6 @@ staleness): the driver does that from the metadata.
 
 from __future__ import annotations
 
-import asyncio
 import os
 import threading
 import time
@@ -31,26 +30,24 @@ from typing import Any
 
 import numpy as np
 import ray
-import torch
 
 from rlfabric import registry, rewards
-from rlfabric.agent_loop import Episode, EpisodeLimits, episodes_to_trajectories, run_episodes
-from rlfabric.agent_rollout import (
-    REFUSED_COUNTS,
-    AgentSource,
-    agent_trajectories,
-    episode_versions,
-    play_agents,
-    transcript,
+from rlfabric.actors.llm_episodes import EpisodeRollouts
+from rlfabric.actors.rollout_meta import (
+    MAX_ERRORS_IN_META,
+    encode_meta,
+    group_statistics,
+    process_means,
+    step_credit_signal,
 )
-from rlfabric.algorithms.grpo import group_has_signal
-from rlfabric.compact import FloatFields
+from rlfabric.agent_loop import EpisodeLimits
+from rlfabric.agent_rollout import (
+    AgentSource,
+)
 from rlfabric.data import row_metadata
-from rlfabric.episode_rewards import score_episodes
 from rlfabric.models.chat_tokens import ChatTokens
 from rlfabric.models.hf import load_tokenizer
-from rlfabric.models.llm_batch import outcome_rewards, step_credit_advantages
-from rlfabric.policies.batching import ActBatcher
+from rlfabric.models.llm_batch import outcome_rewards
 from rlfabric.policies.served import GeneratorsFailed, ServedLLMPolicy
 from rlfabric.reward_config import parse_split
 from rlfabric.reward_pool import RewardPool
@@ -58,41 +55,7 @@ from rlfabric.rewards import RewardInput, RewardResult
 from rlfabric.rewards.process import split_completion
 from rlfabric.rewards.shadow import sampled_groups, verdict_counts
 from rlfabric.text_env import TextEnv, text_env_factory
-from rlfabric.tools import ERROR_KINDS
 from rlfabric.trajectory import Trajectories, from_token_sequences
-
-MAX_ERRORS_IN_META = 5
-# Columns of the per-group statistics the driver reads (GROUP_STATS[:, k]).
-GROUP_ID, GROUP_REWARD_MEAN, GROUP_HAS_SIGNAL, GROUP_ROWS, GROUP_MIN_VERSION = range(5)
-# The metadata's numbers, as they travel to the driver (see ``encode_meta``); the counts come back as ints.
-META_COUNTS = ("samples", "rows", "failed", "tokens", "reward_restarts", "record_bytes")
-# What text-env episodes add (sums over a rollout's episodes); the driver logs each step's totals.
-# mixed_version_episodes: episodes whose turns were sampled by more than one policy version (a weight update
-# landed between their turns: a partial rollout, every token keeping its own version)
-# solved_episodes, solved_tool_calls: episodes whose "correct" component is positive, and their tool calls (calls
-# per solved episode: how efficiently the policy succeeds)
-EPISODE_COUNTS = (
-    "turns",
-    "env_errors",
-    "tool_calls",
-    "solved_episodes",
-    "solved_tool_calls",
-    "mixed_version_episodes",
-    *(f"invalid_tool_calls_{k}" for k in ERROR_KINDS),
-)
-# What outside agents' episodes (env.agent) add: calls whose history did not continue the episode's trace (each
-# opened an exact segment, a row of its own) and requests the endpoint refused, by kind.
-AGENT_COUNTS = ("rewrites", *REFUSED_COUNTS)
-META_NUMBERS = FloatFields(
-    *META_COUNTS,
-    *EPISODE_COUNTS,
-    *AGENT_COUNTS,
-    "response_length_mean",
-    "generate_time_s",
-    "reward_time_s",
-    "correct_sum",
-    "reward_sum",
-)
 
 
 @dataclass
@@ -130,97 +93,7 @@ class RolloutRequest:
     meta: dict[str, Any] = field(default_factory=dict)  # echoed back (the driver's bookkeeping)
 
 
-def group_statistics(
-    group_ids: np.ndarray,
-    rewards: np.ndarray,
-    versions: np.ndarray,
-    groups: list[int],
-    step_signal: np.ndarray | None = None,
-) -> np.ndarray:
-    """[G, 5] float32 (the driver reads it every step: small), one row per id in ``groups``: id, mean reward, 1.0
-    if its rewards differ or a row's ``step_signal`` [N] is set (signal), rows scored, oldest policy version among
-    them (-1 when no row survived)."""
-    out = np.zeros((len(groups), 5), np.float32)
-    signal = group_has_signal(torch.from_numpy(rewards), torch.tensor(group_ids)).numpy()
-    if step_signal is not None:
-        signal = signal | step_signal
-    for k, gid in enumerate(groups):
-        rows = group_ids == gid
-        r = rewards[rows]
-        out[k] = (gid, r.mean() if r.size else np.nan, float(signal[rows].any()), r.size, -1)
-        if r.size:
-            out[k, GROUP_MIN_VERSION] = versions[rows].min()
-    return out
-
-
-def step_credit_signal(trajectories: Trajectories, scalar: np.ndarray, spec: dict[str, Any]) -> np.ndarray | None:
-    """[N] True for the rows of groups where the learner's step-level credit gives some step a nonzero advantage
-    (``step_credit_advantages`` with ``spec``, ``batch_spec``'s options): such a group teaches something even when
-    its outcomes are all equal. None when the record cannot take the step credit (the learner names why)."""
-    if trajectories.step_spans is None or not trajectories.num_rows:
-        return None
-    try:
-        advantages, _ = step_credit_advantages(
-            trajectories,
-            scalar,
-            spec["reward_weights"],
-            spec["step_credit"],
-            spec["advantage"],
-            spec["step_credit_weight"],
-            spec["step_gamma"],
-            spec["scale_by_std"],
-            spec["process"],
-        )
-    except ValueError:
-        return None
-    step_groups = trajectories.group_id[trajectories.step_spans[:, 0]]
-    return np.isin(trajectories.group_id, step_groups[advantages != 0])
-
-
-def episodes_meta(
-    trajectories: Trajectories,
-    scalar: np.ndarray,
-    versions: np.ndarray,
-    sampled: list[int],
-    failed: int,
-    groups: list[int],
-    step_signal: np.ndarray | None = None,
-) -> dict[str, Any]:
-    """The metadata every rollout of multi-turn episodes reports: rows of the record (the episodes that did not
-    fail; an agent's rewritten history gives several), ``failed`` episodes, tokens sampled (``sampled``: per
-    episode), the statistics of ``groups`` from the rows' ``scalar`` rewards and oldest ``versions``, component
-    means, and the record's size. The rewards came with the episodes: no reward service ran."""
-    return {
-        "rows": trajectories.num_rows,
-        "failed": failed,
-        "tokens": int(sum(sampled)),
-        "group_stats": group_statistics(trajectories.group_id, scalar, versions, groups, step_signal),
-        "component_means": {k: float(v.mean()) for k, v in trajectories.final_rewards.items()}
-        if trajectories.num_rows
-        else {},
-        "response_length_mean": float(np.mean(sampled)),
-        "reward_restarts": 0,
-        "record_bytes": trajectories.nbytes(),
-        "reward_time_s": 0.0,
-    }
-
-
-def last_row_of_each_episode(episode_ids: np.ndarray) -> np.ndarray:
-    """The index of each episode's last row (an agent that rewrote its history has a row per segment, each with
-    the episode's rewards): sums over these count every episode once."""
-    _, first_from_end = np.unique(episode_ids[::-1], return_index=True)
-    return np.sort(len(episode_ids) - 1 - first_from_end)
-
-
-def process_means(step_components: list[list[dict[str, float]] | None]) -> dict[str, float]:
-    """Each process component's mean over rows of its mean over the row's steps (a step without it counts 0):
-    what the run logs as ``reward_<component>``. Rows without step components are left out."""
-    scored = [steps for steps in step_components if steps]
-    names = sorted({k for steps in scored for step in steps for k in step})
-    return {k: float(np.mean([np.mean([step.get(k, 0.0) for step in steps]) for steps in scored])) for k in names}
-
-
-class LLMRolloutCore:
+class LLMRolloutCore(EpisodeRollouts):
     """The worker's logic without the actor wrapper (its reward services are Ray actors all the same)."""
 
     def __init__(
@@ -454,143 +327,6 @@ class LLMRolloutCore:
             return meta, None
         return meta, trajectories
 
-    def _play(self, request: RolloutRequest) -> tuple[dict[str, Any], Trajectories | None]:
-        """``rollout`` on a text env: ``group_size`` episodes per task row, all in flight at once, the policy's
-        turns batched across them; the env's reward components are the samples' rewards."""
-        assert self.text_env is not None and self.chat is not None and self.make_env is not None
-        source, g = self.text_env, request.group_size
-        started = time.perf_counter()
-        tasks = [self.prompt_sets[request.prompt_set].rows[i] for i in request.indices for _ in range(g)]
-        meta: dict[str, Any] = {**request.meta, "samples": len(tasks)}
-        policy = ServedLLMPolicy(request.generators, request.params, request.timeout_s)
-        try:
-            episodes = asyncio.run(run_episodes(self.make_env, tasks, ActBatcher(policy), self.chat, source.limits))
-        except GeneratorsFailed as failed:
-            return {**meta, "generator_failures": failed.failures}, None
-        played = time.perf_counter()
-        if self.pool is not None:
-            meta["reward_restarts"] = self._score_episodes(episodes, tasks, g)
-            meta["reward_time_s"] = time.perf_counter() - played
-        group_ids = np.repeat(np.arange(request.first_group, request.first_group + len(request.indices)), g)
-        episode_ids = [request.first_group * g + i for i in range(len(episodes))]
-        trajectories = episodes_to_trajectories(episodes, episode_ids, group_ids)
-        kept = [e for e in episodes if e.error is None]
-        scalar = self.scalar_rewards(trajectories)
-        versions = np.array([min((t.version for t in e.turns), default=-1) for e in kept], np.int64)
-        sampled = [sum(len(t.sampled) for t in e.turns) for e in episodes]
-        groups = list(range(request.first_group, int(group_ids[-1]) + 1))
-        failed_episodes, step_signal = len(episodes) - len(kept), self.step_signal(trajectories, scalar)
-        meta.update(
-            {
-                **episodes_meta(trajectories, scalar, versions, sampled, failed_episodes, groups, step_signal),
-                "turns": sum(len(e.turns) for e in episodes),
-                "env_errors": sum(e.env_errors for e in episodes),
-                "tool_calls": sum(e.tool_calls for e in episodes),
-                "solved_episodes": sum(e.rewards.get("correct", 0.0) > 0 for e in kept),
-                "solved_tool_calls": sum(e.tool_calls for e in kept if e.rewards.get("correct", 0.0) > 0),
-                "mixed_version_episodes": sum(len({t.version for t in e.turns}) > 1 for e in kept),
-                **{
-                    f"invalid_tool_calls_{kind}": sum(e.invalid_tool_calls.get(kind, 0) for e in episodes)
-                    for kind in ERROR_KINDS
-                },
-                "generate_time_s": played - started,  # episodes interleave generation and env steps
-            }
-        )
-        outcomes = [(" | ".join(e.texts), e.rewards, e.error) for e in episodes]
-        return self._episodes_outcome(meta, request, tasks, outcomes, scalar, trajectories)
-
-    def _score_episodes(self, episodes: list[Episode], tasks: list[dict[str, Any]], group_size: int) -> int:
-        """``score_episodes`` on this worker's reward services; returns the reward workers replaced meanwhile."""
-        assert self.pool is not None
-        with self.lock:
-            restarts = self.pool.worker_restarts
-            score_episodes(self.pool.score, episodes, tasks, group_size, self.prompt_key)
-            return self.pool.worker_restarts - restarts
-
-    def _play_agents(self, request: RolloutRequest) -> tuple[dict[str, Any], Trajectories | None]:
-        """``rollout`` with an outside agent (``rlfabric.agent_rollout``): ``group_size`` episodes per task row,
-        all in flight at once on an endpoint of this rollout, their calls batched; the agent's returned components
-        are the rewards, on every exact segment (row) of its episode."""
-        assert self.agent is not None and self.chat is not None
-        source, g = self.agent, request.group_size
-        started = time.perf_counter()
-        tasks = [self.prompt_sets[request.prompt_set].rows[i] for i in request.indices for _ in range(g)]
-        meta: dict[str, Any] = {**request.meta, "samples": len(tasks)}
-        policy = ServedLLMPolicy(request.generators, request.params, request.timeout_s)
-        try:
-            episodes, refused = asyncio.run(
-                play_agents(
-                    self.play_agent,
-                    tasks,
-                    self.chat,
-                    batcher=ActBatcher(policy),
-                    tool_parser=source.tool_parser,
-                    deadline_s=source.deadline_s,
-                    max_context_tokens=source.max_context_tokens,
-                )
-            )
-        except GeneratorsFailed as failed:
-            return {**meta, "generator_failures": failed.failures}, None
-        group_ids = np.repeat(np.arange(request.first_group, request.first_group + len(request.indices)), g)
-        episode_ids = [request.first_group * g + i for i in range(len(episodes))]
-        trajectories = agent_trajectories(episodes, episode_ids, group_ids)
-        kept = [e for e in episodes if e.error is None]
-        scalar = self.scalar_rewards(trajectories)
-        versions = episode_versions(episodes)
-        sampled = [sum(len(t.sampled) for s in e.trace.segments for t in s.turns) for e in episodes]
-        solved = [e for e in kept if e.rewards.get("correct", 0.0) > 0]
-        groups = list(range(request.first_group, int(group_ids[-1]) + 1))
-        failed_episodes, step_signal = len(episodes) - len(kept), self.step_signal(trajectories, scalar)
-        meta.update(
-            {
-                **episodes_meta(trajectories, scalar, versions, sampled, failed_episodes, groups, step_signal),
-                "turns": sum(e.trace.calls for e in episodes),
-                "tool_calls": sum(e.trace.tool_calls for e in episodes),
-                "solved_episodes": len(solved),
-                "solved_tool_calls": sum(e.trace.tool_calls for e in solved),
-                "mixed_version_episodes": sum(
-                    len({t.version for s in e.trace.segments for t in s.turns}) > 1 for e in kept
-                ),
-                "rewrites": sum(e.trace.rewrites for e in episodes),
-                **refused,
-                "generate_time_s": time.perf_counter() - started,  # episodes interleave calls and the agents' work
-            }
-        )
-        outcomes = [(transcript(e.trace), e.rewards, e.error) for e in episodes]
-        return self._episodes_outcome(meta, request, tasks, outcomes, scalar, trajectories)
-
-    def _episodes_outcome(
-        self,
-        meta: dict[str, Any],
-        request: RolloutRequest,
-        tasks: list[dict[str, Any]],
-        outcomes: list[tuple[str, dict[str, float], str | None]],
-        scalar: np.ndarray,
-        trajectories: Trajectories,
-    ) -> tuple[dict[str, Any], Trajectories | None]:
-        """What a rollout of multi-turn episodes returns, given each episode's (transcript, reward components,
-        error): the first errors and the samples asked for in the metadata; an evaluation's sums instead of the
-        record."""
-        errors = list(dict.fromkeys(error for _, _, error in outcomes if error is not None))[:MAX_ERRORS_IN_META]
-        if errors:
-            meta["errors"] = errors
-        if request.keep_samples:
-            meta["shown"] = [
-                {
-                    "prompt": task.get(self.prompt_key, ""),
-                    "completion": text,
-                    "metadata": row_metadata(task, self.prompt_key),
-                    "components": components,
-                    "error": error,
-                }
-                for task, (text, components, error) in list(zip(tasks, outcomes, strict=True))[: request.keep_samples]
-            ]
-        if request.prompt_set == "eval":
-            meta["correct_sum"] = float(sum(c.get("correct", 0.0) for _, c, error in outcomes if error is None))
-            meta["reward_sum"] = float(scalar[last_row_of_each_episode(trajectories.episode_id)].sum())
-            return meta, None
-        return meta, trajectories
-
     def reward_pids(self) -> list[int]:
         return [] if self.pool is None else self.pool.pids()
 
@@ -598,42 +334,6 @@ class LLMRolloutCore:
         for pool in (self.pool, self.shadow_pool):
             if pool is not None:
                 pool.shutdown()
-
-
-def encode_meta(meta: dict[str, Any]) -> tuple:
-    """The metadata as the driver receives it: (numbers, group statistics, component names, component means,
-    everything else or None). The numbers and statistics are float32 buffers; the rest (errors, shown samples,
-    generator failures) is there only when something happened or was asked for."""
-    numbers = {k: v for k, v in meta.items() if k in META_NUMBERS.names}
-    means = meta.get("component_means", {})
-    stats = meta.get("group_stats")
-    rest = {
-        k: v for k, v in meta.items() if k not in META_NUMBERS.names and k not in ("component_means", "group_stats")
-    }
-    return (
-        META_NUMBERS.pack(numbers),
-        None if stats is None else np.asarray(stats, np.float32).tobytes(),
-        tuple(means),
-        np.asarray(list(means.values()), np.float32).tobytes(),
-        rest or None,
-    )
-
-
-def decode_meta(raw: tuple) -> dict[str, Any]:
-    """``encode_meta``'s input back, as a dict."""
-    numbers, stats, names, means, rest = raw
-    meta: dict[str, Any] = META_NUMBERS.unpack(numbers)
-    for key in (*META_COUNTS, *EPISODE_COUNTS, *AGENT_COUNTS):
-        if key in meta:
-            meta[key] = int(meta[key])
-    if stats is not None:
-        meta["group_stats"] = np.frombuffer(stats, np.float32).reshape(-1, GROUP_MIN_VERSION + 1)
-    if names:
-        meta["component_means"] = dict(zip(names, np.frombuffer(means, np.float32).tolist(), strict=True))
-    elif stats is not None:
-        meta["component_means"] = {}
-    meta.update(rest or {})
-    return meta
 
 
 @ray.remote(max_concurrency=8)

@@ -9,7 +9,8 @@ from typing import Any
 import numpy as np
 
 from rlfabric import registry
-from rlfabric.actors.llm_rollout import AGENT_COUNTS, EPISODE_COUNTS, TextEnvSource
+from rlfabric.actors.llm_rollout import TextEnvSource
+from rlfabric.actors.rollout_meta import AGENT_COUNTS, EPISODE_COUNTS
 from rlfabric.agent_loop import (
     EpisodeLimits,
     ScriptedTurns,

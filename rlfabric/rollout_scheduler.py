@@ -19,7 +19,8 @@ import numpy as np
 import ray
 
 from rlfabric.actor_slots import ActorSlots, error_summary
-from rlfabric.actors.llm_rollout import RolloutRequest, decode_meta
+from rlfabric.actors.llm_rollout import RolloutRequest
+from rlfabric.actors.rollout_meta import decode_meta
 from rlfabric.grpo_config import LLMConfig, plays_episodes
 from rlfabric.llm_resources import SETUP_TIMEOUT_S
 from rlfabric.llm_run_state import Counters

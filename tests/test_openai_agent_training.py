@@ -12,7 +12,7 @@ import pytest
 from grpo_runs import BASE, merged, run_grpo
 
 from rlfabric.actor_slots import RunAbortedError
-from rlfabric.actors.llm_rollout import last_row_of_each_episode
+from rlfabric.actors.rollout_meta import last_row_of_each_episode
 from rlfabric.agents import register_agent
 from rlfabric.config import ConfigError, config_from_dict
 from rlfabric.llm_driver import GRPOTrainer, train_llm

@@ -122,7 +122,7 @@ def test_dynamic_sampling_keeps_a_group_whose_steps_get_advantages_though_its_ou
     """One step per row, so each step's reward is its process score plus the outcome. Both groups' outcomes are
     equal: outcome rewards alone give neither any signal. With step credit, group 5's steps score 1 + 1 and 0 + 1,
     so its steps get advantages; group 6's score 0.5 + 0 twice, so they get none."""
-    from rlfabric.actors.llm_rollout import group_statistics, step_credit_signal
+    from rlfabric.actors.rollout_meta import group_statistics, step_credit_signal
 
     record = from_token_sequences(
         [[1], [1], [2], [2]],
@@ -312,7 +312,8 @@ register_reward("last_char_is_digit", last_char_is_digit)
 
 def test_a_rollout_puts_each_steps_scores_on_its_exact_token_span(local_ray, tmp_path):
     from rlfabric.actors.generator import Generator
-    from rlfabric.actors.llm_rollout import LLMRolloutWorker, PromptSet, RolloutRequest, decode_meta
+    from rlfabric.actors.llm_rollout import LLMRolloutWorker, PromptSet, RolloutRequest
+    from rlfabric.actors.rollout_meta import decode_meta
     from rlfabric.models.hf import build_small_model_dir, load_tokenizer
 
     # a small alphabet, so that line breaks are common in a random model's completions

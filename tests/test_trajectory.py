@@ -129,7 +129,7 @@ def test_a_time_major_fragment_becomes_rows_per_env_and_back():
 
 
 def test_group_statistics_are_what_the_driver_chooses_groups_by():
-    from rlfabric.actors.llm_rollout import group_statistics
+    from rlfabric.actors.rollout_meta import group_statistics
 
     group_ids = np.array([3, 3, 4, 4, 5])
     rewards = np.array([1.0, 0.0, 1.0, 1.0, 2.0], np.float32)
