@@ -165,7 +165,7 @@ def test_pointwise_rewards_run_once_per_call_across_groups_and_a_failure_fails_e
     assert all(r.error == "counted: RuntimeError: boom" for g in results for r in g)
 
 
-def test_a_killed_model_backed_reward_worker_is_replaced_and_scores_again(trained, local_ray):
+def test_a_killed_model_backed_reward_worker_is_replaced_and_its_groups_scored_again(trained, local_ray):
     folder, _ = trained
     spec = {"name": "reward_model", "kwargs": {"path": str(folder), "heads": ["answer"]}}
     pool = RewardPool([spec], num_workers=1, timeout_s=60.0, num_cpus_per_worker=0.5, grace_s=30.0)
@@ -174,14 +174,34 @@ def test_a_killed_model_backed_reward_worker_is_replaced_and_scores_again(traine
     try:
         first = pool.score(groups)
         assert all(r.error is None for g in first for r in g)
-        os.kill(pool.pids()[0], signal.SIGKILL)
-        lost = pool.score(groups)
-        assert all(r.error is not None and " died: " in r.error for g in lost for r in g)
-        again = pool.score(groups)
-        assert pool.worker_restarts == 1
+        victim = pool.pids()[0]
+        os.kill(victim, signal.SIGKILL)
+        again = pool.score(groups)  # the call to the dead worker, sent again to its replacement (which loads the model)
+        assert pool.worker_restarts == 1 and victim not in pool.pids()
         assert [[r.components for r in g] for g in again] == [[r.components for r in g] for g in first]
     finally:
         pool.shutdown()
+
+
+def test_a_reward_model_scores_a_text_envs_episodes_beside_the_envs_components(trained, local_ray, tmp_path):
+    """A model-backed reward service on multi-turn episodes: each episode (opening, turns and replies) is one
+    sample of its group, the model's head a component beside the env's correct and invalid."""
+    folder, _ = trained
+    run = run_grpo(
+        tmp_path / "run",
+        model={"builtin": {"num_layers": 1, "hidden_size": 32, "num_heads": 2, "max_positions": 256}},
+        data={"train": "task:guess_number?min_high=4&max_high=10", "num_train": 16, "num_eval": 6},
+        env={"id": "rlfabric/GuessNumber-v0", "max_turns": 3, "step_timeout_s": 5.0},
+        rewards={
+            "functions": [{"name": "reward_model", "kwargs": {"path": str(folder), "heads": ["answer"]}}],
+            "weights": {"invalid": -0.5, "answer": 0.1},
+        },
+        sampling={"max_new_tokens": 4},
+        training={"total_steps": 2},
+    )
+    steps = run.phase("grpo")
+    assert len(steps) == 2 and all(r["failed_samples"] == 0 for r in steps)
+    assert all(np.isfinite(r["reward_answer"]) and r["reward_answer"] != 0.0 for r in steps)
 
 
 def test_a_grpo_run_trains_its_reward_model_first_scores_with_it_and_keeps_it_on_resume(tmp_path, local_ray):
