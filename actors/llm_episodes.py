@@ -46,6 +46,14 @@ class EpisodeRollouts:
     def step_signal(self, trajectories: Trajectories, scalar: np.ndarray) -> np.ndarray | None:
         raise NotImplementedError
 
+    def _episode_tasks(self, request: Any) -> tuple[list[dict[str, Any]], dict[str, Any], ServedLLMPolicy]:
+        """The request's tasks (each index's row, ``group_size`` times: one episode each), its metadata so far, and
+        the policy on its generators."""
+        rows = self.prompt_sets[request.prompt_set].rows
+        tasks = [rows[i] for i in request.indices for _ in range(request.group_size)]
+        meta: dict[str, Any] = {**request.meta, "samples": len(tasks)}
+        return tasks, meta, ServedLLMPolicy(request.generators, request.params, request.timeout_s)
+
     def _play(self, request: Any) -> tuple[dict[str, Any], Trajectories | None]:
         """``rollout`` on a text env: ``group_size`` episodes per task row, all in flight at once, the policy's
         turns batched across them; the env's reward components are the samples' rewards, with the scores of
@@ -53,9 +61,7 @@ class EpisodeRollouts:
         assert self.text_env is not None and self.chat is not None and self.make_env is not None
         source, g = self.text_env, request.group_size
         started = time.perf_counter()
-        tasks = [self.prompt_sets[request.prompt_set].rows[i] for i in request.indices for _ in range(g)]
-        meta: dict[str, Any] = {**request.meta, "samples": len(tasks)}
-        policy = ServedLLMPolicy(request.generators, request.params, request.timeout_s)
+        tasks, meta, policy = self._episode_tasks(request)
         try:
             episodes = asyncio.run(run_episodes(self.make_env, tasks, ActBatcher(policy), self.chat, source.limits))
         except GeneratorsFailed as failed:
@@ -108,9 +114,7 @@ class EpisodeRollouts:
         assert self.agent is not None and self.chat is not None
         source, g = self.agent, request.group_size
         started = time.perf_counter()
-        tasks = [self.prompt_sets[request.prompt_set].rows[i] for i in request.indices for _ in range(g)]
-        meta: dict[str, Any] = {**request.meta, "samples": len(tasks)}
-        policy = ServedLLMPolicy(request.generators, request.params, request.timeout_s)
+        tasks, meta, policy = self._episode_tasks(request)
         try:
             episodes, refused = asyncio.run(
                 play_agents(
