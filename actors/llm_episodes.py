@@ -18,6 +18,7 @@ import numpy as np
 from rlfabric.actors.rollout_meta import MAX_ERRORS_IN_META, episodes_meta, last_row_of_each_episode
 from rlfabric.agent_loop import Episode, episodes_to_trajectories, run_episodes
 from rlfabric.agent_rollout import agent_trajectories, episode_versions, play_agents, transcript
+from rlfabric.agents import AgentEpisode
 from rlfabric.data import row_metadata
 from rlfabric.episode_rewards import score_episodes
 from rlfabric.policies.batching import ActBatcher
@@ -99,7 +100,9 @@ class EpisodeRollouts:
         outcomes = [(" | ".join(e.texts), e.rewards, e.error) for e in episodes]
         return self._episodes_outcome(meta, request, tasks, outcomes, scalar, trajectories)
 
-    def _score_episodes(self, episodes: list[Episode], tasks: list[dict[str, Any]], group_size: int) -> int:
+    def _score_episodes(
+        self, episodes: list[Episode] | list[AgentEpisode], tasks: list[dict[str, Any]], group_size: int
+    ) -> int:
         """``score_episodes`` on this worker's reward services; returns the reward workers replaced meanwhile."""
         assert self.pool is not None
         with self.lock:
@@ -110,7 +113,8 @@ class EpisodeRollouts:
     def _play_agents(self, request: Any) -> tuple[dict[str, Any], Trajectories | None]:
         """``rollout`` with an outside agent (``rlfabric.agent_rollout``): ``group_size`` episodes per task row,
         all in flight at once on an endpoint of this rollout, their calls batched; the agent's returned components
-        are the rewards, on every exact segment (row) of its episode."""
+        are the rewards, with the scores of ``rewards.functions`` when the config lists any, on every exact segment
+        (row) of its episode."""
         assert self.agent is not None and self.chat is not None
         source, g = self.agent, request.group_size
         started = time.perf_counter()
@@ -129,6 +133,9 @@ class EpisodeRollouts:
             )
         except GeneratorsFailed as failed:
             return {**meta, "generator_failures": failed.failures}, None
+        played = time.perf_counter()
+        reward_restarts = self._score_episodes(episodes, tasks, g) if self.pool is not None else 0
+        reward_time_s = time.perf_counter() - played
         group_ids = np.repeat(np.arange(request.first_group, request.first_group + len(request.indices)), g)
         episode_ids = [request.first_group * g + i for i in range(len(episodes))]
         trajectories = agent_trajectories(episodes, episode_ids, group_ids)
@@ -151,7 +158,9 @@ class EpisodeRollouts:
                 ),
                 "rewrites": sum(e.trace.rewrites for e in episodes),
                 **refused,
-                "generate_time_s": time.perf_counter() - started,  # episodes interleave calls and the agents' work
+                "generate_time_s": played - started,  # episodes interleave calls and the agents' work
+                "reward_restarts": reward_restarts,
+                "reward_time_s": reward_time_s,
             }
         )
         outcomes = [(transcript(e.trace), e.rewards, e.error) for e in episodes]

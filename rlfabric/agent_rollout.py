@@ -170,16 +170,17 @@ def episode_versions(episodes: Sequence[AgentEpisode]) -> np.ndarray:
     )
 
 
-def transcript(trace: AgentTrace) -> str:
-    """The last segment's conversation as one line, for the samples a run shows: each message as ``role: text``,
-    an assistant's tool calls as ``name(arguments)``, joined by `` | ``."""
+def transcript(trace: AgentTrace, separator: str = " | ", skip: int = 0) -> str:
+    """The last segment's conversation, for the samples a run shows (one line) and for reward functions (one
+    message a line, ``separator="\\n"``): each message after the first ``skip`` as ``role: text``, an assistant's
+    tool calls as ``name(arguments)``."""
     if not trace.segments:
         return ""
     parts = []
-    for m in trace.segments[-1].messages:
+    for m in trace.segments[-1].messages[skip:]:
         calls = [f"{c['function']['name']}({json.dumps(c['function']['arguments'])})" for c in m.get("tool_calls", [])]
         parts.append(f"{m['role']}: {' '.join([m['content'], *calls]).strip()}")
-    return " | ".join(parts)
+    return separator.join(parts)
 
 
 class AgentDemonstrations:

@@ -1,4 +1,4 @@
-"""Reward functions on a text env's episodes: each finished episode scored as one sample, its scores on its turns.
+"""Reward functions on multi-turn episodes: each finished episode scored as one sample, its scores on its turns.
 
 With ``rewards.functions`` beside ``env.id`` (or an OpenEnv server), the rollout worker sends each group's finished
 episodes to its reward services, as single-turn runs send completions (``rlfabric.reward_pool``). An episode is one
@@ -18,14 +18,22 @@ The scores become per-turn rewards, exactly like the env's own components (``add
 components on the last turn, a process function's components on each turn. So the record's ``step_rewards`` hold
 them on the turns' spans and ``final_rewards`` their sum over the episode, as for every component of a text env.
 A component name the env gives too fails the episode (one line naming it): two sources would add up unnoticed.
+
+An outside agent's episode (``env.agent``, ``agent_episode_input``) is one sample too: ``prompt`` the first user
+message of its last segment (the conversation it ended with), ``completion`` the messages after it, one a line as
+``role: text`` (an assistant's tool calls as ``name(arguments)``), no steps (a process reward sees the whole
+conversation as one step). The scores join the components the agent returned, on every segment's last turn as
+the agent's own do (``add_agent_scores``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from rlfabric.agent_loop import Episode
+from rlfabric.agent_rollout import transcript
+from rlfabric.agents import AgentEpisode
 from rlfabric.data import row_metadata
 from rlfabric.rewards import RewardInput, RewardResult
 
@@ -49,6 +57,40 @@ def episode_input(episode: Episode, task: dict[str, Any], prompt_key: str) -> Re
         num_tokens=sum(len(t.sampled) for t in episode.turns),
         steps=steps,
     )
+
+
+def agent_episode_input(episode: AgentEpisode, task: dict[str, Any], prompt_key: str) -> RewardInput:
+    """The ``RewardInput`` of one finished outside-agent episode (see the module docstring)."""
+    segment = episode.trace.segments[-1]
+    first_user = next((k for k, m in enumerate(segment.messages) if m["role"] == "user"), None)
+    prompt = str(task.get(prompt_key, "")) if first_user is None else str(segment.messages[first_user]["content"])
+    skip = 0 if first_user is None else first_user + 1
+    return RewardInput(
+        prompt=prompt,
+        completion=transcript(episode.trace, "\n", skip),
+        metadata=row_metadata(task, prompt_key),
+        finish_reason="length" if segment.truncated else "stop",
+        num_tokens=sum(len(t.sampled) for s in episode.trace.segments for t in s.turns),
+    )
+
+
+def add_agent_scores(episode: AgentEpisode, result: RewardResult) -> None:
+    """Add a reward result to an outside agent's episode: its components (and a process reward's one step's)
+    join the agent's returned components, on every segment's last turn; a failed result, or a component the agent
+    returned too, fails the episode instead."""
+    if result.error is not None:
+        episode.error = result.error
+        return
+    given = {**result.components, **{k: v for step in result.step_components or [] for k, v in step.items()}}
+    clash = sorted(set(given) & set(episode.rewards))
+    if clash:
+        episode.error = (
+            f"reward component {clash[0]!r} comes from both the agent and rewards.functions: rename one of them"
+        )
+        return
+    scores = {name: float(value) for name, value in given.items()}
+    episode.rewards.update(scores)
+    episode.trace.add_rewards(scores)
 
 
 def add_scores(episode: Episode, result: RewardResult) -> None:
@@ -80,19 +122,29 @@ def add_scores(episode: Episode, result: RewardResult) -> None:
 
 def score_episodes(
     score: Callable[[list[list[RewardInput]]], list[list[RewardResult]]],
-    episodes: list[Episode],
+    episodes: Sequence[Episode] | Sequence[AgentEpisode],
     tasks: list[dict[str, Any]],
     group_size: int,
     prompt_key: str,
 ) -> None:
-    """Score the finished episodes, ``group_size`` consecutive ones per group (``score``: a reward pool's, one
-    call for all groups), and put each result on its episode's turns (``add_scores``); ``tasks[i]`` is episode
-    i's task row. Episodes that already failed are not scored."""
+    """Score the finished episodes (a text env's or an outside agent's), ``group_size`` consecutive ones per group
+    (``score``: a reward pool's, one call for all groups), and put each result on its episode (``add_scores``,
+    ``add_agent_scores``); ``tasks[i]`` is episode i's task row. Episodes that already failed are not scored."""
     groups = [
         [i for i in range(start, start + group_size) if episodes[i].error is None]
         for start in range(0, len(episodes), group_size)
     ]
-    results = score([[episode_input(episodes[i], tasks[i], prompt_key) for i in group] for group in groups])
-    for group, group_results in zip(groups, results, strict=True):
+    inputs = [[_input(episodes[i], tasks[i], prompt_key) for i in group] for group in groups]
+    for group, group_results in zip(groups, score(inputs), strict=True):
         for i, result in zip(group, group_results, strict=True):
-            add_scores(episodes[i], result)
+            episode = episodes[i]
+            if isinstance(episode, AgentEpisode):
+                add_agent_scores(episode, result)
+            else:
+                add_scores(episode, result)
+
+
+def _input(episode: Episode | AgentEpisode, task: dict[str, Any], prompt_key: str) -> RewardInput:
+    if isinstance(episode, AgentEpisode):
+        return agent_episode_input(episode, task, prompt_key)
+    return episode_input(episode, task, prompt_key)

@@ -481,12 +481,10 @@ def _validate_env(cfg: LLMConfig) -> None:
         f"needs sft.player with {what} (a scripted player whose episodes are the demonstrations), or 0",
     )
     require(
-        not cfg.rewards.functions or bool(e.id or o.command or o.url),
+        not cfg.rewards.functions or not e.verifiers.id,
         "rewards.functions",
         [f.name for f in cfg.rewards.functions],
-        f"must be [] with {what}: the agent returns its episode's reward components"
-        if e.agent
-        else f"must be [] with {what}: the environment's rubric gives the reward components",
+        f"must be [] with {what}: the environment's rubric gives the reward components",
     )
     require(
         not e.tool_servers or bool(e.id),

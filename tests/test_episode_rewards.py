@@ -151,9 +151,68 @@ def test_grpo_on_a_text_env_trains_with_outcome_and_process_reward_functions(loc
     assert shown and all({"turn_cost", "numeric"} <= set(s["components"]) for s in shown)
 
 
-def test_reward_functions_stay_refused_for_an_agent_or_a_verifiers_environment():
+async def two_calls(task, client):
+    """Asks, then asks again with the whole history (one exact segment); returns its own ``correct``."""
+    opening = [{"role": "user", "content": f"Value of key {task['key']}?"}]
+    first = await client.chat.completions.create(model="policy", messages=opening)
+    history = [*opening, first.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "again"}]
+    second = await client.chat.completions.create(model="policy", messages=history)
+    return {"correct": float(len(second.choices[0].message.content or "") % 2 == 0)}
+
+
+@pointwise
+def assistant_turns(inputs: list[RewardInput]) -> list[dict[str, float]]:
+    """The assistant messages of the conversation after the prompt, one a line as "role: text"; and whether the
+    prompt is the agent's opening question."""
+    return [
+        {
+            "assistant_turns": float(x.completion.startswith("assistant: ") + x.completion.count("\nassistant: ")),
+            "asked": float(x.prompt.startswith("Value of key ")),
+        }
+        for x in inputs
+    ]
+
+
+@pointwise
+def claims_correct(inputs: list[RewardInput]) -> list[dict[str, float]]:
+    return [{"correct": 1.0} for _ in inputs]
+
+
+register_reward("assistant_turns", assistant_turns)
+register_reward("claims_correct", claims_correct)
+AGENT_RUN = {
+    "model": {"builtin": {"num_layers": 1, "hidden_size": 32, "num_heads": 2, "max_positions": 256}},
+    "data": {"train": "task:key_lookup", "num_train": 16, "num_eval": 4},
+    "env": {"agent": "tests-two-calls"},
+    "sampling": {"max_new_tokens": 6},
+    "training": {"total_steps": 2, "eval_every": 0},
+}
+
+
+def test_reward_functions_score_an_outside_agents_conversations(local_ray, tmp_path):
+    from rlfabric.agents import register_agent
+
+    register_agent("tests-two-calls", two_calls)
+    run = run_grpo(tmp_path / "run", rewards={"functions": [{"name": "assistant_turns"}]}, **AGENT_RUN)
+    steps = run.phase("grpo")
+    assert len(steps) == 2 and all(r["failed_samples"] == 0 for r in steps)
+    # each conversation after the opening question: assistant, user "again", assistant
+    assert all(r["reward_assistant_turns"] == 2.0 and r["reward_asked"] == 1.0 for r in steps)
+    assert all("reward_correct" in r for r in steps)  # the agent's own component beside them
+
+
+def test_a_component_both_the_agent_and_a_reward_function_give_stops_the_run_naming_it(local_ray, tmp_path):
+    from rlfabric.actor_slots import RunAbortedError
+    from rlfabric.agents import register_agent
+
+    register_agent("tests-two-calls", two_calls)
+    with pytest.raises(RunAbortedError, match="reward component 'correct' comes from both the agent and rewards"):
+        run_grpo(tmp_path / "run", rewards={"functions": [{"name": "claims_correct"}]}, **AGENT_RUN)
+
+
+def test_reward_functions_stay_refused_for_a_verifiers_environment():
     from grpo_runs import BASE, merged
 
-    cfg = merged(BASE, {"env": {"agent": "some.module:agent"}, "rewards": {"functions": [{"name": "arithmetic"}]}})
+    cfg = merged(BASE, {"env": {"verifiers": {"id": "some_env"}}, "data": {"train": "env"}})
     with pytest.raises(ConfigError, match=r"rewards.functions = \['arithmetic'\] is not valid: must be \[\] with env"):
         config_from_dict(cfg)
