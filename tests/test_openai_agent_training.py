@@ -93,7 +93,6 @@ def test_an_agent_that_names_nothing_stops_setup_before_ray(tmp_path):
     ("changes", "message"),
     [
         ({"env": {"agent": "x", "id": "rlfabric/GuessNumber-v0"}}, "env.agent = 'x' is not valid: is exclusive"),
-        ({"rewards": {"functions": [{"name": "arithmetic"}]}}, "must be \\[\\] with env.agent"),
         ({"sft": {"steps": 10}}, "sft.steps = 10 is not valid: needs sft.player with env.agent"),
         ({"env": {"tool_servers": ["notes"]}}, "env.tool_servers = \\['notes'\\] is not valid: needs env.id"),
         ({"env": {"agent_timeout_s": 0}}, "env.agent_timeout_s = 0.0 is not valid: must be > 0"),

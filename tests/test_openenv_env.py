@@ -173,7 +173,6 @@ def test_an_observation_without_the_named_field_is_one_line(local_ray, tmp_path)
     ("changes", "message"),
     [
         ({"env": {"id": "rlfabric/GuessNumber-v0"}}, "env.openenv.command = .* is not valid: is exclusive with env.id"),
-        ({"rewards": {"functions": [{"name": "arithmetic"}]}}, "must be \\[\\] with env.openenv.command"),
         ({"env": {"openenv": {"start_timeout_s": 0}}}, "env.openenv.start_timeout_s = 0.0 is not valid"),
     ],
 )
