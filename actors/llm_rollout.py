@@ -114,6 +114,8 @@ class LLMRolloutCore(EpisodeRollouts):
         process: dict[str, Any] | None = None,
         model_dir: str | None = None,
         step_credit: dict[str, Any] | None = None,
+        reward_gpus: float = 0.0,
+        reward_resources: dict[str, float] | None = None,
     ) -> None:
         """``text_env`` / ``agent``: where episodes come from when the run plays a text env or an outside agent
         (None: single-turn completions); ``process``: the ``rewards.process`` section (None: off); ``model_dir``:
@@ -128,6 +130,8 @@ class LLMRolloutCore(EpisodeRollouts):
                 num_reward_workers,
                 reward_timeout_s,
                 num_cpus_per_worker=reward_cpus,
+                num_gpus_per_worker=reward_gpus,
+                resources=reward_resources,
                 snapshot=reward_registry,
             )
             if reward_functions
@@ -155,6 +159,8 @@ class LLMRolloutCore(EpisodeRollouts):
                 1,
                 reward_timeout_s,
                 num_cpus_per_worker=reward_cpus,
+                num_gpus_per_worker=reward_gpus,
+                resources=reward_resources,
                 snapshot=reward_registry,
             )
             if self.shadow

@@ -38,7 +38,7 @@ from rlfabric.config import ConfigError, load_config
 from rlfabric.data import check_prompt_lengths, load_heldout, load_prompts, row_metadata
 from rlfabric.driver import ensure_ray
 from rlfabric.grpo_config import LLMConfig
-from rlfabric.llm_actors import judge_request, reward_weights, start_generator
+from rlfabric.llm_actors import judge_request, reward_resources, reward_weights, start_generator
 from rlfabric.llm_resources import SETUP_TIMEOUT_S, openmp_env
 from rlfabric.llm_run_state import FINAL_MODEL_DIR, INITIAL_MODEL_DIR, latest_checkpoint, read_trainer_state
 from rlfabric.models.hf import check_model_source, encode_prompt, model_max_positions
@@ -167,7 +167,7 @@ def eval_actor_requests(cfg: LLMConfig, pools: dict[str, list[dict[str, Any]]]) 
     g, r = cfg.generator, cfg.rewards
     requests = [
         ActorRequest("generator", g.num_generators, {"CPU": g.num_cpus, "GPU": g.num_gpus, **g.resources}),
-        ActorRequest("rewards", r.num_workers * len(pools), {"CPU": r.num_cpus}),
+        ActorRequest("rewards", r.num_workers * len(pools), reward_resources(cfg)),
     ]
     for label, specs in pools.items():
         for i, spec in enumerate(specs):
@@ -326,7 +326,15 @@ class BestOfNEval:
         self.generators = [start_generator(self.cfg, model_dir, self.seed + i) for i in range(g.num_generators)]
         snapshot = rewards.snapshot()
         for label, specs in pools.items():
-            self.pools[label] = RewardPool(specs, r.num_workers, r.timeout_s, r.num_cpus, snapshot)
+            self.pools[label] = RewardPool(
+                specs,
+                r.num_workers,
+                r.timeout_s,
+                r.num_cpus,
+                snapshot,
+                num_gpus_per_worker=r.num_gpus,
+                resources=r.resources,
+            )
         try:
             ray.get([gen.version.remote() for gen in self.generators], timeout=SETUP_TIMEOUT_S)
         except ray.exceptions.GetTimeoutError:

@@ -368,6 +368,7 @@ def validate_llm(cfg: LLMConfig) -> LLMConfig:
         ("generator.num_gpus", cfg.generator.num_gpus),
         ("generator.session_cache_mb", cfg.generator.session_cache_mb),
         ("rewards.num_cpus", cfg.rewards.num_cpus),
+        ("rewards.num_gpus", cfg.rewards.num_gpus),
         ("learner.num_cpus", cfg.learner.num_cpus),
         ("learner.num_gpus", cfg.learner.num_gpus),
     ):

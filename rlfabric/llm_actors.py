@@ -29,7 +29,7 @@ def actor_requests(cfg: LLMConfig) -> list[ActorRequest]:
     requests = [
         ActorRequest("generator", g.num_generators, generator_resources(cfg)),
         ActorRequest("learner", lc.num_learners + reference, {"CPU": lc.num_cpus, "GPU": lc.num_gpus, **lc.resources}),
-        ActorRequest("rewards", r.num_actors, {"CPU": r.num_cpus}),
+        ActorRequest("rewards", r.num_actors, reward_resources(cfg)),
     ]
     specs = policy_likelihood_specs(cfg)
     if specs:  # one scorer, shared by every policy likelihood reward
@@ -38,6 +38,12 @@ def actor_requests(cfg: LLMConfig) -> list[ActorRequest]:
     for field, spec in judge_specs(cfg):
         requests.append(judge_request(field, spec, 1 if field.startswith("rewards.shadow") else r.num_workers))
     return requests
+
+
+def reward_resources(cfg: LLMConfig) -> dict[str, float]:
+    """What one reward worker asks Ray for (``rewards.num_cpus``, ``num_gpus``, ``resources``)."""
+    r = cfg.rewards
+    return {"CPU": r.num_cpus, "GPU": r.num_gpus, **r.resources}
 
 
 def generator_resources(cfg: LLMConfig) -> dict[str, float]:
@@ -252,6 +258,8 @@ def start_rollout_worker(
         num_reward_workers=r.num_workers,
         reward_timeout_s=r.timeout_s,
         reward_cpus=r.num_cpus,
+        reward_gpus=r.num_gpus,
+        reward_resources=r.resources,
         reward_registry=rewards.snapshot(),
         prompt_key=cfg.data.prompt_key,
         text_env=text_env,

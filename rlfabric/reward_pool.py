@@ -65,11 +65,14 @@ class RewardPool:
         num_cpus_per_worker: float = 1.0,
         snapshot: bytes | None = None,
         grace_s: float = 30.0,
+        num_gpus_per_worker: float = 0.0,
+        resources: dict[str, float] | None = None,
     ) -> None:
         """``specs``: the reward functions (names or {name, kwargs}); ``timeout_s``: the deadline for one group.
 
         ``snapshot`` is the reward registry to ship (default: this process's registrations, taken now).
         ``grace_s`` is added to each call's backstop deadline, for starting a replacement worker and transfers.
+        ``num_gpus_per_worker``, ``resources``: what else one worker asks Ray for (a GPU for a reward model).
         """
         if not isinstance(num_workers, int) or num_workers < 1:
             raise ValueError(f"num_workers = {num_workers!r}: must be an integer >= 1")
@@ -82,6 +85,7 @@ class RewardPool:
             rewards.resolve_reward(spec, f"rewards.functions[{i}]")
         self.timeout_s, self.grace_s = timeout_s, grace_s
         self.num_cpus_per_worker = num_cpus_per_worker
+        self.num_gpus_per_worker, self.resources = num_gpus_per_worker, dict(resources or {})
         self.snapshot = rewards.snapshot() if snapshot is None else snapshot
         # A slot replaced more than 5 times in a row, with no clean call in between, is a bug, not bad luck.
         self.slots = ActorSlots("reward worker", lambda slot, generation: self._start_worker(), num_workers)
@@ -104,7 +108,10 @@ class RewardPool:
         from rlfabric.actors.reward_service import RewardService
 
         specs = [spec.to_dict() for spec in self.specs]
-        return RewardService.options(num_cpus=self.num_cpus_per_worker).remote(specs, self.timeout_s, self.snapshot)
+        options = {"num_cpus": self.num_cpus_per_worker, "num_gpus": self.num_gpus_per_worker}
+        if self.resources:
+            options["resources"] = self.resources
+        return RewardService.options(**options).remote(specs, self.timeout_s, self.snapshot)
 
     def pids(self, timeout_s: float = 60.0) -> list[int]:
         """Each worker's process id (waits for workers still starting)."""

@@ -318,6 +318,19 @@ def test_a_killed_learner_is_named_and_its_checkpoint_resumes(local_ray, tmp_pat
     assert steps == [1, 2, 3, 4, 5, 6]  # the steps after the checkpoint were redone, each logged once
 
 
+def test_reward_workers_asking_for_a_gpu_the_cluster_lacks_are_refused_before_any_actor_starts(local_ray, tmp_path):
+    cfg = config_from_dict(merged(BASE, {"rewards": {"num_gpus": 1}}))
+    trainer = GRPOTrainer(cfg, tmp_path / "run", quiet=True)
+    try:
+        with pytest.raises(
+            ConfigError, match=r"rewards.num_cpus/num_gpus/resources ask for CPU=0.25, GPU=1 per actor, which no node"
+        ):
+            trainer.setup()
+        assert trainer.generators is None and trainer.learners == []
+    finally:
+        trainer.close()
+
+
 def test_actors_the_cluster_cannot_place_are_refused_before_they_start(local_ray, tmp_path):
     cfg = config_from_dict(merged(BASE, {"learner": {"num_learners": 2, "num_cpus": 3}}))
     trainer = GRPOTrainer(cfg, tmp_path / "run", quiet=True)
