@@ -201,7 +201,7 @@ def test_judge_generators_are_counted_in_what_an_eval_asks_ray_for():
     judge = {"name": "judge", "kwargs": {"model": "j", "num_generators": 2, "num_cpus": 1.5}}
     pools = {VERIFIER: [{"name": "arithmetic"}, {"name": "judge", "kwargs": {"model": "j"}}], "jd": [judge]}
     requests = {r.role: (r.count, r.resources) for r in eval_actor_requests(cfg, pools)}
-    assert requests["rewards"] == (6, {"CPU": 0.25})  # 3 workers for each of the 2 pools
+    assert requests["rewards"] == (6, {"CPU": 0.25, "GPU": 0.0})  # 3 workers for each of the 2 pools
     # every worker of a pool with a judge starts its own judge generators: 0.5 CPU and one generator by default
     assert requests["judge generators (rewards.functions[1].kwargs.num_generators/num_cpus)"] == (3, {"CPU": 0.5})
     assert requests["judge generators (--selector 'jd' kwargs.num_generators/num_cpus)"] == (6, {"CPU": 1.5})
