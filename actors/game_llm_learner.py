@@ -20,6 +20,7 @@ from rlfabric.actors.llm_learner import LLMLearnerCore
 from rlfabric.grpo_config import GRPOConfig, SFTConfig
 from rlfabric.models.weights import FlatWeights
 
+LOAD_TIMEOUT_S = 60.0  # for the generator to load new weights: past it, it counts as hung
 # what update_from_refs reports, from the learner's metrics (the driver adds "/<policy>" with several policies)
 REPORTED = ("pg_loss", "entropy", "grad_norm", "clip_fraction", "logprob_gap", "trained_rows")
 
@@ -85,8 +86,8 @@ class GameLLMLearner:
         if version != self.loaded_version:
             try:
                 self._load_into_generator()
-            except ray.exceptions.RayActorError:
-                pass  # loaded into its replacement instead
+            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+                pass  # dead or hung: the runners' calls report it, and its replacement gets these weights
         return {"version": version}, version
 
     def serve_with(self, generator: Any) -> int:
@@ -98,7 +99,8 @@ class GameLLMLearner:
 
     def _load_into_generator(self) -> None:
         weights: FlatWeights = self.core.flat_weights()
-        ray.get(self.generator.update_weights.remote([ray.put(weights)], self.core.version))
+        loaded = self.generator.update_weights.remote([ray.put(weights)], self.core.version)
+        ray.get(loaded, timeout=LOAD_TIMEOUT_S)
         self.loaded_version = self.core.version
 
     def state(self) -> dict[str, Any]:

@@ -40,15 +40,22 @@ from rlfabric.policies.served import ServedLLMPolicy
 from rlfabric.trajectory import NO_GROUP, Trajectories
 
 SNAPSHOT = "snapshot:"  # actor name prefix of an opponent-pool snapshot
-LLM_MOVE_TIMEOUT_S = 60.0  # deadline of one batch of an llm policy's moves: past it, its generator counts as hung
+LLM_MOVE_TIMEOUT_S = 60.0  # default deadline of one batch of an llm policy's moves: past it, its generator is hung
 
 
-def llm_player(spec: PolicySpec, serving: LLMServing, spaces: AgentSpaces, seed: int, render: Any) -> LLMPlayer:
+def llm_player(
+    spec: PolicySpec,
+    serving: LLMServing,
+    spaces: AgentSpaces,
+    seed: int,
+    render: Any,
+    timeout_s: float = LLM_MOVE_TIMEOUT_S,
+) -> LLMPlayer:
     """An llm policy's player in this runner, calling its generator actor; ``render`` its observation renderer.
-    A generator that fails or misses the deadline fails the sample with ``GeneratorsFailed`` naming it, and the
+    A generator that fails or misses ``timeout_s`` fails the sample with ``GeneratorsFailed`` naming it, and the
     driver replaces it."""
     params = {"temperature": spec.temperature, "max_new_tokens": spec.max_new_tokens}
-    served = ServedLLMPolicy([serving.generator], params, timeout_s=LLM_MOVE_TIMEOUT_S)
+    served = ServedLLMPolicy([serving.generator], params, timeout_s=timeout_s)
     return LLMPlayer(served, serving.model_dir, render, spaces.action.n, seed)
 
 
@@ -92,11 +99,14 @@ class GameRunnerCore:
         agent_policies: dict[str, str] | None = None,
         callables_blob: bytes | None = None,
         episode_id_start: int = 0,
+        llm_move_timeout_s: float = LLM_MOVE_TIMEOUT_S,
     ) -> None:
         """``llm_servers``: for each llm policy, its model folder and the generator actor serving it.
         ``agent_policies``: agent -> policy as the driver resolved it (else the config's mapping is resolved here).
         ``callables_blob``: the config's scripted rules and renderers, shipped by the driver (``user_callables``).
-        ``episode_id_start``: the first row's episode id (the driver gives each runner its own range)."""
+        ``episode_id_start``: the first row's episode id (the driver gives each runner its own range).
+        ``llm_move_timeout_s``: the deadline of a batch of an llm policy's moves (the driver's is half the sample's,
+        so a hung generator is named, and replaced, before the sample's deadline)."""
         if registry_blob is not None:
             registry.load_snapshot(registry_blob)
         self.callables = shipping.loads(callables_blob) if callables_blob else {}
@@ -119,7 +129,7 @@ class GameRunnerCore:
             elif spec.kind == "llm":
                 render = self._callable(spec.render or "", text_renderer)
                 self.policies[name] = llm_player(
-                    spec, (llm_servers or {})[name], self.policy_spaces[name], seed + i, render
+                    spec, (llm_servers or {})[name], self.policy_spaces[name], seed + i, render, llm_move_timeout_s
                 )
             else:
                 rule = self._callable(spec.rule, scripted_rule) if spec.kind == "scripted" and spec.rule else None

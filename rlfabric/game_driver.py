@@ -187,6 +187,7 @@ class GameTrainer(Trainer):
             self.agent_policies,
             self.callables_blob,
             next_episode_id_range(self.progress),
+            r.sample_timeout_s / 2,  # an llm move's deadline: a hung generator is named before the sample's
         )
 
     def setup(self) -> None:
@@ -240,7 +241,10 @@ class GameTrainer(Trainer):
         for policy in replaced:
             self.log.note(f"the generator of llm policy '{policy}' failed; started a new one")
             if policy in self.learners:
-                ray.get(self.learners[policy].serve_with.remote(servers[policy].handle), timeout=SETUP_TIMEOUT_S)
+                try:
+                    ray.get(self.learners[policy].serve_with.remote(servers[policy].handle), timeout=SETUP_TIMEOUT_S)
+                except ray.exceptions.RayError as exc:  # the new one failed too: the runners' calls will say so
+                    self.log.note(f"the new generator of llm policy '{policy}' did not load its weights: {exc}")
         self.pool.broadcast_call("set_llm_servers", servers)
 
     def close(self) -> None:

@@ -197,6 +197,7 @@ def test_a_killed_generator_is_replaced_and_serves_the_trained_weights(local_ray
         replacement = trainer.llm_servers.serving()["picker"].handle
         assert ray.get(replacement.version.remote(), timeout=30) == 20  # the final weights reached the replacement
         assert ray.get(replacement.pid.remote(), timeout=30) not in killed
+        assert trainer.llm_servers.slots.restarts == 1
     finally:
         trainer.close()
     thread.join(timeout=5)
