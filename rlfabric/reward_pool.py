@@ -169,7 +169,7 @@ class RewardPool:
             return _failed(call, f"reward worker {call.worker} failed: {error_summary(exc)}")
         except RayError as exc:  # the process died (or was replaced while this call waited)
             error = f"reward worker {call.worker} died: {exc.__class__.__name__}: {error_summary(exc)}"
-            self._replace(call, error)
+            self._replace(call, error, failure=not call.retry)  # one failure per call, however many tries
             if isinstance(exc, RayActorError) and not call.retry:
                 return self._finish(self._call(call.worker, call.groups, call.group_indices, retry=True))
             return _failed(call, error + (" (the second worker to die on these groups)" if call.retry else ""))

@@ -116,9 +116,10 @@ class RolloutScheduler:
         return {**common, "temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k}
 
     def _deadline(self, request: RolloutRequest) -> float:
-        """The backstop for a rollout worker's answer: generation, then scoring every group, plus slack."""
+        """The backstop for a rollout worker's answer: generation, then scoring every group twice (a reward worker
+        that dies has its groups scored again on its replacement), plus slack."""
         groups = len(request.indices)
-        return request.timeout_s + self.cfg.rewards.timeout_s * groups + 2 * REWARD_GRACE_S
+        return request.timeout_s + 2 * (self.cfg.rewards.timeout_s * groups + 2 * REWARD_GRACE_S)
 
     def send(self, request: RolloutRequest, attempt: int = 0) -> Pending:
         assert self.workers is not None and self.generators is not None

@@ -215,3 +215,15 @@ def test_served_policy_keeps_each_session_on_one_generator(served):
         assert all(stats["sessions"] > 0 for stats in ray.get([g.stats.remote() for g in generators]))  # both used
     finally:
         ray.kill(other, no_restart=True)
+
+
+def test_a_generators_failure_crosses_processes_with_the_generators_it_names():
+    import pickle
+
+    from rlfabric.policies.served import GeneratorsFailed
+
+    failed = pickle.loads(pickle.dumps(GeneratorsFailed([(0, 2, "the actor died"), (1, 0, "missed its 60s deadline")])))
+    assert failed.failures == [(0, 2, "the actor died"), (1, 0, "missed its 60s deadline")]
+    assert str(failed) == (
+        "generator 0 (generation 2): the actor died; generator 1 (generation 0): missed its 60s deadline"
+    )

@@ -196,28 +196,3 @@ def test_an_unscored_sample_fails_alone_in_per_group_and_pointwise_functions():
         assert errors == [[None, f"{name}: no verdict"], [f"{name}: no verdict", None, f"{name}: no verdict"]]
         assert results[0][0].components == {"even": 1.0, "ok": 1.0, "pid": float(os.getpid())}
         assert results[1][1].components["even"] == 1.0
-
-
-def test_reward_workers_get_the_gpus_and_resources_they_ask_for():
-    """On a cluster that declares one GPU and two "rm" resources: workers asking for half a GPU each share it
-    (Ray hands each the GPU), workers asking for none see none, and a custom resource places them."""
-    import ray
-
-    if ray.is_initialized():
-        ray.shutdown()
-    ray.init(address="local", num_cpus=4, num_gpus=1, resources={"rm": 2}, include_dashboard=False, log_to_driver=False)
-    try:
-        on_gpu = RewardPool(["tagged"], 2, 5.0, 0.5, num_gpus_per_worker=0.5, resources={"rm": 1})
-        plain = RewardPool(["tagged"], 1, 5.0, 0.5)
-        try:
-            shared = on_gpu.score([group("devices"), group("devices")])
-            assert [r.components["gpus"] for g in shared for r in g] == [1.0] * 4
-            assert len(set(on_gpu.pids())) == 2  # two workers, one GPU between them
-            assert [r.components["gpus"] for g in plain.score([group("devices")]) for r in g] == [0.0, 0.0]
-            available = ray.available_resources()
-            assert available.get("GPU", 0.0) == 0.0 and available.get("rm", 0.0) == 0.0  # both held
-        finally:
-            on_gpu.shutdown()
-            plain.shutdown()
-    finally:
-        ray.shutdown()
