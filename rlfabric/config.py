@@ -105,7 +105,24 @@ def config_from_dict(data: dict[str, Any] | None) -> Any:
             f"config key {ppo_keys[0]!r} belongs to a PPO config: add 'algo: ppo' "
             f"(without it, algo is {DEFAULT_ALGO!r})"
         )
-    return validate_llm(build_config(LLMConfig, data))
+    return validate_llm(build_config(LLMConfig, without_default_rewards_for_episodes(data)))
+
+
+def without_default_rewards_for_episodes(data: dict[str, Any]) -> dict[str, Any]:
+    """``data`` with ``rewards.functions: []`` when it names where episodes come from (``env.id``, ``env.agent``,
+    ``env.openenv``, ``env.verifiers``) and leaves ``rewards.functions`` out: there the env, agent or rubric gives
+    the rewards, and the single-turn default (the arithmetic reward) would score its episodes too."""
+    env = data.get("env")
+    rewards = data.get("rewards")
+    if not isinstance(env, dict) or (isinstance(rewards, dict) and "functions" in rewards):
+        return data
+    openenv, verifiers = env.get("openenv"), env.get("verifiers")
+    plays = bool(env.get("id") or env.get("agent"))
+    plays |= isinstance(openenv, dict) and bool(openenv.get("command") or openenv.get("url"))
+    plays |= isinstance(verifiers, dict) and bool(verifiers.get("id"))
+    if not plays:
+        return data
+    return {**data, "rewards": {**(rewards if isinstance(rewards, dict) else {}), "functions": []}}
 
 
 def load_config(path: str | Path | None, overrides: list[str] | None = None) -> Any:

@@ -373,6 +373,13 @@ def validate_llm(cfg: LLMConfig) -> LLMConfig:
         ("learner.num_gpus", cfg.learner.num_gpus),
     ):
         positive(path, value, allow_zero=True)
+    for name, amount in cfg.rewards.resources.items():
+        require(
+            name not in ("CPU", "GPU", "memory"),
+            f"rewards.resources.{name}",
+            amount,
+            "CPU, GPU and memory are set by rewards.num_cpus / num_gpus, not resources",
+        )
     require(s.temperature > 0, "sampling.temperature", s.temperature, "must be > 0 for training (exploration)")
     require(0 < s.top_p <= 1, "sampling.top_p", s.top_p, "must be in (0, 1]")
     require(

@@ -103,8 +103,9 @@ class RewardsConfig:
     weights: dict[str, float] = field(default_factory=lambda: {"format": 0.0})
     num_workers: int = 1
     num_cpus: float = 0.5
-    # GPUs per reward worker (a fraction shares one): a reward model, judge or likelihood model with device "auto"
-    # (or "cuda") runs on it. Ray hides GPUs from an actor that asks for none.
+    # GPUs per reward worker (a fraction shares one): a model the worker loads itself (a reward model, a process
+    # reward model, a frozen likelihood model) with device "auto" or "cuda" runs on it. Ray hides GPUs from an
+    # actor that asks for none. A judge runs on generator actors of its own.
     num_gpus: float = 0.0
     resources: dict[str, float] = field(default_factory=dict)  # extra Ray resources per reward worker
     # Deadline for scoring one group; a function that hangs or raises costs only its group's samples.

@@ -210,6 +210,15 @@ def test_a_component_both_the_agent_and_a_reward_function_give_stops_the_run_nam
         run_grpo(tmp_path / "run", rewards={"functions": [{"name": "claims_correct"}]}, **AGENT_RUN)
 
 
+def test_a_config_that_plays_episodes_and_names_no_reward_function_gets_none():
+    from grpo_runs import BASE, merged
+
+    plain = merged({k: v for k, v in BASE.items() if k != "rewards"}, {"env": GAME["env"], "data": GAME["data"]})
+    assert config_from_dict(plain).rewards.functions == []  # not the single-turn default (arithmetic)
+    named = merged(plain, {"rewards": {"functions": [{"name": "turns_taken"}]}})
+    assert [f.name for f in config_from_dict(named).rewards.functions] == ["turns_taken"]
+
+
 def test_reward_functions_stay_refused_for_a_verifiers_environment():
     from grpo_runs import BASE, merged
 
