@@ -60,7 +60,7 @@ class EpisodeRollouts:
         turns batched across them; the env's reward components are the samples' rewards, with the scores of
         ``rewards.functions`` on their turns when the config lists any."""
         assert self.text_env is not None and self.chat is not None and self.make_env is not None
-        source, g = self.text_env, request.group_size
+        source = self.text_env
         started = time.perf_counter()
         tasks, meta, policy = self._episode_tasks(request)
         try:
@@ -68,10 +68,7 @@ class EpisodeRollouts:
         except GeneratorsFailed as failed:
             return {**meta, "generator_failures": failed.failures}, None
         played = time.perf_counter()
-        reward_restarts = self._score_episodes(episodes, tasks, g) if self.pool is not None else 0
-        reward_time_s = time.perf_counter() - played
-        group_ids = np.repeat(np.arange(request.first_group, request.first_group + len(request.indices)), g)
-        episode_ids = [request.first_group * g + i for i in range(len(episodes))]
+        reward_restarts, reward_time_s, group_ids, episode_ids = self._score_and_number(episodes, tasks, request)
         trajectories = episodes_to_trajectories(episodes, episode_ids, group_ids)
         kept = [e for e in episodes if e.error is None]
         scalar = self.scalar_rewards(trajectories)
@@ -100,6 +97,17 @@ class EpisodeRollouts:
         outcomes = [(" | ".join(e.texts), e.rewards, e.error) for e in episodes]
         return self._episodes_outcome(meta, request, tasks, outcomes, scalar, trajectories)
 
+    def _score_and_number(
+        self, episodes: Any, tasks: list[dict[str, Any]], request: Any
+    ) -> tuple[int, float, np.ndarray, list[int]]:
+        """Score the played episodes when the run lists reward functions; return (reward workers replaced, seconds
+        spent scoring, each episode's group id, each episode's id)."""
+        g, started = request.group_size, time.perf_counter()
+        restarts = self._score_episodes(episodes, tasks, g) if self.pool is not None else 0
+        group_ids = np.repeat(np.arange(request.first_group, request.first_group + len(request.indices)), g)
+        episode_ids = [request.first_group * g + i for i in range(len(episodes))]
+        return restarts, time.perf_counter() - started, group_ids, episode_ids
+
     def _score_episodes(
         self, episodes: list[Episode] | list[AgentEpisode], tasks: list[dict[str, Any]], group_size: int
     ) -> int:
@@ -116,7 +124,7 @@ class EpisodeRollouts:
         are the rewards, with the scores of ``rewards.functions`` when the config lists any, on every exact segment
         (row) of its episode."""
         assert self.agent is not None and self.chat is not None
-        source, g = self.agent, request.group_size
+        source = self.agent
         started = time.perf_counter()
         tasks, meta, policy = self._episode_tasks(request)
         try:
@@ -134,10 +142,7 @@ class EpisodeRollouts:
         except GeneratorsFailed as failed:
             return {**meta, "generator_failures": failed.failures}, None
         played = time.perf_counter()
-        reward_restarts = self._score_episodes(episodes, tasks, g) if self.pool is not None else 0
-        reward_time_s = time.perf_counter() - played
-        group_ids = np.repeat(np.arange(request.first_group, request.first_group + len(request.indices)), g)
-        episode_ids = [request.first_group * g + i for i in range(len(episodes))]
+        reward_restarts, reward_time_s, group_ids, episode_ids = self._score_and_number(episodes, tasks, request)
         trajectories = agent_trajectories(episodes, episode_ids, group_ids)
         kept = [e for e in episodes if e.error is None]
         scalar = self.scalar_rewards(trajectories)
