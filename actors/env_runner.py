@@ -15,8 +15,7 @@ import numpy as np
 import ray
 
 from rlfabric import registry
-from rlfabric.models import ActionSpec
-from rlfabric.models.mlp import obs_dim_of
+from rlfabric.models.numpy_policy import ActionSpec, obs_dim_of
 from rlfabric.normalization import RunningStats, discounted_returns
 from rlfabric.policies.neural import NeuralNetPolicy
 from rlfabric.trajectory import Trajectories, from_time_major

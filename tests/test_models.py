@@ -171,3 +171,18 @@ def test_a_prompt_through_the_chat_template_is_the_token_ids_of_the_rendered_tur
     assert (
         encode_prompt(tokenizer, "1+2=", chat_template=False) == tokenizer("1+2=", add_special_tokens=False).input_ids
     )
+
+
+def test_the_modules_runners_import_never_load_torch():
+    """PPO and game runners act with the numpy actor: torch stays out of their processes (a game's language-model
+    player loads it only where one plays)."""
+    import subprocess
+    import sys
+
+    check = (
+        "import sys, rlfabric.actors.env_runner, rlfabric.actors.game_runner, rlfabric.models;"
+        "from rlfabric.models import ActionSpec, NumpyPolicy;"
+        "assert 'torch' not in sys.modules, sorted(m for m in sys.modules if m.startswith('rlfabric'))"
+    )
+    done = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]

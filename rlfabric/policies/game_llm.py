@@ -17,7 +17,6 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from rlfabric.models.hf import load_tokenizer
 from rlfabric.multiagent.llm_turns import LLMTurn
 from rlfabric.policies.served import ServedLLMPolicy
 
@@ -62,6 +61,8 @@ class LLMPlayer:
         num_actions: int,
         seed: int,
     ) -> None:
+        from rlfabric.models.hf import load_tokenizer  # torch: loaded only where a language model plays
+
         self.served = served
         self.tokenizer = load_tokenizer(model_dir)
         self.render = render

@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 
-from rlfabric.models.mlp import NumpyPolicy
+from rlfabric.models.numpy_policy import NumpyPolicy
 from rlfabric.normalization import Normalizer, RunningStats
 from rlfabric.policies.base import PolicyOutput
 
