@@ -27,9 +27,12 @@ def metrics(run_dir: Path) -> list[dict]:
 @pytest.mark.slow
 def test_tictactoe_self_play_beats_a_random_player(local_ray, tmp_path):
     rlfabric.register_env("guarded-tictactoe", guarded_tictactoe)  # raises on a move its mask forbids
-    cfg = load_config(ROOT / "examples" / "tictactoe_selfplay.yaml", ["env.id=guarded-tictactoe"])  # ~2.5 min
+    # The example's settings for 60 of its 146 iterations: measured, greedy play beat random in 91.5-95.5% of the
+    # periodic evaluations from 123k moves on (0.93 at 246k, 0.93-0.955 over the last fifth of the full 600k).
+    overrides = ["env.id=guarded-tictactoe", "training.total_env_steps=245760"]
+    cfg = load_config(ROOT / "examples" / "tictactoe_selfplay.yaml", overrides)
     summary = train(cfg, tmp_path / "run", quiet=True)
-    assert summary["runner_restarts"] == 0  # no illegal move in 600k moves (nor any other runner failure)
+    assert summary["runner_restarts"] == 0  # no illegal move in 246k moves (nor any other runner failure)
     assert summary["eval_games"] == 200
     assert summary["eval_win_rate_vs_random"] >= 0.9, summary  # draws are not wins
     elo = [r["learner_elo"] for r in metrics(tmp_path / "run")]
@@ -40,13 +43,14 @@ def test_tictactoe_self_play_beats_a_random_player(local_ray, tmp_path):
 @pytest.mark.slow
 def test_mappo_on_simple_spread_moves_clearly_past_random(local_ray, tmp_path):
     warnings.simplefilter("ignore", DeprecationWarning)
-    cfg = load_config(ROOT / "examples" / "spread_mappo.yaml", ["training.total_env_steps=240000"])
+    cfg = load_config(ROOT / "examples" / "spread_mappo.yaml", ["training.total_env_steps=160000"])
     summary = train(cfg, tmp_path / "run", quiet=True)
     from mpe2 import simple_spread_v3
 
     random_return = random_policy_return(simple_spread_v3.parallel_env(), episodes=100)
     assert random_return < -25  # about -28 per agent per 25-step episode
-    # measured at 240k steps: about -21 (last 100 training episodes) and -18 (greedy evaluation)
+    # measured at 160k steps: -22.9 (last 100 training episodes) and -20.9 (greedy evaluation); at 240k -21 to -22
+    # and -18 to -20.5; random about -28
     assert summary["episode_return_mean"] > random_return + 4, (summary["episode_return_mean"], random_return)
     assert summary["eval_return_mean"] > random_return + 5, (summary["eval_return_mean"], random_return)
 
