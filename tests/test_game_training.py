@@ -27,12 +27,10 @@ def metrics(run_dir: Path) -> list[dict]:
 @pytest.mark.slow
 def test_tictactoe_self_play_beats_a_random_player(local_ray, tmp_path):
     rlfabric.register_env("guarded-tictactoe", guarded_tictactoe)  # raises on a move its mask forbids
-    # The example's settings for 60 of its 146 iterations: measured, greedy play beat random in 91.5-95.5% of the
-    # periodic evaluations from 123k moves on (0.93 at 246k, 0.93-0.955 over the last fifth of the full 600k).
-    overrides = ["env.id=guarded-tictactoe", "training.total_env_steps=245760"]
-    cfg = load_config(ROOT / "examples" / "tictactoe_selfplay.yaml", overrides)
+    # The example's whole budget: at 246k moves one run's greedy play beat random 93% of the time, another's 83.5%.
+    cfg = load_config(ROOT / "examples" / "tictactoe_selfplay.yaml", ["env.id=guarded-tictactoe"])  # ~2 min
     summary = train(cfg, tmp_path / "run", quiet=True)
-    assert summary["runner_restarts"] == 0  # no illegal move in 246k moves (nor any other runner failure)
+    assert summary["runner_restarts"] == 0  # no illegal move in 600k moves (nor any other runner failure)
     assert summary["eval_games"] == 200
     assert summary["eval_win_rate_vs_random"] >= 0.9, summary  # draws are not wins
     elo = [r["learner_elo"] for r in metrics(tmp_path / "run")]

@@ -117,7 +117,7 @@ def ray_head():
             except ProcessLookupError:
                 break
             try:
-                head.wait(15)
+                head.wait(5)  # `ray start --block` takes longer than 15 s to obey SIGTERM: SIGKILL follows
             except subprocess.TimeoutExpired:
                 continue
         subprocess.run(["pkill", "-9", "-f", temp_dir], check=False)  # anything that left the process group
