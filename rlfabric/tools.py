@@ -152,7 +152,7 @@ class ToolSet:
         self.tools = {t.name: t for t in built}
         if len(self.tools) != len(built):
             raise ValueError(f"tool names repeat: {[t.name for t in built]}")
-        self.validators = {t.name: compiled_validator(json.dumps(t.parameters, sort_keys=True)) for t in built}
+        self.validators = {t.name: compiled_validator(json.dumps(t.parameters)) for t in built}
 
     def definitions(self) -> list[dict[str, Any]]:
         return [t.definition() for t in self.tools.values()]

@@ -30,9 +30,6 @@ def gaussian_logp_entropy(
     return logp, entropy
 
 
-# A masked logit: exp() of it is exactly 0 in float32, and 0 * it stays finite in the entropy (an -inf would not).
-
-
 def masked_logits(logits: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
     """logits where ``mask`` is True, MASKED_LOGIT where it is False: a masked action gets probability exactly 0."""
     return logits if mask is None else torch.where(mask, logits, torch.full_like(logits, MASKED_LOGIT))

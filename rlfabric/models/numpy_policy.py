@@ -15,7 +15,7 @@ from typing import Literal
 import gymnasium as gym
 import numpy as np
 
-# A masked action's logit: its probability is exactly 0 after the softmax, in numpy and in torch.
+# A masked logit: exp() of it is exactly 0 in float32, and 0 * it stays finite in the entropy (an -inf would not).
 MASKED_LOGIT = -1e9
 _NP_ACTIVATIONS = {"tanh": np.tanh, "relu": lambda x: np.maximum(x, 0.0)}
 
