@@ -194,9 +194,9 @@ class AgentDemonstrations:
         self.chat = ChatTokens(tokenizer)
         self.pad_id = tokenizer.pad_token_id
 
-    def batch(self, tasks: list[dict[str, Any]]) -> dict[str, np.ndarray]:
-        """The SFT batch of the agent's episodes on ``tasks`` with the player answering; a failed episode is left
-        out, and none left is an error naming the player and the first episode's error."""
+    def trajectories(self, tasks: list[dict[str, Any]]) -> Trajectories:
+        """The agent's episodes on ``tasks`` with the player answering; a failed episode is left out, and none
+        left is an error naming the player and the first episode's error."""
         s = self.source
         episodes, _ = asyncio.run(
             play_agents(
@@ -212,4 +212,8 @@ class AgentDemonstrations:
         trajectories = agent_trajectories(episodes, list(range(len(tasks))), list(range(len(tasks))))
         if trajectories.num_rows == 0:
             raise ConfigError(f"sft.player: every demonstration episode failed; the first: {episodes[0].error}")
-        return pack_trajectories(trajectories, self.pad_id)
+        return trajectories
+
+    def batch(self, tasks: list[dict[str, Any]]) -> dict[str, np.ndarray]:
+        """The SFT batch of the agent's episodes on ``tasks`` (``trajectories``), packed."""
+        return pack_trajectories(self.trajectories(tasks), self.pad_id)

@@ -253,6 +253,9 @@ class SFTConfig:
     # With a text env (env.id): the scripted player whose episodes are the demonstrations, "package.module:function"
     # taking (task, chat messages so far) and returning the next action's text.
     player: str = ""
+    # With sft.player: play this many episodes once, on train rows drawn at random, and draw every warm-up batch
+    # from them (0: the player plays a fresh batch of episodes for every step).
+    demonstrations: int = 0
 
 
 @dataclass
@@ -356,6 +359,7 @@ def validate_llm(cfg: LLMConfig) -> LLMConfig:
         ("grpo.weight_decay", g.weight_decay),
         ("grpo.warmup_steps", g.warmup_steps),
         ("sft.steps", cfg.sft.steps),
+        ("sft.demonstrations", cfg.sft.demonstrations),
         ("sampling.temperature", s.temperature),
         ("sampling.top_k", s.top_k),
         ("grpo.max_logprob_gap", 0.0 if g.max_logprob_gap is None else g.max_logprob_gap),
@@ -421,6 +425,12 @@ def validate_llm(cfg: LLMConfig) -> LLMConfig:
         "data.eval",
         cfg.data.eval,
         "must be '' with env.verifiers.id: the environment's eval_dataset is the held-out set",
+    )
+    require(
+        cfg.sft.demonstrations == 0 or (plays_episodes(cfg) and cfg.sft.demonstrations >= cfg.sft.batch_size),
+        "sft.demonstrations",
+        cfg.sft.demonstrations,
+        f"must be 0, or at least sft.batch_size ({cfg.sft.batch_size}) with an sft.player on a text env or agent",
     )
     if plays_episodes(cfg):
         _validate_env(cfg)

@@ -53,7 +53,7 @@ from rlfabric.llm_run_state import (
     resume_point,
 )
 from rlfabric.llm_setup import GRPOSetup
-from rlfabric.llm_sft import sft_batch
+from rlfabric.llm_sft import DemonstrationPool, sft_batch
 from rlfabric.llm_text_env import stop_tool_servers, tool_server_restarts
 from rlfabric.models.hf import check_model_source
 from rlfabric.models.llm_batch import pad_rows_for_learners
@@ -285,19 +285,23 @@ class GRPOTrainer(GRPOSetup):
             row = {"phase": "sft", "sft_step": step, "sft_loss": float(np.mean([m["sft_loss"] for m in metrics]))}
             self._log(row, show=step % 20 == 0 or step == s.steps)
 
+        pool = self._demonstration_pool()
         pending: list[Any] = []
         for step in range(1, s.steps + 1):
             # The next batch is built (a text env's demonstrations played) while the learners train on this one.
-            indices = self.rollouts.sample_rows(s.batch_size)
-            batch = sft_batch(
-                self.cfg,
-                self.tokenizer,
-                self.train_rows,
-                self.train_ids,
-                indices,
-                self.rng,
-                self.episodes.demonstrations,
-            )
+            if pool is not None:
+                batch = pool.batch(s.batch_size)
+            else:
+                indices = self.rollouts.sample_rows(s.batch_size)
+                batch = sft_batch(
+                    self.cfg,
+                    self.tokenizer,
+                    self.train_rows,
+                    self.train_ids,
+                    indices,
+                    self.rng,
+                    self.episodes.demonstrations,
+                )
             ref = ray.put(pad_rows_for_learners(batch, self.cfg.learner.num_learners))
             if pending:
                 finish(step - 1, pending)
@@ -312,6 +316,16 @@ class GRPOTrainer(GRPOSetup):
             if self.cfg.training.checkpoint_every:
                 path = self.run_dir / REFERENCE_MODEL_DIR
                 self.reference_dir = ray.get(self.learners[0].save.remote(str(path), False))
+
+    def _demonstration_pool(self) -> DemonstrationPool | None:
+        """``sft.demonstrations`` of the player's episodes, played before the warm-up's first step (or None)."""
+        count, demonstrations = self.cfg.sft.demonstrations, self.episodes.demonstrations
+        if not count or demonstrations is None:
+            return None
+        assert self.log is not None
+        tasks = [self.train_rows[i] for i in self.rollouts.sample_rows(count)]
+        pad_id = self.tokenizer.pad_token_id
+        return DemonstrationPool.play(demonstrations, tasks, self.cfg.sft.batch_size, pad_id, self.rng, self.log.note)
 
     def evaluate(self, label: str) -> dict[str, Any]:
         """Greedy completions of the held-out prompts, scored by the reward services (on the rollout side)."""

@@ -1,9 +1,11 @@
 """The supervised warm-up's batches (``sft``): each row's demonstration after its prompt, or with a text env or an
 outside agent a scripted player's episodes on the rows' tasks (``rlfabric.llm_text_env.Demonstrations``,
-``rlfabric.agent_rollout.AgentDemonstrations``)."""
+``rlfabric.agent_rollout.AgentDemonstrations``), played for every batch or once into a ``DemonstrationPool``."""
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -12,7 +14,9 @@ from rlfabric.agent_rollout import AgentDemonstrations
 from rlfabric.config import ConfigError
 from rlfabric.grpo_config import LLMConfig
 from rlfabric.llm_text_env import Demonstrations
+from rlfabric.models.llm_batch import pack_trajectories
 from rlfabric.models.sequences import pack_sequences
+from rlfabric.trajectory import Trajectories, concat
 
 
 def sft_batch(
@@ -44,3 +48,56 @@ def pick_demonstration(value: Any, rng: np.random.Generator) -> str:
     if isinstance(value, (list, tuple, np.ndarray)) and len(value) > 0:
         return str(value[int(rng.integers(len(value)))])
     return str(value)
+
+
+class DemonstrationPool:
+    """The scripted player's episodes played once (``sft.demonstrations`` of them, on train rows drawn at random);
+    each warm-up batch is ``batch_size`` of them, in passes over a shuffled order. A deterministic player on a
+    deterministic env gives the same episode every time it plays a task, so the warm-up trains on the same
+    distribution as fresh play at a fraction of the env's and tools' work; a player with random slips keeps the
+    slips it made here."""
+
+    def __init__(self, trajectories: Trajectories, pad_id: int, rng: np.random.Generator) -> None:
+        self.trajectories, self.pad_id, self.rng = trajectories, pad_id, rng
+        self.order: list[int] = []
+
+    @classmethod
+    def play(
+        cls,
+        demonstrations: Demonstrations | AgentDemonstrations,
+        tasks: list[dict[str, Any]],
+        chunk: int,
+        pad_id: int,
+        rng: np.random.Generator,
+        note: Callable[[str], None],
+    ) -> DemonstrationPool:
+        """Play ``tasks`` ``chunk`` at a time (a warm-up batch's concurrency), noting progress every tenth."""
+        started, parts, shown = time.monotonic(), [], 0
+        for first in range(0, len(tasks), chunk):
+            parts.append(demonstrations.trajectories(tasks[first : first + chunk]))
+            done = min(first + chunk, len(tasks))
+            if done * 10 // len(tasks) > shown or done == len(tasks):
+                shown = done * 10 // len(tasks)
+                note(f"sft.demonstrations: {done}/{len(tasks)} episodes played ({time.monotonic() - started:.1f} s)")
+        pool = concat(parts)
+        if pool.num_rows < len(tasks):
+            note(f"sft.demonstrations: {len(tasks) - pool.num_rows} of {len(tasks)} episodes failed, left out")
+        return cls(pool, pad_id, rng)
+
+    def batch(self, size: int) -> dict[str, np.ndarray]:
+        """``size`` distinct episodes of the pool, packed. Passes over a shuffled order, reshuffled at each pass's
+        end; an episode the new pass draws again within the same batch waits for the next one."""
+        if self.trajectories.num_rows < size:
+            raise ConfigError(
+                f"sft.demonstrations: {self.trajectories.num_rows} episodes played without failing, fewer than "
+                f"sft.batch_size ({size})"
+            )
+        rows: list[int] = []
+        waiting: list[int] = []
+        while len(rows) < size:
+            if not self.order:
+                self.order = [int(r) for r in self.rng.permutation(self.trajectories.num_rows)]
+            row = self.order.pop()
+            (waiting if row in rows else rows).append(row)
+        self.order.extend(reversed(waiting))  # drawn first in the next batch
+        return pack_trajectories(self.trajectories.select(np.asarray(rows)), self.pad_id)

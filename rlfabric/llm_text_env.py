@@ -25,6 +25,7 @@ from rlfabric.grpo_config import LLMConfig
 from rlfabric.models.chat_tokens import ChatTokens
 from rlfabric.models.llm_batch import pack_trajectories
 from rlfabric.text_env import call_env, make_text_env, text_env_factory
+from rlfabric.trajectory import Trajectories
 
 
 def text_env_source(
@@ -95,15 +96,19 @@ class Demonstrations:
         self.limits = source.limits
         self.pad_id = tokenizer.pad_token_id
 
-    def batch(self, tasks: list[dict[str, Any]]) -> dict[str, np.ndarray]:
-        """The SFT batch of the player's episodes on ``tasks``: their token rows, loss on its turns only. An
-        episode that fails (its env raised) is left out; none left is an error naming the player."""
+    def trajectories(self, tasks: list[dict[str, Any]]) -> Trajectories:
+        """The player's episodes on ``tasks``, loss on its turns only. An episode that fails (its env raised) is
+        left out; none left is an error naming the player."""
         turns = ScriptedTurns(self.player, self.chat)
         episodes = asyncio.run(run_episodes(self.make_env, tasks, turns, self.chat, self.limits))
         trajectories = episodes_to_trajectories(episodes, list(range(len(tasks))), list(range(len(tasks))))
         if trajectories.num_rows == 0:
             raise ConfigError(f"sft.player: every demonstration episode failed; the first: {episodes[0].error}")
-        return pack_trajectories(trajectories, self.pad_id)
+        return trajectories
+
+    def batch(self, tasks: list[dict[str, Any]]) -> dict[str, np.ndarray]:
+        """The SFT batch of the player's episodes on ``tasks`` (``trajectories``), packed."""
+        return pack_trajectories(self.trajectories(tasks), self.pad_id)
 
 
 def episode_totals(scored: list[dict[str, Any]], samples: int) -> dict[str, float]:

@@ -42,9 +42,11 @@ def kill_once_grpo_starts(run_dir: Path, name: str, killed: list[int], stop: thr
 @pytest.mark.slow
 def test_the_mcp_example_learns_through_supervised_servers_and_survives_a_killed_one(local_ray, tmp_path):
     config = yaml.safe_load(EXAMPLE.read_text())
-    # Shortened: the perfect solver, fewer warm-up steps and tasks, four GRPO steps.
+    # Shortened: the perfect solver, fewer warm-up steps and tasks, four GRPO steps. The solver is deterministic
+    # and each task's server resets to its seed, so one episode per train row, played once, is every batch's
+    # source (sft.demonstrations), as fresh play would be.
     config["data"].update(num_train=300, num_eval=20)
-    config["sft"].update(steps=200, player="rlfabric.envs.mcp_tasks:solution_player")
+    config["sft"].update(steps=200, demonstrations=300, player="rlfabric.envs.mcp_tasks:solution_player")
     config["grpo"].update(prompts_per_step=4)
     config["training"].update(total_steps=4, eval_every=0, show_samples=0)
     killed: list[int] = []
@@ -65,5 +67,8 @@ def test_the_mcp_example_learns_through_supervised_servers_and_survives_a_killed
     assert len(grpo) == 4 and summary["eval_accuracy_final"] >= 0.3, summary
     assert summary["tool_server_restarts"] == 1
     assert evals["final"]["eval_failed"] == 0  # the final evaluation ran on the restarted server
-    assert all(r["tool_calls"] > 0 for r in grpo), grpo  # the policy's own sampled episodes call the tools
+    # The policy's own sampled episodes call the tools. A step whose every episode was cut off by the kill (its
+    # rollouts were in flight on the killed server) has nothing scored: its accuracy is None.
+    played = [r for r in grpo if r["accuracy"] is not None]
+    assert len(played) >= 3 and all(r["tool_calls"] > 0 for r in played), grpo
     assert server_pids("notes") == []  # the run stopped its servers

@@ -67,6 +67,11 @@ def test_an_env_that_cannot_reset_stops_setup_before_ray_with_its_error(tmp_path
             "rewards.process.split = 'newline' is not valid: must be 'none' with env.id",
         ),
         ({"env": {"id": "rlfabric/GuessNumber-v0", "max_turns": 0}}, "env.max_turns = 0 is not valid"),
+        (
+            {"sft": {"steps": 10, "batch_size": 16, "demonstrations": 8, "player": "m:f"}},
+            r"sft.demonstrations = 8 is not valid: must be 0, or at least sft.batch_size \(16\)",
+        ),
+        ({"env": {"id": ""}, "sft": {"demonstrations": 64}}, "sft.demonstrations = 64 is not valid"),
     ],
 )
 def test_env_settings_that_cannot_work_are_one_line_config_errors(changes, message):
@@ -103,6 +108,37 @@ def test_sft_warm_up_on_a_scripted_players_episodes(local_ray, tmp_path):
     losses = [r["sft_loss"] for r in run.phase("sft")]
     assert len(losses) == 30 and losses[-1] < 0.5 * losses[0]  # it learns the demonstrations
     assert run.phase("eval")[1]["label"] == "after_sft"
+
+
+BEGUN: list[str] = []  # the first message of each episode the counting player began, in this process
+
+
+def counting_player(task: dict, messages: list[dict[str, str]]) -> str:
+    """The bisection player, noting each episode it begins (its first turn: no assistant message yet)."""
+    from rlfabric.envs.guess_number import bisection_player
+
+    if not any(m["role"] == "assistant" for m in messages):
+        BEGUN.append(messages[0]["content"])
+    return bisection_player(task, messages)
+
+
+def test_a_demonstration_pool_is_played_once_and_every_warm_up_batch_drawn_from_it(local_ray, tmp_path):
+    BEGUN.clear()
+    run = run_grpo(
+        tmp_path / "run",
+        sft={
+            "steps": 30,
+            "batch_size": 8,
+            "lr": 3e-3,
+            "demonstrations": 24,
+            "player": "test_agent_training:counting_player",
+        },
+        training={"total_steps": 1, "eval_every": 0},
+        **GAME,
+    )
+    assert len(BEGUN) == 24  # 24 episodes, not one batch of 8 for each of the 30 steps
+    losses = [r["sft_loss"] for r in run.phase("sft")]
+    assert len(losses) == 30 and losses[-1] < 0.5 * losses[0]  # the pool's episodes are learned
 
 
 def test_a_player_that_names_nothing_stops_setup_before_ray(tmp_path):

@@ -119,7 +119,7 @@ def test_the_openai_agent_example_raises_held_out_success(local_ray, tmp_path):
 
     config = yaml.safe_load((EXAMPLES / "openai_agent_grpo.yaml").read_text())
     config["data"].update(num_train=400, num_eval=20)
-    config["sft"].update(steps=450, player="rlfabric.envs.lookup_agent:lookup_player")
+    config["sft"].update(steps=450, demonstrations=400, player="rlfabric.envs.lookup_agent:lookup_player")
     config["grpo"].update(prompts_per_step=8)
     config["training"].update(total_steps=3, eval_every=0, show_samples=0)
     summary = train_llm(config_from_dict(config), tmp_path, quiet=True)

@@ -73,7 +73,14 @@ def test_an_openenv_servers_mcp_tools_are_listed_and_called_by_the_model(local_r
         # at temperature 1 the warmed-up policy wrote a well-formed call in 0-40% of a step's episodes (none of 8 in
         # one full-suite run); at 0.6, 27 of 32 in each of two runs
         sampling={"max_new_tokens": 72, "temperature": 0.6},
-        sft={"steps": 60, "batch_size": 16, "lr": 3e-3, "player": "rlfabric.envs.key_lookup:lookup_player"},
+        # each train row's episode played once on the server and reused (the player and the env are deterministic)
+        sft={
+            "steps": 60,
+            "batch_size": 16,
+            "lr": 3e-3,
+            "demonstrations": 64,
+            "player": "rlfabric.envs.key_lookup:lookup_player",
+        },
         grpo={"prompts_per_step": 8},
         training={"total_steps": 1, "eval_every": 0, "show_samples": 0},
     )

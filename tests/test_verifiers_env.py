@@ -52,7 +52,14 @@ def test_a_verifiers_tool_env_calls_its_tool_through_the_endpoint_after_a_warm_u
         env={"verifiers": {"id": "rlfabric.envs.vf_key_lookup:load_environment", "args": {"num_train": 64}}},
         rewards={"functions": []},
         sampling={"max_new_tokens": 72},
-        sft={"steps": 60, "batch_size": 16, "lr": 3e-3, "player": "rlfabric.envs.vf_key_lookup:lookup_player"},
+        # each train row's episode played once through the library and reused: player and env are deterministic
+        sft={
+            "steps": 60,
+            "batch_size": 16,
+            "lr": 3e-3,
+            "demonstrations": 64,
+            "player": "rlfabric.envs.vf_key_lookup:lookup_player",
+        },
         training={"total_steps": 1, "eval_every": 0, "show_samples": 0},
     )
     losses = [r["sft_loss"] for r in run.phase("sft")]
