@@ -315,6 +315,7 @@ class GameRunnerCore:
             "policy_returns": self._policy_returns(ends),
             "games": self._games(ends),
             "llm_moves": self._llm_moves(),
+            "llm_generators": self._llm_generators(),
             "sample_time_s": time.perf_counter() - start,
         }
         return (meta, *fragments)
@@ -327,6 +328,15 @@ class GameRunnerCore:
                 out[name] = (policy.moves, policy.invalid)
                 policy.moves = policy.invalid = 0
         return out
+
+    def _llm_generators(self) -> list[tuple[int, int]]:
+        """The generators, as (slot, generation), that answered an llm policy's moves since the last fragment."""
+        out = set()
+        for policy in self.policies.values():
+            if isinstance(policy, LLMPlayer):
+                out |= policy.answered
+                policy.answered = set()
+        return sorted(out)
 
     def _trained_return(self, end: EpisodeEnd) -> float:
         """An episode's return: the mean over the agents a trainable policy played (all agents if none did)."""

@@ -313,7 +313,7 @@ class GameTrainer(Trainer):
     def _accept(self, done: Completed, buffer: list[Completed]) -> None:
         meta = done.meta
         if self.llm_servers is not None:
-            self.llm_servers.succeeded()
+            self.llm_servers.succeeded(meta["llm_generators"])
         for policy, (moves, invalid) in meta["llm_moves"].items():
             counts = self.llm_moves.setdefault(policy, [0, 0])
             counts[0] += moves

@@ -65,9 +65,11 @@ class LLMServers:
                 replaced.append(name)
         return replaced
 
-    def succeeded(self) -> None:
-        """A runner's sample came back: the generators it called answered."""
-        for slot, generation, _ in self.slots.entries():
+    def succeeded(self, answered: list[tuple[int, int]]) -> None:
+        """A runner's sample came back: the generators it called (``answered``: (slot, generation) pairs, from its
+        meta's ``llm_generators``) answered, which ends their runs of failures. A sample played before a slot's
+        replacement names the generation that is gone, and ends nothing."""
+        for slot, generation in answered:
             self.slots.succeeded(slot, generation)
 
     def shutdown(self) -> None:

@@ -208,3 +208,33 @@ def test_a_killed_generator_is_replaced_and_serves_the_trained_weights(local_ray
     counts = [r["llm_invalid_moves/picker"] for r in logged]
     per_iteration = [b - a for a, b in zip(counts[11:], counts[12:], strict=False)]
     assert max(per_iteration) / 128 < 0.4
+
+
+def test_a_generators_run_of_failures_is_ended_only_by_work_of_its_current_generation(local_ray, tmp_path):
+    """A sample the current generator answered ends its run of failures; one that comes back late, played on a
+    generator since replaced, does not: a generator that fails every call stops the run at the limit, however many
+    such samples return meanwhile."""
+    from rlfabric.actor_slots import MAX_CONSECUTIVE_FAILURES
+    from rlfabric.game_llm_servers import LLMServers
+    from rlfabric.multiagent.config import PolicySpec
+    from rlfabric.policies.served import GeneratorsFailed
+    from rlfabric.runner_pool import RunAbortedError
+
+    def fail_current() -> tuple[int, int]:
+        slot, generation, _ = servers.slots.entries()[0]
+        assert servers.replace_failed(GeneratorsFailed([(slot, generation, "boom")])) == ["picker"]
+        return slot, generation
+
+    servers = LLMServers({"picker": PolicySpec(kind="llm", render="tictactoe")}, ["picker"], tmp_path, seed=0)
+    try:
+        for _ in range(2):  # one failure, then the replacement answers: the run of failures ends each time
+            fail_current()
+            servers.succeeded([servers.slots.entries()[0][:2]])
+        for _ in range(MAX_CONSECUTIVE_FAILURES - 1):
+            servers.succeeded([fail_current()])  # a sample the replaced generator answered, back late
+        with pytest.raises(RunAbortedError, match=f"generator 0 failed {MAX_CONSECUTIVE_FAILURES + 1} times"):
+            fail_current()
+            fail_current()
+        assert servers.slots.restarts == 2 + MAX_CONSECUTIVE_FAILURES
+    finally:
+        servers.shutdown()

@@ -71,6 +71,7 @@ class LLMPlayer:
         self.version = 0
         self.moves = 0
         self.invalid = 0
+        self.answered: set[tuple[int, int]] = set()  # (slot, generation) of each generator that answered
         self.last_turns: list[LLMTurn] = []
 
     def serve_from(self, serving: LLMServing) -> None:
@@ -86,6 +87,7 @@ class LLMPlayer:
         row_masks: list[Any] = [None] * n if masks is None else list(masks)
         prompts = [self.tokenizer.encode(self.render(o, m)) for o, m in zip(observations, row_masks, strict=True)]
         acted = self.served.act(prompts)
+        self.answered.update((slot, generation) for slot, generation, _ in self.served.generators)
         actions = np.empty(n, np.int64)
         self.last_turns = []
         for i, (text, mask) in enumerate(zip(acted.info["text"], row_masks, strict=True)):
