@@ -195,6 +195,7 @@ class GameCopy:
         self.length = 0
         self.latest: dict[str, np.ndarray] = {}  # each agent's latest flat observation (for the critic's fallback)
         self.parallel_obs: dict[str, Any] = {}
+        self.selected: tuple[str, Any] = ("", None)  # AEC: the agent to act and its observation, from last()
         self.seed = 0
 
     # -- episodes -------------------------------------------------------------------------------------------
@@ -244,6 +245,7 @@ class GameCopy:
             raw, reward, terminated, truncated, _ = env.last()
             self._close(agent, raw, reward, terminated, truncated)
             if not (terminated or truncated):
+                self.selected = (agent, raw)  # what requests() sends: observing again costs the wrappers' chain
                 return []
             env.step(None)
         return self._episode_over()
@@ -254,8 +256,7 @@ class GameCopy:
         if self.parallel:
             agents = [(a, self.parallel_obs[a]) for a in self.env.agents]
         else:
-            agent = self.env.agent_selection
-            agents = [(agent, self.env.observe(agent))]
+            agents = [self.selected]
         out = []
         for agent, raw in agents:
             flat, mask = self.spaces[agent].encode(raw)
