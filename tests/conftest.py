@@ -24,6 +24,30 @@ def local_ray():
     ray.shutdown()
 
 
+@pytest.fixture(scope="session")
+def rm_example_run(tmp_path_factory) -> tuple[Path, dict]:
+    """examples/rm_grpo.yaml, unchanged, run once a session: (its run folder, its summary). Its first stage trains
+    the reward model from preference pairs (RUN/reward_model) that the reward-model tests also serve, so that
+    model, two minutes of training, is trained once. It starts Ray for itself when none runs (a session fixture
+    is set up before a module's ``local_ray``) and stops what it started."""
+    import yaml
+
+    from rlfabric.config import config_from_dict
+    from rlfabric.llm_driver import train_llm
+
+    example = Path(__file__).resolve().parent.parent / "examples" / "rm_grpo.yaml"
+    run_dir = tmp_path_factory.mktemp("rm_example") / "run"
+    started = not ray.is_initialized()
+    if started:
+        ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
+    try:
+        summary = train_llm(config_from_dict(yaml.safe_load(example.read_text())), run_dir, quiet=True)
+    finally:
+        if started:
+            ray.shutdown()
+    return run_dir, summary
+
+
 def run_training(cfg, run_dir: Path) -> tuple[dict, list[dict]]:
     """Train to the end with a Trainer (actors always cleaned up); return (summary, metrics.jsonl rows)."""
     from rlfabric.driver import Trainer

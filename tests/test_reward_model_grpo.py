@@ -9,19 +9,17 @@ from pathlib import Path
 import pytest
 import yaml
 
-from rlfabric.config import config_from_dict
-from rlfabric.llm_driver import train_llm
 from rlfabric.run.log import read_metrics
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "rm_grpo.yaml"
 
 
 @pytest.mark.slow
-def test_grpo_against_a_reward_model_trained_from_pairs_raises_verifier_accuracy(local_ray, tmp_path):
+def test_grpo_against_a_reward_model_trained_from_pairs_raises_verifier_accuracy(rm_example_run):
     config = yaml.safe_load(EXAMPLE.read_text())
     assert config["rewards"]["weights"] == {"correct": 0.0, "format": 0.0}  # the verifier only measures
-    summary = train_llm(config_from_dict(config), tmp_path, quiet=True)
-    metrics = read_metrics(tmp_path)
+    run_dir, summary = rm_example_run  # the example, run unchanged (conftest.py)
+    metrics = read_metrics(run_dir)
     ranking = [r for r in metrics if r.get("phase") == "rm_eval"]
     assert ranking[0]["rm_eval_accuracy_answer"] < 0.75 < 0.9 <= ranking[-1]["rm_eval_accuracy_answer"], ranking
     evals = {r["label"]: r["eval_accuracy"] for r in metrics if r.get("phase") == "eval"}
