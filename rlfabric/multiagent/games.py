@@ -43,15 +43,18 @@ class CriticInput:
         self.dim = state_dim + len(self.agents)
 
     def __call__(self, env: Any, agent: str, latest_obs: dict[str, np.ndarray]) -> np.ndarray:
+        return self.for_agent(self.shared(env, latest_obs), agent)
+
+    def shared(self, env: Any, latest_obs: dict[str, np.ndarray]) -> np.ndarray:
+        """The part every agent sees alike: the global state, or the agents' latest observations."""
         if self.uses_state:
-            state = np.asarray(env.state(), np.float32).reshape(-1)
-        else:
-            state = np.concatenate(
-                [latest_obs.get(a, np.zeros(self.spaces[a].obs_dim, np.float32)) for a in self.agents]
-            )
+            return np.asarray(env.state(), np.float32).reshape(-1)
+        return np.concatenate([latest_obs.get(a, np.zeros(self.spaces[a].obs_dim, np.float32)) for a in self.agents])
+
+    def for_agent(self, shared: np.ndarray, agent: str) -> np.ndarray:
         one_hot = np.zeros(len(self.agents), np.float32)
         one_hot[self.agents.index(agent)] = 1.0
-        return np.concatenate([state, one_hot])
+        return np.concatenate([shared, one_hot])
 
 
 def has_state(env: Any) -> bool:
@@ -196,6 +199,7 @@ class GameCopy:
         self.latest: dict[str, np.ndarray] = {}  # each agent's latest flat observation (for the critic's fallback)
         self.parallel_obs: dict[str, Any] = {}
         self.selected: tuple[str, Any] = ("", None)  # AEC: the agent to act and its observation, from last()
+        self.state_now: np.ndarray | None = None  # the env's global state() since its last step or reset
         self.seed = 0
 
     # -- episodes -------------------------------------------------------------------------------------------
@@ -208,10 +212,12 @@ class GameCopy:
         self.latest = {}
         if self.parallel:
             self.parallel_obs, _ = self.env.reset(seed=seed)
+            self._stepped()
             for agent, raw in self.parallel_obs.items():
                 self.latest[agent] = self.spaces[agent].encode(raw)[0]
             return []
         self.env.reset(seed=seed)
+        self._stepped()
         return self._advance_aec()
 
     def _stream(self, agent: str) -> AgentStream:
@@ -222,7 +228,18 @@ class GameCopy:
         return self.streams[key]
 
     def _critic(self, agent: str) -> np.ndarray | None:
-        return None if self.critic_input is None else self.critic_input(self.env, agent, self.latest)
+        critic = self.critic_input
+        if critic is None:
+            return None
+        if not critic.uses_state:  # the latest observations change agent by agent as their steps close
+            return critic(self.env, agent, self.latest)
+        if self.state_now is None:  # one state() per step, not one per agent and again per request
+            self.state_now = critic.shared(self.env, self.latest)
+        return critic.for_agent(self.state_now, agent)
+
+    def _stepped(self) -> None:
+        """The env moved (a step or a reset): its state is read again when next needed."""
+        self.state_now = None
 
     def _close(self, agent: str, raw_obs: Any, reward: float, terminated: bool, truncated: bool) -> None:
         flat = self.spaces[agent].encode(raw_obs)[0]
@@ -248,6 +265,7 @@ class GameCopy:
                 self.selected = (agent, raw)  # what requests() sends: observing again costs the wrappers' chain
                 return []
             env.step(None)
+            self._stepped()
         return self._episode_over()
 
     # -- acting ---------------------------------------------------------------------------------------------
@@ -275,6 +293,7 @@ class GameCopy:
         self.length += 1
         if self.parallel:
             obs, rewards, terminations, truncations, _ = self.env.step({r.agent: a for r, a, _, _ in acted})
+            self._stepped()
             self.parallel_obs = obs
             for request, *_ in acted:
                 a = request.agent
@@ -282,6 +301,7 @@ class GameCopy:
             return self._episode_over() if not self.env.agents else []
         (request, action, _, _) = acted[0]
         self.env.step(action)
+        self._stepped()
         return self._advance_aec()
 
     def take_rows(self) -> list[tuple[str, str, AgentStream]]:
