@@ -753,7 +753,8 @@ def test_ctrl_c_stops_a_grpo_run_between_steps_with_a_checkpoint_of_every_step_d
     checkpoint_every multiple), exit 130 and the --resume hint; the last logged step is the checkpoint's."""
     run_dir = tmp_path / "run"
     overrides = ["sft.steps=0", "training.total_steps=1000", "training.eval_every=0", "training.checkpoint_every=3"]
-    cmd = [sys.executable, "-m", "rlfabric.cli", "train", *overrides, "--run-dir", str(run_dir), "--quiet"]
+    tiny = ["model.builtin={num_layers: 1, hidden_size: 32, num_heads: 2, max_positions: 64}", "data.num_eval=4"]
+    cmd = [sys.executable, "-m", "rlfabric.cli", "train", *overrides, *tiny, "--run-dir", str(run_dir), "--quiet"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 150
