@@ -73,9 +73,11 @@ def test_an_openenv_servers_mcp_tools_are_listed_and_called_by_the_model(local_r
         # at temperature 1 the warmed-up policy wrote a well-formed call in 0-40% of a step's episodes (none of 8 in
         # one full-suite run); at 0.6, 27 of 32 in each of two runs
         sampling={"max_new_tokens": 72, "temperature": 0.6},
-        # each train row's episode played once on the server and reused (the player and the env are deterministic)
+        # each train row's episode played once on the server and reused (the player and the env are deterministic);
+        # at 60 steps the policy's calls mostly named a wrong key and no episode of one full-suite run's step got
+        # the server's verdict; at 150, 31 of 32 calls were well formed and 4 episodes solved
         sft={
-            "steps": 60,
+            "steps": 150,
             "batch_size": 16,
             "lr": 3e-3,
             "demonstrations": 64,
@@ -87,7 +89,10 @@ def test_an_openenv_servers_mcp_tools_are_listed_and_called_by_the_model(local_r
     losses = [r["sft_loss"] for r in run.phase("sft")]
     assert losses[-1] < 0.2 * losses[0]  # the player's episodes, each a call on the server and the copied value
     (step,) = run.phase("grpo")
-    assert step["tool_calls"] > 0 and "reward_correct" in step and run.summary["failed_samples"] == 0
+    assert step["tool_calls"] > 0 and "reward_correct" in step and run.summary["failed_samples"] == 0, (
+        step,
+        run.summary,
+    )
 
 
 @pytest.mark.parametrize(
