@@ -82,16 +82,17 @@ class DemonstrationPool:
         pool = concat(parts)
         if pool.num_rows < len(tasks):
             note(f"sft.demonstrations: {len(tasks) - pool.num_rows} of {len(tasks)} episodes failed, left out")
+        if pool.num_rows < chunk:  # found once, before the warm-up's first step, not at each batch
+            raise ConfigError(
+                f"sft.demonstrations: {pool.num_rows} episodes played without failing, fewer than "
+                f"sft.batch_size ({chunk})"
+            )
         return cls(pool, pad_id, rng)
 
     def batch(self, size: int) -> dict[str, np.ndarray]:
-        """``size`` distinct episodes of the pool, packed. Passes over a shuffled order, reshuffled at each pass's
-        end; an episode the new pass draws again within the same batch waits for the next one."""
-        if self.trajectories.num_rows < size:
-            raise ConfigError(
-                f"sft.demonstrations: {self.trajectories.num_rows} episodes played without failing, fewer than "
-                f"sft.batch_size ({size})"
-            )
+        """``size`` distinct episodes of the pool (``play`` made sure it holds that many), packed. Passes over a
+        shuffled order, reshuffled at each pass's end; an episode the new pass draws again within the same batch
+        waits for the next one."""
         rows: list[int] = []
         waiting: list[int] = []
         while len(rows) < size:
