@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -13,23 +14,57 @@ import ray
 os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 
 
-@pytest.fixture(scope="module")
-def local_ray():
-    """A local Ray instance with more logical CPUs than cores, so runners and learner all schedule."""
+_LOCAL_RAY = {"address": "local", "num_cpus": 4, "include_dashboard": False, "log_to_driver": False}
+_shared_gcs: list[str] = []  # the GCS address of the instance this session started last
+
+
+def start_shared_ray() -> None:
+    """Start the local Ray instance the tests share (more logical CPUs than cores, so runners and learner all
+    schedule), unless it already runs. Starting one costs about 5.5 s with its stop, so modules share it; a module
+    that needs a cluster of its own stops it first, and the next module that asks starts it again."""
     if ray.is_initialized():
+        if _shared_gcs and ray.get_runtime_context().gcs_address == _shared_gcs[-1]:
+            return
         ray.shutdown()
     # address="local": a new instance even when a cluster (`ray start`) runs on the machine
-    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
+    ray.init(**_LOCAL_RAY)
+    _shared_gcs.append(ray.get_runtime_context().gcs_address)
+
+
+def left_clean(wait_s: float = 10.0) -> bool:
+    """Whether the shared instance is as a module found it: every CPU free and no named actor (an actor being
+    killed frees its CPU within moments, so this waits up to ``wait_s``)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        free = ray.available_resources().get("CPU", 0.0) >= ray.cluster_resources().get("CPU", 0.0)
+        if free and not ray.util.list_named_actors(all_namespaces=True):
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.2)
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    """The shared local Ray instance; stopped after a module that left actors behind, so none leak into the next."""
+    start_shared_ray()
     yield
-    ray.shutdown()
+    if ray.is_initialized() and not left_clean():
+        ray.shutdown()
+
+
+@pytest.fixture
+def no_ray():
+    """No Ray connection in this process, for a test that checks that a call did not start Ray."""
+    if ray.is_initialized():
+        ray.shutdown()
 
 
 @pytest.fixture(scope="session")
 def rm_example_run(tmp_path_factory) -> tuple[Path, dict]:
     """examples/rm_grpo.yaml, unchanged, run once a session: (its run folder, its summary). Its first stage trains
     the reward model from preference pairs (RUN/reward_model) that the reward-model tests also serve, so that
-    model, two minutes of training, is trained once. It starts Ray for itself when none runs (a session fixture
-    is set up before a module's ``local_ray``) and stops what it started."""
+    model, two minutes of training, is trained once. It runs on the shared local Ray instance."""
     import yaml
 
     from rlfabric.config import config_from_dict
@@ -37,14 +72,8 @@ def rm_example_run(tmp_path_factory) -> tuple[Path, dict]:
 
     example = Path(__file__).resolve().parent.parent / "examples" / "rm_grpo.yaml"
     run_dir = tmp_path_factory.mktemp("rm_example") / "run"
-    started = not ray.is_initialized()
-    if started:
-        ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
-    try:
-        summary = train_llm(config_from_dict(yaml.safe_load(example.read_text())), run_dir, quiet=True)
-    finally:
-        if started:
-            ray.shutdown()
+    start_shared_ray()
+    summary = train_llm(config_from_dict(yaml.safe_load(example.read_text())), run_dir, quiet=True)
     return run_dir, summary
 
 

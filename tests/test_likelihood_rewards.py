@@ -147,7 +147,7 @@ def test_bad_likelihood_kwargs_are_one_config_error_naming_the_field(kwargs, mes
         resolve_reward({"name": "likelihood", "kwargs": kwargs}, "rewards.functions[1]")
 
 
-def test_a_teacher_without_a_model_and_a_bad_shadow_likelihood_fail_before_any_actor_starts(tmp_path):
+def test_a_teacher_without_a_model_and_a_bad_shadow_likelihood_fail_before_any_actor_starts(tmp_path, no_ray):
     with pytest.raises(ConfigError, match=r"rewards\.functions\[0\]\.kwargs: .* path = '': give the folder"):
         resolve_reward({"name": "teacher_logprob"}, "rewards.functions[0]")
     cfg = config_from_dict(
