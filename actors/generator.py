@@ -8,15 +8,17 @@ from __future__ import annotations
 
 import os
 from dataclasses import asdict
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ray
-import torch
 
-from rlfabric.engines.base import SamplingParams
 from rlfabric.models.hf import load_tokenizer
-from rlfabric.models.shared_weights import SharedFlatWeights
-from rlfabric.models.weights import as_state_dict
+
+if TYPE_CHECKING:
+    from rlfabric.models.shared_weights import SharedFlatWeights
+
+# torch and the engines are imported inside the methods: every process that unpickles a handle to a generator
+# (rollout workers, reward services, the driver) imports this module, and only the generator's own needs torch.
 
 
 def build_engine(backend: str, model_dir: str, options: dict[str, Any]) -> Any:
@@ -35,6 +37,8 @@ def build_engine(backend: str, model_dir: str, options: dict[str, Any]) -> Any:
 @ray.remote
 class Generator:
     def __init__(self, backend: str, model_dir: str, options: dict[str, Any], num_threads: int | None = None) -> None:
+        import torch
+
         if num_threads:
             torch.set_num_threads(num_threads)
         self.tokenizer = load_tokenizer(model_dir)
@@ -45,6 +49,8 @@ class Generator:
     ) -> list[dict[str, Any]]:
         """One completion per prompt: token ids, behaviour logprobs, finish reason, version and decoded text.
         ``sessions``: a conversation key (or None) per prompt, so the engine continues its stored turns."""
+        from rlfabric.engines.base import SamplingParams
+
         completions = await self.engine.generate(prompts, SamplingParams(**params), sessions)
         texts = self.tokenizer.batch_decode([c.token_ids for c in completions], skip_special_tokens=True)
         return [{**asdict(c), "text": text} for c, text in zip(completions, texts, strict=False)]
@@ -52,6 +58,9 @@ class Generator:
     async def update_weights(self, weights: list[ray.ObjectRef] | SharedFlatWeights, version: int) -> int:
         """Load published weights: ``[ObjectRef]`` of FlatWeights (or a plain state dict), or a SharedFlatWeights
         handle from a learner on this node (see ``LLMLearner.publish``)."""
+        from rlfabric.models.shared_weights import SharedFlatWeights
+        from rlfabric.models.weights import as_state_dict
+
         published = weights if isinstance(weights, SharedFlatWeights) else await weights[0]
         await self.engine.load_weights(as_state_dict(published), version)
         if isinstance(published, SharedFlatWeights):

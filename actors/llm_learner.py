@@ -21,10 +21,10 @@ from rlfabric.algorithms.grpo import aggregate_denominator, logprob_drifted, pol
 from rlfabric.compact import FloatFields
 from rlfabric.models.hf import load_causal_lm, load_tokenizer, save_pretrained
 from rlfabric.models.llm_batch import grpo_batch
+from rlfabric.models.packed_batch import is_row_column
 from rlfabric.models.prefix_packing import check_maskable, maskable
 from rlfabric.models.sequences import (
     batched_response_logprobs,
-    is_row_column,
     keep_rows_with_advantage,
     layout_positions,
     micro_slices,

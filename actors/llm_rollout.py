@@ -44,10 +44,10 @@ from rlfabric.agent_loop import EpisodeLimits
 from rlfabric.agent_rollout import (
     AgentSource,
 )
+from rlfabric.algorithms.record_rewards import outcome_rewards
 from rlfabric.data import row_metadata
 from rlfabric.models.chat_tokens import ChatTokens
 from rlfabric.models.hf import load_tokenizer
-from rlfabric.models.llm_batch import outcome_rewards
 from rlfabric.policies.served import GeneratorsFailed, ServedLLMPolicy
 from rlfabric.reward_config import parse_split
 from rlfabric.reward_pool import RewardPool

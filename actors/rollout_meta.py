@@ -12,12 +12,10 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
-import torch
 
 from rlfabric.agent_rollout import REFUSED_COUNTS
-from rlfabric.algorithms.grpo import group_has_signal
+from rlfabric.algorithms.record_rewards import group_has_signal, step_credit_advantages
 from rlfabric.compact import FloatFields
-from rlfabric.models.llm_batch import step_credit_advantages
 from rlfabric.tools import ERROR_KINDS
 from rlfabric.trajectory import Trajectories
 
@@ -66,7 +64,7 @@ def group_statistics(
     if its rewards differ or a row's ``step_signal`` [N] is set (signal), rows scored, oldest policy version among
     them (-1 when no row survived)."""
     out = np.zeros((len(groups), 5), np.float32)
-    signal = group_has_signal(torch.from_numpy(rewards), torch.tensor(group_ids)).numpy()
+    signal = group_has_signal(rewards, group_ids)
     if step_signal is not None:
         signal = signal | step_signal
     for k, gid in enumerate(groups):

@@ -153,7 +153,7 @@ def warm_start_model(model_dir: str, out_dir: Path, steps: int, seed: int = 0) -
     from rlfabric.actors.llm_learner import LLMLearnerCore
     from rlfabric.envs.text_tasks import arithmetic_rows
     from rlfabric.grpo_config import GRPOConfig
-    from rlfabric.models.sequences import pack_sequences
+    from rlfabric.models.packed_batch import pack_sequences
 
     learner = LLMLearnerCore(
         model_dir,

@@ -31,7 +31,7 @@ import torch
 from rlfabric.actors.llm_learner import LLMLearnerCore
 from rlfabric.grpo_config import GRPOConfig
 from rlfabric.models.hf import build_small_model_dir, load_causal_lm
-from rlfabric.models.sequences import pack_sequences
+from rlfabric.models.packed_batch import pack_sequences
 
 
 def make_batch(long_fraction: float, seed: int = 0) -> dict[str, np.ndarray]:

@@ -31,7 +31,7 @@ from rlfabric.agents import Agent, AgentEpisode, play_agent, resolve_agent
 from rlfabric.config import ConfigError
 from rlfabric.grpo_config import LLMConfig
 from rlfabric.models.chat_tokens import ChatTokens
-from rlfabric.models.llm_batch import pack_trajectories
+from rlfabric.models.packed_batch import pack_trajectories
 from rlfabric.openai_endpoint import OpenAIEndpoint, new_run_token
 from rlfabric.policies.batching import ActBatcher
 from rlfabric.tools import tool_call_parser

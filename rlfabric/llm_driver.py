@@ -56,7 +56,7 @@ from rlfabric.llm_setup import GRPOSetup
 from rlfabric.llm_sft import DemonstrationPool, sft_batch
 from rlfabric.llm_text_env import stop_tool_servers, tool_server_restarts
 from rlfabric.models.hf import check_model_source
-from rlfabric.models.llm_batch import pad_rows_for_learners
+from rlfabric.models.packed_batch import pad_rows_for_learners
 from rlfabric.placement import RoleGroups
 from rlfabric.reward_model_stage import point_at_run_reward_model
 from rlfabric.rollout_scheduler import RolloutScheduler, StepBatch

@@ -14,8 +14,7 @@ from rlfabric.agent_rollout import AgentDemonstrations
 from rlfabric.config import ConfigError
 from rlfabric.grpo_config import LLMConfig
 from rlfabric.llm_text_env import Demonstrations
-from rlfabric.models.llm_batch import pack_trajectories
-from rlfabric.models.sequences import pack_sequences
+from rlfabric.models.packed_batch import pack_sequences, pack_trajectories
 from rlfabric.trajectory import Trajectories, concat
 
 

@@ -23,7 +23,7 @@ from rlfabric.agent_loop import (
 from rlfabric.config import ConfigError
 from rlfabric.grpo_config import LLMConfig
 from rlfabric.models.chat_tokens import ChatTokens
-from rlfabric.models.llm_batch import pack_trajectories
+from rlfabric.models.packed_batch import pack_trajectories
 from rlfabric.text_env import call_env, make_text_env, text_env_factory
 from rlfabric.trajectory import Trajectories
 

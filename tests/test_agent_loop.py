@@ -21,7 +21,7 @@ from rlfabric.envs.guess_number import GuessNumber, bisection_player
 from rlfabric.grpo_config import GRPOConfig
 from rlfabric.models.chat_tokens import ChatTokens
 from rlfabric.models.hf import build_char_tokenizer, build_small_model_dir, builtin_alphabet, load_tokenizer
-from rlfabric.models.llm_batch import pack_trajectories
+from rlfabric.models.packed_batch import pack_trajectories
 from rlfabric.policies import ActBatcher, PolicyOutput
 from rlfabric.policies.served import ServedLLMPolicy
 from rlfabric.registry import register_env

@@ -41,7 +41,7 @@ from rlfabric.llm_driver import GRPOTrainer
 from rlfabric.llm_resources import concurrent_actors
 from rlfabric.llm_run_state import latest_checkpoint
 from rlfabric.models.hf import build_small_model_dir, load_causal_lm, load_tokenizer
-from rlfabric.models.sequences import pack_sequences
+from rlfabric.models.packed_batch import pack_sequences
 from rlfabric.models.shared_weights import SHM_DIR
 from rlfabric.models.weights import as_state_dict
 from rlfabric.rewards import RewardInput, register_reward
@@ -214,6 +214,41 @@ def test_generator_takes_new_weights_and_tags_completions_with_their_version(loc
             assert c["text"] == tokenizer.decode(c["token_ids"], skip_special_tokens=True)
     finally:
         ray.kill(gen, no_restart=True)
+
+
+def maps_torch(pid: int) -> bool:
+    """Whether process ``pid`` has torch's library loaded."""
+    return "libtorch" in Path(f"/proc/{pid}/maps").read_text()
+
+
+def pids_titled(title: str) -> list[int]:
+    """Live processes whose title (Ray names an actor's process ``ray::Class``) starts with ``title``."""
+    pids = []
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and (proc / "cmdline").read_bytes().startswith(title.encode()):
+                pids.append(int(proc.name))
+        except OSError:  # gone meanwhile
+            pass
+    return pids
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").is_file(), reason="reads /proc (Linux)")
+def test_rollout_workers_and_reward_services_run_without_torch(local_ray, tmp_path):
+    """They hold no model: torch (about 180 MB a process, and 1.7 s of every start) stays with the generators and
+    learners, though rollout workers take generator handles and compute advantages."""
+    trainer = GRPOTrainer(config_from_dict(merged(BASE, {"training": {"total_steps": 2}})), tmp_path / "run")
+    seen: dict[str, bool] = {}
+    try:
+        trainer.setup()
+        trainer.train()
+        seen["rollout worker"] = maps_torch(ray.get(trainer.rollout_workers.handles[0].pid.remote(), timeout=60))
+        seen["generator"] = maps_torch(ray.get(trainer.generators.handles[0].pid.remote(), timeout=60))
+        seen |= {f"reward service {pid}": maps_torch(pid) for pid in pids_titled("ray::RewardService")}
+    finally:
+        trainer.close()
+    assert any(name.startswith("reward service") for name in seen), seen
+    assert seen.pop("generator") and not any(seen.values()), seen  # the check sees torch where it is
 
 
 # -- 2. data-parallel learners and gradient accumulation -------------------------------------------------------

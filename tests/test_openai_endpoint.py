@@ -21,7 +21,7 @@ from rlfabric.config import ConfigError
 from rlfabric.grpo_config import GRPOConfig
 from rlfabric.models.chat_tokens import ChatTokens
 from rlfabric.models.hf import build_char_tokenizer, build_small_model_dir, builtin_alphabet
-from rlfabric.models.llm_batch import pack_trajectories
+from rlfabric.models.packed_batch import pack_trajectories
 from rlfabric.openai_endpoint import OpenAIEndpoint, new_run_token
 from rlfabric.policies import ActBatcher
 from rlfabric.policies.served import ServedLLMPolicy

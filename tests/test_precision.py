@@ -11,8 +11,9 @@ import torch
 from rlfabric.actors.llm_learner import LLMLearnerCore
 from rlfabric.grpo_config import GRPOConfig, SFTConfig
 from rlfabric.models.hf import build_char_tokenizer, build_small_model_dir, build_small_qwen2
+from rlfabric.models.packed_batch import pack_sequences
 from rlfabric.models.precision import matmul_precision, resolve_matmul_dtype
-from rlfabric.models.sequences import pack_sequences, response_logprobs
+from rlfabric.models.sequences import response_logprobs
 
 
 @pytest.fixture(scope="module")

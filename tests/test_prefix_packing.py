@@ -5,8 +5,9 @@ import pytest
 import torch
 
 from rlfabric.models.hf import build_small_model_dir, load_causal_lm
+from rlfabric.models.packed_batch import pack_sequences
 from rlfabric.models.prefix_packing import check_maskable, pack_shared_prefix
-from rlfabric.models.sequences import pack_sequences, response_logprobs
+from rlfabric.models.sequences import response_logprobs
 
 
 @pytest.fixture(scope="module")

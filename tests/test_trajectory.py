@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 import ray
 
-from rlfabric.models.llm_batch import grpo_batch, pack_trajectories
+from rlfabric.models.llm_batch import grpo_batch
+from rlfabric.models.packed_batch import pack_trajectories
 from rlfabric.trajectory import NO_VERSION, concat, from_time_major, from_token_sequences, time_major
 
 

@@ -355,18 +355,6 @@ def policy_objective(
 # -- sample filters and reward shaping (DAPO) -------------------------------------------------------------------
 
 
-def group_has_signal(rewards: Tensor, group_ids: Tensor) -> Tensor:
-    """Dynamic sampling (DAPO): True for samples whose group's rewards are not all equal (max_g != min_g).
-
-    A group whose rewards are all equal has all-zero advantages and teaches nothing; a group of one never has signal.
-    """
-    groups, inverse = torch.unique(group_ids, return_inverse=True)
-    rewards = _as_float(rewards)
-    highest = rewards.new_full(groups.shape, float("-inf")).scatter_reduce(0, inverse, rewards, "amax")
-    lowest = rewards.new_full(groups.shape, float("inf")).scatter_reduce(0, inverse, rewards, "amin")
-    return (highest != lowest)[inverse]
-
-
 def overlong_mask(truncated: Tensor) -> Tensor:
     """Overlong filtering (DAPO): a float [N] weight, 0 for sequences cut off at the length limit, else 1."""
     return (~truncated.bool()).to(torch.get_default_dtype())

@@ -8,12 +8,13 @@ and from then on load them exactly as they would load a real model.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from rlfabric.config import ConfigError
 from rlfabric.grpo_config import BUILTIN_ALPHABETS, DEFAULT_ALPHABET, TOOL_ALPHABET, builtin_alphabet  # noqa: F401
+
+if TYPE_CHECKING:  # torch is imported where a model is built or loaded: tokenizers alone do without it
+    import torch
 
 # The characters the built-in tokenizer knows are named in rlfabric.grpo_config (model.builtin.alphabet, checked
 # without torch) and re-exported here: DEFAULT_ALPHABET is enough for arithmetic, countdown and short English
@@ -81,6 +82,8 @@ def build_small_qwen2(
         eos_token_id=tokenizer.eos_token_id,
         bos_token_id=tokenizer.bos_token_id,
     )
+    import torch
+
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = Qwen2ForCausalLM(config)
@@ -163,12 +166,12 @@ def model_max_positions(path: str | Path) -> int | None:
     return value if isinstance(value, int) and value > 0 else None
 
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def load_causal_lm(path: str | Path, dtype: torch.dtype | str = torch.float32, device: str = "cpu") -> Any:
-    """Any Hugging Face causal LM by local path or hub id (``AutoModelForCausalLM``)."""
+def load_causal_lm(path: str | Path, dtype: torch.dtype | str = "float32", device: str = "cpu") -> Any:
+    """Any Hugging Face causal LM by local path or hub id (``AutoModelForCausalLM``); ``dtype`` a torch dtype or
+    its name in ``rlfabric.models.precision.DTYPES``."""
     from transformers import AutoModelForCausalLM
+
+    from rlfabric.models.precision import DTYPES
 
     quiet_transformers()
     dtype = DTYPES[dtype] if isinstance(dtype, str) else dtype
@@ -189,13 +192,15 @@ def load_tokenizer(path: str | Path) -> Any:
     """
     import json
 
-    from transformers import AutoTokenizer, PreTrainedTokenizerFast
-
     config_file = Path(path) / "tokenizer_config.json"
     saved_class = json.loads(config_file.read_text()).get("tokenizer_class") if config_file.is_file() else None
     if saved_class in GENERIC_TOKENIZER_CLASSES and (Path(path) / "tokenizer.json").is_file():
+        from transformers import PreTrainedTokenizerFast
+
         tokenizer = PreTrainedTokenizerFast.from_pretrained(str(path))
-    else:
+    else:  # AutoTokenizer imports torch (transformers' configuration classes do): a generic tokenizer does not
+        from transformers import AutoTokenizer
+
         tokenizer = AutoTokenizer.from_pretrained(str(path))
     if tokenizer.pad_token_id is None:  # many causal LMs ship without one; generation and batching need it
         tokenizer.pad_token = tokenizer.eos_token

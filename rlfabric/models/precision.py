@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from rlfabric.models.hf import DTYPES
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}  # by config name
 
 
 def resolve_matmul_dtype(name: str | torch.dtype | None, field: str = "matmul_dtype") -> torch.dtype | None:

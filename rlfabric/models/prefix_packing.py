@@ -100,7 +100,7 @@ def balanced_rows(sizes: list[int], max_tokens: int) -> list[list[int]]:
 def pack_shared_prefix(
     input_ids: np.ndarray, attention_mask: np.ndarray, prompt_len: int, max_tokens: int = 4096
 ) -> SharedPrefixPack:
-    """Pack the rows of a padded batch (see ``rlfabric.models.sequences.pack_sequences``) by shared prompt.
+    """Pack the rows of a padded batch (see ``rlfabric.models.packed_batch.pack_sequences``) by shared prompt.
 
     Each block (``prefix_blocks``: a prompt and the responses that follow it) is laid out whole; the blocks are
     spread over as few rows as ``max_tokens`` allows (``balanced_rows``), which bounds the [L, L] attention per

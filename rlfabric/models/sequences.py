@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from rlfabric.algorithms.grpo import entropy_from_logits, token_logprobs_from_logits
+from rlfabric.models.packed_batch import is_row_column
 from rlfabric.models.precision import matmul_precision
 from rlfabric.models.prefix_packing import (
     SharedPrefixPack,
@@ -41,31 +42,6 @@ def packed_layout(
     raise ValueError(f"packing = {packing!r}: expected one of {SEQUENCE_PACKINGS}")
 
 
-def pack_sequences(
-    prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], pad_id: int
-) -> dict[str, np.ndarray]:
-    """Columnar batch: input_ids and attention_mask [N, P + R], response_mask [N, R], prompt_len P."""
-    if len(prompts) != len(responses):
-        raise ValueError(f"pack_sequences: {len(prompts)} prompts but {len(responses)} responses")
-    n = len(prompts)
-    width_p = max((len(p) for p in prompts), default=0)
-    width_r = max((len(r) for r in responses), default=0)
-    input_ids = np.full((n, width_p + width_r), pad_id, dtype=np.int64)
-    attention = np.zeros((n, width_p + width_r), dtype=np.int64)
-    response_mask = np.zeros((n, width_r), dtype=np.float32)
-    for i, (p, r) in enumerate(zip(prompts, responses, strict=False)):
-        input_ids[i, width_p - len(p) : width_p] = p
-        input_ids[i, width_p : width_p + len(r)] = r
-        attention[i, width_p - len(p) : width_p + len(r)] = 1
-        response_mask[i, : len(r)] = 1.0
-    return {
-        "input_ids": input_ids,
-        "attention_mask": attention,
-        "response_mask": response_mask,
-        "prompt_len": np.int64(width_p),
-    }
-
-
 def right_padded(rows: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(input_ids, attention_mask) [N, W], each row right-padded with ``pad_id`` to the longest (W >= 1); a
     sequence-classification model pools each row's last real token."""
@@ -76,11 +52,6 @@ def right_padded(rows: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tens
         ids[i, : len(row)] = torch.tensor(list(row), dtype=torch.long)
         mask[i, : len(row)] = 1
     return ids, mask
-
-
-def is_row_column(value: Any, num_rows: int) -> bool:
-    """Whether a batch entry holds one value per row (and so is sliced, padded and sharded with the rows)."""
-    return isinstance(value, (np.ndarray, torch.Tensor)) and value.ndim >= 1 and len(value) == num_rows
 
 
 def select_rows(batch: dict[str, Any], keep: torch.Tensor) -> dict[str, Any]:

@@ -175,6 +175,7 @@ def cheapest_shared_pack(
     """The shared-prefix pack (``rlfabric.models.prefix_packing``) of prompt + completion rows that costs the
     fewest FLOPs per layer (``layer_flops`` of its padded packed rows), over the row budgets d 2^k (d the hidden
     size) and each block's length; None when none beats scoring each row alone (``plain_row_flops``)."""
+    from rlfabric.models.packed_batch import pack_sequences
     from rlfabric.models.prefix_packing import (
         balanced_rows,
         layer_flops,
@@ -182,7 +183,6 @@ def cheapest_shared_pack(
         prefix_blocks,
         projection_parameters_per_layer,
     )
-    from rlfabric.models.sequences import pack_sequences
 
     hidden, parameters = int(model.config.hidden_size), projection_parameters_per_layer(model)
     rows = [(tuple(p), list(c)) for p, c in zip(prompts, completions, strict=True)]
