@@ -14,6 +14,12 @@ import ray
 os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Modules marked ``own_ray`` start Ray clusters of their own, stopping the shared local instance: they run
+    last (in their usual order), so the shared instance starts once rather than again after each of them."""
+    items.sort(key=lambda item: item.get_closest_marker("own_ray") is not None)
+
+
 _LOCAL_RAY = {"address": "local", "num_cpus": 4, "include_dashboard": False, "log_to_driver": False}
 _shared_gcs: list[str] = []  # the GCS address of the instance this session started last
 

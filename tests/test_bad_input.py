@@ -28,6 +28,9 @@ from rlfabric.driver import ensure_ray
 from rlfabric.llm_driver import GRPOTrainer
 from rlfabric.models.hf import check_model_source
 
+# Clusters of its own: it stops the shared local instance, so it runs after every module that uses it.
+pytestmark = pytest.mark.own_ray
+
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ["model.builtin.num_layers=1", "model.builtin.hidden_size=32", "model.builtin.num_heads=2", "sft.steps=0"]
 

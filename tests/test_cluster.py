@@ -19,6 +19,9 @@ from rlfabric.driver import Trainer
 from rlfabric.envs.task_library import TASK_SERVERS
 from rlfabric.mcp_tools import McpSession
 
+# Clusters of its own: it stops the shared local instance, so it runs after every module that uses it.
+pytestmark = pytest.mark.own_ray
+
 
 class CorridorEnv(gym.Env):
     """Defined only in this test file: walk right to the end of a corridor. Workers cannot import it."""

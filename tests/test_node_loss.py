@@ -30,6 +30,9 @@ from rlfabric.llm_driver import GRPOTrainer
 from rlfabric.llm_run_state import latest_checkpoint as latest_grpo_checkpoint
 from rlfabric.run.log import read_metrics
 
+# Clusters of its own: it stops the shared local instance, so it runs after every module that uses it.
+pytestmark = pytest.mark.own_ray
+
 WIDE = 512  # observation floats: a 64-step fragment of 2 envs is ~260 KB, kept in its runner node's object store
 
 

@@ -15,6 +15,9 @@ from rlfabric.config import ConfigError, config_from_dict, ppo_config_from_dict
 from rlfabric.driver import Trainer
 from rlfabric.llm_driver import GRPOTrainer
 
+# Clusters of its own: it stops the shared local instance, so it runs after every module that uses it.
+pytestmark = pytest.mark.own_ray
+
 
 @pytest.fixture(scope="module")
 def three_nodes():

@@ -23,6 +23,9 @@ from test_cluster import CorridorEnv
 
 from rlfabric.run.log import read_metrics
 
+# Clusters of its own: it stops the shared local instance, so it runs after every module that uses it.
+pytestmark = pytest.mark.own_ray
+
 # The env exists only in the submitting folder: a module written there from test_cluster's class.
 CORRIDOR_MODULE = "\n".join(
     [

@@ -3,10 +3,14 @@ sees none) and a custom resource, on a Ray instance of its own that declares the
 
 from __future__ import annotations
 
+import pytest
 import ray
 from test_reward_service import group
 
 from rlfabric.reward_pool import RewardPool
+
+# Clusters of its own: it stops the shared local instance, so it runs after every module that uses it.
+pytestmark = pytest.mark.own_ray
 
 
 def test_reward_workers_get_the_gpus_and_resources_they_ask_for():
