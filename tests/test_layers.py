@@ -108,6 +108,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "rlfabric.run",  # the run skeleton: outputs, checkpoints, resume, progress, plots, Ctrl-C
             "rlfabric.cli_support",  # what the subcommands share: user modules, default run directories
             "rlfabric.submit",  # rlfabric submit: a run as a Ray job on a running cluster
+            "rlfabric.cli_inspect",  # rlfabric envs and tools: list and check envs and MCP tool servers
             "rlfabric.cli",
         ),
     ),
