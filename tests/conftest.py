@@ -21,20 +21,21 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 _LOCAL_RAY = {"address": "local", "num_cpus": 4, "include_dashboard": False, "log_to_driver": False}
-_shared_gcs: list[str] = []  # the GCS address of the instance this session started last
+_shared_gcs: str | None = None  # the GCS address of the instance this session started last
 
 
 def start_shared_ray() -> None:
     """Start the local Ray instance the tests share (more logical CPUs than cores, so runners and learner all
     schedule), unless it already runs. Starting one costs about 5.5 s with its stop, so modules share it; a module
     that needs a cluster of its own stops it first, and the next module that asks starts it again."""
+    global _shared_gcs
     if ray.is_initialized():
-        if _shared_gcs and ray.get_runtime_context().gcs_address == _shared_gcs[-1]:
+        if ray.get_runtime_context().gcs_address == _shared_gcs:
             return
         ray.shutdown()
     # address="local": a new instance even when a cluster (`ray start`) runs on the machine
     ray.init(**_LOCAL_RAY)
-    _shared_gcs.append(ray.get_runtime_context().gcs_address)
+    _shared_gcs = ray.get_runtime_context().gcs_address
 
 
 def left_clean(wait_s: float = 10.0) -> bool:

@@ -246,9 +246,7 @@ def test_a_selector_of_the_other_kind_than_the_runs_model_is_one_line(trained_ru
         (["model.path=./no/such/model"], ["model.path", "./no/such/model"]),
     ],
 )
-def test_bad_input_is_one_line_before_ray_starts(args, names, capsys):
-    if ray.is_initialized():
-        ray.shutdown()
+def test_bad_input_is_one_line_before_ray_starts(args, names, capsys, no_ray):
     assert main(["eval", *args]) == 2
     out, err = capsys.readouterr()
     lines = err.splitlines()

@@ -56,7 +56,7 @@ def select_groups(trajectories: Sequence[Trajectories], groups: Sequence[int] | 
 def pack_trajectories(traj: Trajectories, pad_id: int) -> dict[str, np.ndarray]:
     """The rows as one packed batch: each row's first prompt left-padded, everything after it (the response, and
     in multi-turn episodes the later turns) right-padded, with ``response_mask`` = the loss mask there and
-    ``behaviour_logprobs`` the sampled tokens' logprobs (see ``rlfabric.models.sequences.pack_sequences``)."""
+    ``behaviour_logprobs`` the sampled tokens' logprobs (see ``pack_sequences``)."""
     n = traj.num_rows
     prompts = [traj.prompt(i) for i in range(n)]
     spans = [traj.completion(i) for i in range(n)]

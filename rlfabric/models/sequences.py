@@ -1,8 +1,9 @@
-"""Prompt + response batches for causal LMs: packing, and per-token logprobs of the response.
+"""Per-token logprobs of the response in prompt + response batches for causal LMs, padded or shared-prefix packed.
 
-Layout shared by the learner, the reference model and SFT: each row is the prompt LEFT-padded to the batch's
-longest prompt P, then the response RIGHT-padded to R, so every response starts at column P. Position ids count
-real tokens only, as the generation engines do, so the learner sees the positions the generator saw.
+The batches (``rlfabric.models.packed_batch.pack_sequences``, shared by the learner, the reference model and SFT)
+hold each row's prompt LEFT-padded to the batch's longest prompt P, then the response RIGHT-padded to R, so every
+response starts at column P. Position ids count real tokens only, as the generation engines do, so the learner
+sees the positions the generator saw.
 """
 
 from __future__ import annotations
