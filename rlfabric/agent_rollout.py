@@ -170,17 +170,21 @@ def episode_versions(episodes: Sequence[AgentEpisode]) -> np.ndarray:
     )
 
 
-def transcript(trace: AgentTrace, separator: str = " | ", skip: int = 0) -> str:
-    """The last segment's conversation, for the samples a run shows (one line) and for reward functions (one
-    message a line, ``separator="\\n"``): each message after the first ``skip`` as ``role: text``, an assistant's
-    tool calls as ``name(arguments)``."""
+def transcript_lines(trace: AgentTrace, skip: int = 0) -> list[str]:
+    """The last segment's conversation, one message a line, each message after the first ``skip`` as
+    ``role: text``, an assistant's tool calls as ``name(arguments)``."""
     if not trace.segments:
-        return ""
-    parts = []
+        return []
+    lines = []
     for m in trace.segments[-1].messages[skip:]:
         calls = [f"{c['function']['name']}({json.dumps(c['function']['arguments'])})" for c in m.get("tool_calls", [])]
-        parts.append(f"{m['role']}: {' '.join([m['content'], *calls]).strip()}")
-    return separator.join(parts)
+        lines.append(f"{m['role']}: {' '.join([m['content'], *calls]).strip()}")
+    return lines
+
+
+def transcript(trace: AgentTrace, separator: str = " | ") -> str:
+    """The last segment's conversation on one line (``transcript_lines``), for the samples a run shows."""
+    return separator.join(transcript_lines(trace))
 
 
 class AgentDemonstrations:

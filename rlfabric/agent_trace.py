@@ -124,6 +124,8 @@ class Segment:
     context: list[int]  # prompt, then each turn's sampled ids and observation so far
     turns: list[TurnTokens] = field(default_factory=list)
     truncated: bool = False  # its last turn ran out of tokens (sampling's max_new_tokens)
+    # where each turn's assistant reply sits in ``messages`` (a client may add assistant messages of its own)
+    replies_at: list[int] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -226,6 +228,7 @@ class AgentTrace:
                     call.messages,
                     [*call.added, *sampled],
                     [turn],
+                    replies_at=[len(call.messages)],
                 )
             )
         else:
@@ -233,6 +236,7 @@ class AgentTrace:
             last = segment.turns[-1]
             segment.turns[-1] = TurnTokens(last.sampled, last.logprobs, last.version, call.added, last.rewards)
             segment.turns.append(turn)
+            segment.replies_at.append(len(call.messages))
             segment.context = [*call.context, *sampled]
         self.segments[-1].messages = [*call.messages, reply]
         self.segments[-1].truncated = truncated
@@ -247,6 +251,28 @@ class AgentTrace:
                 last = segment.turns[-1]
                 merged = {**last.rewards, **{k: float(v) for k, v in rewards.items()}}
                 segment.turns[-1] = TurnTokens(last.sampled, last.logprobs, last.version, last.observation, merged)
+
+    def add_step_rewards(self, steps: Sequence[dict[str, float]]) -> dict[str, float]:
+        """A process reward's components, one dict per turn of the last segment (the conversation the episode ended
+        with), added to those turns' rewards; each earlier segment's row gets the episode's totals on its last turn,
+        as it gets the outcome's. Returns the totals."""
+        last = self.segments[-1]
+        if len(steps) != len(last.turns):
+            raise ValueError(f"a process reward scored {len(steps)} steps of a conversation of {len(last.turns)} turns")
+        totals: dict[str, float] = {}
+        for k, step in enumerate(steps):
+            turn = last.turns[k]
+            merged = dict(turn.rewards)
+            for name, value in step.items():
+                merged[name] = merged.get(name, 0.0) + float(value)
+                totals[name] = totals.get(name, 0.0) + float(value)
+            last.turns[k] = TurnTokens(turn.sampled, turn.logprobs, turn.version, turn.observation, merged)
+        for segment in self.segments[:-1]:
+            if segment.turns:
+                turn = segment.turns[-1]
+                merged = {**turn.rewards, **totals}
+                segment.turns[-1] = TurnTokens(turn.sampled, turn.logprobs, turn.version, turn.observation, merged)
+        return totals
 
     @property
     def calls(self) -> int:

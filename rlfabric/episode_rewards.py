@@ -21,9 +21,13 @@ A component name the env gives too fails the episode (one line naming it): two s
 
 An outside agent's episode (``env.agent``, ``agent_episode_input``) is one sample too: ``prompt`` the first user
 message of its last segment (the conversation it ended with), ``completion`` the messages after it, one a line as
-``role: text`` (an assistant's tool calls as ``name(arguments)``), no steps (a process reward sees the whole
-conversation as one step). The scores join the components the agent returned, on every segment's last turn as
-the agent's own do (``add_agent_scores``).
+``role: text`` (an assistant's tool calls as ``name(arguments)``), and ``steps`` one per model call of that segment,
+tiling the completion: step k is the lines after step k-1's up to the call's own reply (``"\\n"`` before each
+step but the first), so step 0 also holds the messages before the first reply and the last step any after it.
+Outcome components join the components the agent returned, on every segment's last turn as the agent's own do;
+a process reward's per-step components go on the last segment's turns, and each earlier segment's row (a harness
+that rewrote its history) gets their episode totals on its last turn (``add_agent_scores``). When a reply of the
+segment came before its first user message, the conversation is one step.
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from rlfabric.agent_loop import Episode
-from rlfabric.agent_rollout import transcript
+from rlfabric.agent_rollout import transcript_lines
 from rlfabric.agents import AgentEpisode
 from rlfabric.data import row_metadata
 from rlfabric.rewards import RewardInput, RewardResult
@@ -65,29 +69,55 @@ def agent_episode_input(episode: AgentEpisode, task: dict[str, Any], prompt_key:
     first_user = next((k for k, m in enumerate(segment.messages) if m["role"] == "user"), None)
     prompt = str(task.get(prompt_key, "")) if first_user is None else str(segment.messages[first_user]["content"])
     skip = 0 if first_user is None else first_user + 1
+    lines = transcript_lines(episode.trace, skip)
     return RewardInput(
         prompt=prompt,
-        completion=transcript(episode.trace, "\n", skip),
+        completion="\n".join(lines),
         metadata=row_metadata(task, prompt_key),
         finish_reason="length" if segment.truncated else "stop",
         num_tokens=sum(len(t.sampled) for s in episode.trace.segments for t in s.turns),
+        steps=agent_steps(lines, [at - skip for at in segment.replies_at]),
     )
 
 
+def agent_steps(lines: list[str], reply_lines: list[int]) -> list[str] | None:
+    """The conversation's steps, one per model call: ``lines`` (one message each) cut after each call's reply
+    (``reply_lines``, its line index), joined by ``"\\n"`` and tiling ``"\\n".join(lines)``; lines after the last reply
+    join the last step. None (one step) when a reply lies before the first line or there is none."""
+    if not reply_lines or reply_lines[0] < 0:
+        return None
+    ends = [*reply_lines[:-1], len(lines) - 1]
+    starts = [0, *(end + 1 for end in ends[:-1])]
+    return [
+        "\n".join(lines[a : b + 1]) if k == 0 else "\n" + "\n".join(lines[a : b + 1])
+        for k, (a, b) in enumerate(zip(starts, ends, strict=True))
+    ]
+
+
 def add_agent_scores(episode: AgentEpisode, result: RewardResult) -> None:
-    """Add a reward result to an outside agent's episode: its components (and a process reward's one step's)
-    join the agent's returned components, on every segment's last turn; a failed result, or a component the agent
-    returned too, fails the episode instead."""
+    """Add a reward result to an outside agent's episode: its outcome components join the agent's returned
+    components, on every segment's last turn; a process reward's per-step components go on the last segment's
+    turns (``AgentTrace.add_step_rewards``). A failed result, a component the agent returned too, or a step count
+    other than the segment's turns fails the episode instead."""
     if result.error is not None:
         episode.error = result.error
         return
-    given = {**result.components, **{k: v for step in result.step_components or [] for k, v in step.items()}}
-    clash = sorted(set(given) & set(episode.rewards))
+    steps = result.step_components or []
+    clash = sorted((set(result.components) | {k for step in steps for k in step}) & set(episode.rewards))
     if clash:
         episode.error = (
             f"reward component {clash[0]!r} comes from both the agent and rewards.functions: rename one of them"
         )
         return
+    given = dict(result.components)
+    if len(steps) == 1 and len(episode.trace.segments[-1].turns) != 1:  # a conversation scored as one step
+        given.update(steps[0])
+    elif steps:
+        try:
+            episode.rewards.update(episode.trace.add_step_rewards(steps))
+        except ValueError as exc:
+            episode.error = str(exc)
+            return
     scores = {name: float(value) for name, value in given.items()}
     episode.rewards.update(scores)
     episode.trace.add_rewards(scores)

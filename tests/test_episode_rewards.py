@@ -11,9 +11,12 @@ import pytest
 from grpo_runs import run_grpo
 
 from rlfabric.agent_loop import EpisodeLimits, ScriptedTurns, episodes_to_trajectories, run_episodes
+from rlfabric.agent_rollout import agent_trajectories
+from rlfabric.agent_trace import AgentTrace, assistant_message
+from rlfabric.agents import AgentEpisode
 from rlfabric.config import ConfigError, config_from_dict
 from rlfabric.envs.guess_number import GuessNumber
-from rlfabric.episode_rewards import add_scores, episode_input, score_episodes
+from rlfabric.episode_rewards import add_agent_scores, add_scores, agent_episode_input, episode_input, score_episodes
 from rlfabric.models.chat_tokens import ChatTokens
 from rlfabric.models.hf import build_char_tokenizer
 from rlfabric.rewards import RewardInput, RewardResult, pointwise, process_reward, register_reward
@@ -101,6 +104,56 @@ def test_guess_numbers_process_reward_marks_the_turns_that_ignore_the_replies():
     assert [[s["inconsistent"] for s in turns] for turns in scores] == [[0, 1, 1, 0], [0, 0, 0, 0]]
 
 
+def agent_episode(calls: list[tuple[list[dict], str]]) -> AgentEpisode:
+    """An outside agent's episode whose calls send these messages and get these replies (a few sampled tokens
+    each, for the trace)."""
+    chat = ChatTokens(build_char_tokenizer())
+    trace = AgentTrace(chat)
+    for version, (messages, reply) in enumerate(calls):
+        call = trace.prepare(messages, tools=None)
+        sampled = chat.text_ids(reply)
+        assert trace.commit(call, sampled, [-0.5] * len(sampled), version, assistant_message(reply, []))
+    return AgentEpisode(0, trace)
+
+
+def test_an_agents_conversation_is_one_step_per_model_call_and_process_scores_land_on_those_calls():
+    system, ask = {"role": "system", "content": "be brief"}, {"role": "user", "content": "2+3?"}
+    first = [system, ask]
+    second = [*first, {"role": "assistant", "content": "4"}, {"role": "user", "content": "no"}]
+    third = [*second, {"role": "assistant", "content": "5"}, {"role": "user", "content": "sure?"}]
+    episode = agent_episode([(first, "4"), (second, "5"), (third, "yes")])
+    assert len(episode.trace.segments) == 1  # each call continued the last: one row, three turns
+    reward_input = agent_episode_input(episode, {"prompt": "unused"}, "prompt")
+    assert reward_input.prompt == "2+3?"
+    assert reward_input.steps == ["assistant: 4", "\nuser: no\nassistant: 5", "\nuser: sure?\nassistant: yes"]
+    assert "".join(reward_input.steps) == reward_input.completion
+
+    add_agent_scores(episode, RewardResult({"brief": 1.0}, None, [{"right": 0.0}, {"right": 1.0}, {"right": 0.5}]))
+    assert episode.error is None and episode.rewards == {"brief": 1.0, "right": 1.5}
+    record = agent_trajectories([episode], [0], [0])
+    assert record.step_rewards["right"].tolist() == [0.0, 1.0, 0.5]  # one step span per call
+    assert record.step_rewards["brief"].tolist() == [0.0, 0.0, 1.0]  # the outcome on the last call
+    assert record.final_rewards["right"].tolist() == [1.5]
+
+
+def test_a_rewritten_history_scores_the_last_conversation_and_gives_earlier_rows_its_totals():
+    ask = {"role": "user", "content": "2+3?"}
+    edited = [ask, {"role": "assistant", "content": "five"}, {"role": "user", "content": "digits"}]
+    # the second call hands back a reply the policy did not give ("five"): a new segment, whose only turn is "5"
+    episode = agent_episode([([ask], "4"), (edited, "5")])
+    assert len(episode.trace.segments) == 2
+    reward_input = agent_episode_input(episode, {}, "prompt")
+    # step 0 holds every line up to the segment's first own reply, the edited assistant message included
+    assert reward_input.steps == ["assistant: five\nuser: digits\nassistant: 5"]
+    add_agent_scores(episode, RewardResult({}, None, [{"right": 1.0}]))
+    record = agent_trajectories([episode], [0], [0])
+    assert record.final_rewards["right"].tolist() == [1.0, 1.0]  # every row of the episode trains on its totals
+
+    mismatched = agent_episode([([ask], "4"), ([ask, {"role": "assistant", "content": "4"}, ask], "5")])
+    add_agent_scores(mismatched, RewardResult({}, None, [{"right": 1.0}] * 3))
+    assert mismatched.error == "a process reward scored 3 steps of a conversation of 2 turns"
+
+
 # -- a run -----------------------------------------------------------------------------------------------------
 
 
@@ -178,7 +231,15 @@ def claims_correct(inputs: list[RewardInput]) -> list[dict[str, float]]:
     return [{"correct": 1.0} for _ in inputs]
 
 
+@pointwise
+@process_reward
+def one_per_step(inputs: list[RewardInput]) -> list[list[dict[str, float]]]:
+    """A process reward: 1 for each step, so its episode total is the number of steps the conversation has."""
+    return [[{"steps": 1.0} for _ in x.step_texts()] for x in inputs]
+
+
 register_reward("assistant_turns", assistant_turns)
+register_reward("one_per_step", one_per_step)
 register_reward("claims_correct", claims_correct)
 AGENT_RUN = {
     "model": {"builtin": {"num_layers": 1, "hidden_size": 32, "num_heads": 2, "max_positions": 256}},
@@ -193,11 +254,14 @@ def test_reward_functions_score_an_outside_agents_conversations(local_ray, tmp_p
     from rlfabric.agents import register_agent
 
     register_agent("tests-two-calls", two_calls)
-    run = run_grpo(tmp_path / "run", rewards={"functions": [{"name": "assistant_turns"}]}, **AGENT_RUN)
+    functions = [{"name": "assistant_turns"}, {"name": "one_per_step"}]
+    run = run_grpo(tmp_path / "run", rewards={"functions": functions}, **AGENT_RUN)
     steps = run.phase("grpo")
     assert len(steps) == 2 and all(r["failed_samples"] == 0 for r in steps)
     # each conversation after the opening question: assistant, user "again", assistant
     assert all(r["reward_assistant_turns"] == 2.0 and r["reward_asked"] == 1.0 for r in steps)
+    # the process reward saw one step per model call: two per episode
+    assert all(r["reward_steps"] == 2.0 for r in steps)
     assert all("reward_correct" in r for r in steps)  # the agent's own component beside them
 
 
