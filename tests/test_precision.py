@@ -10,7 +10,7 @@ import torch
 
 from rlfabric.actors.llm_learner import LLMLearnerCore
 from rlfabric.grpo_config import GRPOConfig, SFTConfig
-from rlfabric.models.hf import build_char_tokenizer, build_small_model_dir, build_small_qwen2
+from rlfabric.models.hf import build_char_tokenizer, build_small_model_dir, build_small_qwen2, load_causal_lm
 from rlfabric.models.packed_batch import pack_sequences
 from rlfabric.models.precision import matmul_precision, resolve_matmul_dtype
 from rlfabric.models.sequences import response_logprobs
@@ -95,3 +95,10 @@ def test_learner_with_bfloat16_matmuls_trains_float32_weights(tmp_path):
 def test_unknown_matmul_dtype_names_the_field():
     with pytest.raises(ValueError, match=r"learner.matmul_dtype = 'bf16': expected one of"):
         resolve_matmul_dtype("bf16", "learner.matmul_dtype")
+
+
+def test_loading_a_model_in_an_unknown_dtype_names_the_allowed_ones(tmp_path):
+    model_dir = build_small_model_dir(tmp_path / "model", num_layers=1, hidden_size=32, num_heads=2)
+    with pytest.raises(ValueError, match=r"dtype = 'float64': expected one of \['bfloat16', 'float16', 'float32'\]"):
+        load_causal_lm(model_dir, dtype="float64")
+    assert next(load_causal_lm(model_dir, dtype="bfloat16").parameters()).dtype == torch.bfloat16

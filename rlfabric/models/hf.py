@@ -168,13 +168,13 @@ def model_max_positions(path: str | Path) -> int | None:
 
 def load_causal_lm(path: str | Path, dtype: torch.dtype | str = "float32", device: str = "cpu") -> Any:
     """Any Hugging Face causal LM by local path or hub id (``AutoModelForCausalLM``); ``dtype`` a torch dtype or
-    its name in ``rlfabric.models.precision.DTYPES``."""
+    its name in ``rlfabric.models.precision.DTYPES`` (another name: a ValueError naming the allowed ones)."""
     from transformers import AutoModelForCausalLM
 
-    from rlfabric.models.precision import DTYPES
+    from rlfabric.models.precision import resolve_matmul_dtype
 
     quiet_transformers()
-    dtype = DTYPES[dtype] if isinstance(dtype, str) else dtype
+    dtype = resolve_matmul_dtype(dtype, "dtype")
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
     return model.to(device).eval()
 
