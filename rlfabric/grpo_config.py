@@ -499,12 +499,6 @@ def _validate_env(cfg: LLMConfig) -> None:
         f"needs sft.player with {what} (a scripted player whose episodes are the demonstrations), or 0",
     )
     require(
-        not cfg.rewards.functions or not e.verifiers.id,
-        "rewards.functions",
-        [f.name for f in cfg.rewards.functions],
-        f"must be [] with {what}: the environment's rubric gives the reward components",
-    )
-    require(
         not e.tool_servers or bool(e.id),
         "env.tool_servers",
         e.tool_servers,

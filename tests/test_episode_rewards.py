@@ -14,7 +14,7 @@ from rlfabric.agent_loop import EpisodeLimits, ScriptedTurns, episodes_to_trajec
 from rlfabric.agent_rollout import agent_trajectories
 from rlfabric.agent_trace import AgentTrace, assistant_message
 from rlfabric.agents import AgentEpisode
-from rlfabric.config import ConfigError, config_from_dict
+from rlfabric.config import config_from_dict
 from rlfabric.envs.guess_number import GuessNumber
 from rlfabric.episode_rewards import add_agent_scores, add_scores, agent_episode_input, episode_input, score_episodes
 from rlfabric.models.chat_tokens import ChatTokens
@@ -281,11 +281,3 @@ def test_a_config_that_plays_episodes_and_names_no_reward_function_gets_none():
     assert config_from_dict(plain).rewards.functions == []  # not the single-turn default (arithmetic)
     named = merged(plain, {"rewards": {"functions": [{"name": "turns_taken"}]}})
     assert [f.name for f in config_from_dict(named).rewards.functions] == ["turns_taken"]
-
-
-def test_reward_functions_stay_refused_for_a_verifiers_environment():
-    from grpo_runs import BASE, merged
-
-    cfg = merged(BASE, {"env": {"verifiers": {"id": "some_env"}}, "data": {"train": "env"}})
-    with pytest.raises(ConfigError, match=r"rewards.functions = \['arithmetic'\] is not valid: must be \[\] with env"):
-        config_from_dict(cfg)

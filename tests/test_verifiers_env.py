@@ -32,12 +32,17 @@ TOOL_MODEL = {"num_layers": 2, "hidden_size": 64, "num_heads": 4, "max_positions
 
 
 def test_grpo_trains_on_a_verifiers_single_turn_env_with_its_rubric_as_components(local_ray, tmp_path):
-    run = run_grpo(tmp_path / "run", **ARITHMETIC)
+    # beside the rubric, a reward function of the run's own: DAPO's length penalty, -L/3 for L <= 3 tokens here
+    length = {"name": "length", "kwargs": {"max_tokens": 3, "cache_tokens": 3}}
+    rewards = {"functions": [length], "weights": {"length_penalty": 0.5}}
+    run = run_grpo(tmp_path / "run", **merged(ARITHMETIC, {"rewards": rewards}))
     steps = run.phase("grpo")
     assert len(steps) == 2 and sum(r["trained_rows"] for r in steps) > 0
-    for r in steps:  # the rubric's functions, by name; the reward is their weighted sum (1 and 0.1)
+    for r in steps:  # the rubric's functions, by name, and the run's; the reward is their weighted sum
         assert {"reward_exact_sum", "reward_digits_only"} <= set(r)
-        assert r["reward_mean"] == pytest.approx(r["reward_exact_sum"] + 0.1 * r["reward_digits_only"], abs=1e-5)
+        assert -1.0 <= r["reward_length_penalty"] < 0  # every reply has at least its end token
+        rubric = r["reward_exact_sum"] + 0.1 * r["reward_digits_only"]
+        assert r["reward_mean"] == pytest.approx(rubric + 0.5 * r["reward_length_penalty"], abs=1e-5)
         assert r["turns_mean"] == 1.0 and r["rewrites"] == 0
     assert run.summary["failed_samples"] == 0  # an empty reply is the model's: scored, not failed
     evals = run.phase("eval")
