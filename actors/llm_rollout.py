@@ -116,13 +116,15 @@ class LLMRolloutCore(EpisodeRollouts):
         step_credit: dict[str, Any] | None = None,
         reward_gpus: float = 0.0,
         reward_resources: dict[str, float] | None = None,
+        reward_placement: list[dict[str, Any]] | None = None,
     ) -> None:
         """``text_env`` / ``agent``: where episodes come from when the run plays a text env or an outside agent
         (None: single-turn completions); ``process``: the ``rewards.process`` section (None: off); ``model_dir``:
         the policy's folder, whose tokenizer maps step boundaries to tokens when ``process["split"]`` cuts
         completions into steps; ``step_credit``: the learner's batch options when it credits steps
         (``grpo.step_credit``), so a group whose steps get advantages has signal even when its outcomes are equal
-        (``step_credit_signal``); None: outcome rewards alone decide."""
+        (``step_credit_signal``); None: outcome rewards alone decide. ``reward_placement``: each reward worker's
+        scheduling options (``ray.placement.rewards``), the training reward's workers first, then the shadow's."""
         rewards.load_snapshot(reward_registry)
         self.pool = (
             RewardPool(
@@ -133,6 +135,7 @@ class LLMRolloutCore(EpisodeRollouts):
                 num_gpus_per_worker=reward_gpus,
                 resources=reward_resources,
                 snapshot=reward_registry,
+                placement=(reward_placement or [])[:num_reward_workers],
             )
             if reward_functions
             else None  # a text env or an agent gives the rewards itself
@@ -162,6 +165,7 @@ class LLMRolloutCore(EpisodeRollouts):
                 num_gpus_per_worker=reward_gpus,
                 resources=reward_resources,
                 snapshot=reward_registry,
+                placement=(reward_placement or [])[num_reward_workers:],
             )
             if self.shadow
             else None  # a second reward, never used for learning (rlfabric.rewards.shadow)
@@ -336,6 +340,10 @@ class LLMRolloutCore(EpisodeRollouts):
     def reward_pids(self) -> list[int]:
         return [] if self.pool is None else self.pool.pids()
 
+    def reward_workers(self) -> list[Any]:
+        """The reward workers' handles, the training reward's then the shadow's (for the placement plan)."""
+        return [w for pool in (self.pool, self.shadow_pool) if pool is not None for w in pool.workers]
+
     def shutdown(self) -> None:
         for pool in (self.pool, self.shadow_pool):
             if pool is not None:
@@ -361,6 +369,9 @@ class LLMRolloutWorker:
 
     def reward_pids(self) -> list[int]:
         return self.core.reward_pids()
+
+    def reward_workers(self) -> list[Any]:
+        return self.core.reward_workers()
 
     def pid(self) -> int:
         return os.getpid()

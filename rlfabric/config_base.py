@@ -30,7 +30,7 @@ class RayConfig:
     # Placement group strategy for all actors (null: no placement group).
     placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] | None = None
     # A placement group per role, by config section: {runners: SPREAD, learner: STRICT_PACK} (PPO), {generator:
-    # SPREAD, learner: STRICT_PACK} (GRPO). Roles not named are placed by Ray alone.
+    # SPREAD, learner: STRICT_PACK, rewards: SPREAD} (GRPO). Roles not named are placed by Ray alone.
     placement: dict[str, str] = dataclasses.field(default_factory=dict)
 
 

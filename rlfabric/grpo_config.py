@@ -23,7 +23,7 @@ TOOL_ALPHABET = DEFAULT_ALPHABET + "{}[]\"'_\\"  # and Hermes JSON tool calls (a
 BUILTIN_ALPHABETS = {"default": DEFAULT_ALPHABET, "tool": TOOL_ALPHABET}
 _TEMPLATE_CHARACTERS = "systemuserassistant: \n"  # what the character chat template writes around the texts
 
-GRPO_ROLES = ("generator", "learner")  # the roles ray.placement may name (reward workers go with the rollout worker)
+GRPO_ROLES = ("generator", "learner", "rewards")  # the roles ray.placement may name (the rollout worker has none)
 
 
 @dataclass

@@ -241,12 +241,18 @@ def start_reference(
 
 
 def start_rollout_worker(
-    cfg: LLMConfig, text_env: Any = None, scorer: str | None = None, model_dir: str | None = None, agent: Any = None
+    cfg: LLMConfig,
+    text_env: Any = None,
+    scorer: str | None = None,
+    model_dir: str | None = None,
+    agent: Any = None,
+    reward_placement: Callable[[int], dict[str, Any]] | None = None,
 ) -> Any:
     """The rollout worker, with its reward services (the driver's reward registrations travel with it), playing
     ``text_env`` (a ``TextEnvSource``) or ``agent`` (an ``AgentSource``) when the run trains on one; ``scorer``
     names the likelihood scorer the policy ``likelihood`` rewards call; ``model_dir`` is the policy's folder, whose
-    tokenizer maps process-reward steps to tokens."""
+    tokenizer maps process-reward steps to tokens; ``reward_placement(i)``: the i-th reward worker's placement
+    group scheduling options (``ray.placement.rewards``)."""
     from rlfabric.actors.llm_rollout import LLMRolloutWorker
 
     r = cfg.rewards
@@ -260,6 +266,7 @@ def start_rollout_worker(
         reward_cpus=r.num_cpus,
         reward_gpus=r.num_gpus,
         reward_resources=r.resources,
+        reward_placement=[reward_placement(i) for i in range(r.num_actors)] if reward_placement else None,
         reward_registry=rewards.snapshot(),
         prompt_key=cfg.data.prompt_key,
         text_env=text_env,

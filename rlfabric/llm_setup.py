@@ -187,6 +187,9 @@ class GRPOSetup:
                 "for (generator.num_cpus/num_gpus, learner.num_cpus/num_gpus)"
             ) from None
         actors = {"generator": self.generators.handles, "rollout worker": self.rollout_workers.handles}
+        reward_workers = ray.get(self.rollout_workers.handles[0].reward_workers.remote(), timeout=SETUP_TIMEOUT_S)
+        if reward_workers:
+            actors["rewards"] = reward_workers
         for line in record_plan(self.run_dir, {**actors, "learner": self.learners}, self.cfg.ray.placement):
             self.log.note(f"placement: {line}")
         self.weights.attach(self.learners[0], self.generators, self.reference, self.scorers.slots)
@@ -206,6 +209,7 @@ class GRPOSetup:
             self.scorers.reward_name,
             model_dir=self.base_model_dir,
             agent=self.episodes.agent,
+            reward_placement=partial(self.role_groups.options, "rewards") if self.role_groups else None,
         )
         self.rollouts.load_prompts_into(worker)
         return worker

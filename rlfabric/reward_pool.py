@@ -19,7 +19,7 @@ other work; ``score`` is the two in a row.
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -67,12 +67,15 @@ class RewardPool:
         grace_s: float = 30.0,
         num_gpus_per_worker: float = 0.0,
         resources: dict[str, float] | None = None,
+        placement: Sequence[Mapping[str, Any]] = (),
     ) -> None:
         """``specs``: the reward functions (names or {name, kwargs}); ``timeout_s``: the deadline for one group.
 
         ``snapshot`` is the reward registry to ship (default: this process's registrations, taken now).
         ``grace_s`` is added to each call's backstop deadline, for starting a replacement worker and transfers.
         ``num_gpus_per_worker``, ``resources``: what else one worker asks Ray for (a GPU for a reward model).
+        ``placement``: each worker slot's scheduling options (its placement group bundle, ``ray.placement.rewards``),
+        which its replacements keep; none: Ray places the workers.
         """
         if not isinstance(num_workers, int) or num_workers < 1:
             raise ValueError(f"num_workers = {num_workers!r}: must be an integer >= 1")
@@ -86,9 +89,10 @@ class RewardPool:
         self.timeout_s, self.grace_s = timeout_s, grace_s
         self.num_cpus_per_worker = num_cpus_per_worker
         self.num_gpus_per_worker, self.resources = num_gpus_per_worker, dict(resources or {})
+        self.placement = list(placement)
         self.snapshot = rewards.snapshot() if snapshot is None else snapshot
         # A slot replaced more than 5 times in a row, with no clean call in between, is a bug, not bad luck.
-        self.slots = ActorSlots("reward worker", lambda slot, generation: self._start_worker(), num_workers)
+        self.slots = ActorSlots("reward worker", lambda slot, generation: self._start_worker(slot), num_workers)
         self.busy_until = [0.0] * num_workers  # when each worker's queued calls must be done, at the latest
         self.failed_samples = 0
         self.last_errors: list[str] = []  # the most recent distinct errors, newest last
@@ -104,13 +108,15 @@ class RewardPool:
     def __len__(self) -> int:
         return len(self.workers)
 
-    def _start_worker(self) -> Any:
+    def _start_worker(self, slot: int) -> Any:
         from rlfabric.actors.reward_service import RewardService
 
         specs = [spec.to_dict() for spec in self.specs]
-        options = {"num_cpus": self.num_cpus_per_worker, "num_gpus": self.num_gpus_per_worker}
+        options: dict[str, Any] = {"num_cpus": self.num_cpus_per_worker, "num_gpus": self.num_gpus_per_worker}
         if self.resources:
             options["resources"] = self.resources
+        if slot < len(self.placement):
+            options.update(self.placement[slot])
         return RewardService.options(**options).remote(specs, self.timeout_s, self.snapshot)
 
     def pids(self, timeout_s: float = 60.0) -> list[int]:

@@ -64,15 +64,17 @@ def test_ppo_runners_spread_over_the_nodes_and_the_plan_says_where(three_nodes, 
     assert set(runner_nodes) <= all_nodes
 
 
-def test_grpo_generators_spread_and_learner_packed(three_nodes, tmp_path):
+def test_grpo_generators_and_reward_workers_spread_and_learner_packed(three_nodes, tmp_path):
+    placement = {"generator": "STRICT_SPREAD", "learner": "STRICT_PACK", "rewards": "STRICT_SPREAD"}
     cfg = config_from_dict(
         merged(
             BASE,
             {
                 "generator": {"num_generators": 2, "num_cpus": 1},
                 "learner": {"num_cpus": 1},
+                "rewards": {"num_workers": 2, "num_cpus": 0.5},
                 "training": {"total_steps": 1},
-                "ray": {"placement": {"generator": "STRICT_SPREAD", "learner": "STRICT_PACK"}},
+                "ray": {"placement": placement},
             },
         )
     )
@@ -86,6 +88,9 @@ def test_grpo_generators_spread_and_learner_packed(three_nodes, tmp_path):
     generator_nodes = {node.split("/")[1] for node in where["generator"]["nodes"]}
     assert len(generator_nodes) == 2 and where["generator"]["strategy"] == "STRICT_SPREAD"
     assert where["learner"]["strategy"] == "STRICT_PACK" and len(where["learner"]["nodes"]) == 1
+    # the rollout worker starts the reward workers in the rewards group's bundles: one per node
+    reward_nodes = {node.split("/")[1] for node in where["rewards"]["nodes"]}
+    assert len(reward_nodes) == 2 and where["rewards"]["strategy"] == "STRICT_SPREAD"
 
 
 def test_a_role_group_the_cluster_cannot_place_is_one_line_before_any_actor_starts(three_nodes, tmp_path):
