@@ -187,9 +187,9 @@ class GRPOSetup:
                 "for (generator.num_cpus/num_gpus, learner.num_cpus/num_gpus)"
             ) from None
         actors = {"generator": self.generators.handles, "rollout worker": self.rollout_workers.handles}
-        reward_workers = ray.get(self.rollout_workers.handles[0].reward_workers.remote(), timeout=SETUP_TIMEOUT_S)
-        if reward_workers:
-            actors["rewards"] = reward_workers
+        if "rewards" in self.cfg.ray.placement:  # else not waited for: a reward model may still be loading
+            worker = self.rollout_workers.handles[0]
+            actors["rewards"] = ray.get(worker.reward_workers.remote(), timeout=SETUP_TIMEOUT_S)
         for line in record_plan(self.run_dir, {**actors, "learner": self.learners}, self.cfg.ray.placement):
             self.log.note(f"placement: {line}")
         self.weights.attach(self.learners[0], self.generators, self.reference, self.scorers.slots)
