@@ -285,6 +285,73 @@ def test_a_process_reward_model_scores_each_step_prefix_as_a_direct_forward_does
     assert all(r.components.keys() == {"digit"} for group in results for r in group)  # the outcome beside it
 
 
+def positions_run(model) -> list[int]:
+    """A counter of the token positions the model's base runs over (padding included), from now on."""
+    ran = [0]
+    base = getattr(model, model.base_model_prefix)
+    base.register_forward_pre_hook(
+        lambda _m, _a, kw: ran.__setitem__(0, ran[0] + kw["input_ids"].numel()), with_kwargs=True
+    )
+    return ran
+
+
+def test_every_prefix_score_comes_from_one_forward_over_the_whole_text(prm_dir):
+    from rlfabric.rewards.prefix_scores import score_step_prefixes
+    from rlfabric.rewards.reward_model import load_reward_model
+
+    model, tokenizer, _ = load_reward_model(str(prm_dir))
+    shared = "q: what are 1+2, 3+4 and 7+1? "  # four samples behind it (a GRPO group), two alone
+    prompts = [shared] * 4 + ["q: 2+2? ", "q: add 5 and 6 "]
+    steps = [
+        ["1+2=3\n", "3+4=7\n", "7+1=8"],
+        ["1+2=4\n", "3+4=7\n", "7+1=8"],
+        ["1+2=3\n", "3+4=6\n\n", "7+1=9"],
+        ["12\n", "7", "\n8"],
+        ["2+2=4"],
+        ["5+6=11\n", "11"],
+    ]
+    ran = positions_run(model)
+    got = score_step_prefixes(model, tokenizer, prompts, steps, batch_size=8, max_length=None)
+    prefixes = [p + "".join(s[: k + 1]) for p, s in zip(prompts, steps, strict=True) for k in range(len(s))]
+    np.testing.assert_allclose(np.concatenate(got), direct_forward(prm_dir, prefixes), atol=1e-4)
+    assert [len(g) for g in got] == [3, 3, 3, 3, 1, 2]
+    # each whole text once at most (the shared prompt once for its group): fewer than the prefixes one by one
+    wholes = [len(p) + len("".join(s)) for p, s in zip(prompts, steps, strict=True)]
+    assert ran[0] < sum(wholes) < sum(len(t) for t in prefixes)
+
+
+def test_a_tokenizer_that_merges_across_a_step_end_gets_each_prefix_scored_alone(tmp_path):
+    """ "\n7" is one token: the whole text's tokens do not start with the first prefix's ("...\n" ends it), so
+    that sample's prefixes are scored as texts of their own; the other sample still takes one forward."""
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForSequenceClassification
+
+    from rlfabric.models.hf import save_pretrained
+    from rlfabric.rewards.prefix_scores import score_step_prefixes
+    from rlfabric.rewards.reward_model import load_reward_model
+
+    chars = ["<pad>", "<eos>", *"q: 0123456789+=\n"]
+    vocab = {c: i for i, c in enumerate(chars)} | {"\n7": len(chars)}
+    bpe = Tokenizer(models.BPE(vocab=vocab, merges=[("\n", "7")]))
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe, pad_token="<pad>", eos_token="<eos>")
+    config = Qwen2Config(
+        vocab_size=len(vocab), hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=2, max_position_embeddings=64, num_labels=1, pad_token_id=0,
+    )  # fmt: skip
+    torch.manual_seed(1)
+    folder = save_pretrained(Qwen2ForSequenceClassification(config).eval(), tokenizer, tmp_path / "prm")
+    model, loaded, _ = load_reward_model(str(folder))
+    prompts, steps = ["q: 3+4 ", "q: 1+1 "], [["3+4=\n", "7"], ["1+1=\n", "2"]]
+    assert loaded("q: 3+4 3+4=\n7", add_special_tokens=False).input_ids[-1] == vocab["\n7"]
+    ran = positions_run(model)
+    got = score_step_prefixes(model, loaded, prompts, steps, batch_size=8, max_length=None)
+    prefixes = [p + "".join(s[: k + 1]) for p, s in zip(prompts, steps, strict=True) for k in range(len(s))]
+    np.testing.assert_allclose(np.concatenate(got), direct_forward(folder, prefixes), atol=1e-4)
+    # the merged sample's two prefixes as texts of their own, behind one copy of their prompt (7 + 5 + 5 tokens);
+    # the other sample's whole text once (13 tokens)
+    assert ran[0] == 7 + 5 + 5 + 13
+
+
 def test_a_process_reward_model_without_a_path_is_one_config_error():
     from rlfabric.rewards import resolve_reward
 

@@ -22,8 +22,9 @@ token that ends inside a multi-byte character decodes to a replacement character
 found by bisection, a few decodes per boundary.
 
 **Rewards.** ``process_reward_model`` is a process reward model served like the reward model: a Hugging Face
-sequence-classification model scores each step's prefix, prompt + steps[0] + ... + steps[k]; its heads are the
-components. ``arithmetic_steps`` is a function one: each step ``expression=value`` is checked by evaluating it.
+sequence-classification model scores each step's prefix, prompt + steps[0] + ... + steps[k] (all of a sample's
+prefixes in one forward where that is exact, ``rlfabric.rewards.prefix_scores``); its heads are the components.
+``arithmetic_steps`` is a function one: each step ``expression=value`` is checked by evaluating it.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ import numpy as np
 
 from rlfabric.reward_config import parse_split
 from rlfabric.rewards.builtin import evaluate_expression, parse_expression
+from rlfabric.rewards.prefix_scores import score_step_prefixes
 from rlfabric.rewards.registry import RewardInput, pointwise, process_reward, register_reward
 from rlfabric.rewards.reward_model import (
     check_reward_model_kwargs,
@@ -42,7 +44,6 @@ from rlfabric.rewards.reward_model import (
     load_reward_model,
     model_paths,
     resolve_device,
-    score_samples,
 )
 
 _NEWLINES = re.compile(r"\n+")
@@ -162,16 +163,19 @@ def process_reward_model(
     """A process reward model: for each sample and each step k, the model(s) at ``path`` score the step's prefix
     prompt + steps[0] + ... + steps[k]; components per step as ``reward_model``'s per completion (a head per
     output, named by ``id2label``; ``heads`` keeps some; several paths: an ensemble with ``<head>_min`` and
-    ``<head>_disagreement``). Every prefix of every sample of the call is scored in one ``score_samples`` call, so
-    the prefixes of a group's samples share one copy of their prompt where that is exact and cheaper."""
+    ``<head>_disagreement``). A sample's prefixes are read off one forward over its whole text where that is
+    exact (``rlfabric.rewards.prefix_scores``), its group's samples behind one copy of their prompt where that is
+    cheaper; the rest are scored prefix by prefix."""
     steps = [sample.step_texts() for sample in inputs]
-    prompts = [sample.prompt for sample, s in zip(inputs, steps, strict=True) for _ in s]
-    prefixes = ["".join(s[: k + 1]) for s in steps for k in range(len(s))]
+    prompts = [sample.prompt for sample in inputs]
     resolved = resolve_device(device)
     loaded = [load_reward_model(p, resolved) for p in model_paths(path)]
     names = loaded[0][2]
     scores = np.stack(
-        [score_samples(model, tok, prompts, prefixes, batch_size, max_length) for model, tok, _ in loaded]
+        [
+            np.concatenate(score_step_prefixes(model, tok, prompts, steps, batch_size, max_length))
+            for model, tok, _ in loaded
+        ]
     )
     keep = [names.index(h) for h in heads] if heads else list(range(len(names)))
     flat = ensemble_components(scores[:, :, keep], [names[k] for k in keep])

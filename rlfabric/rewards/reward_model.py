@@ -208,9 +208,17 @@ def score_shared_pack(model: Any, pack: SharedPrefixPack) -> np.ndarray:
     """[N, H] float32: the ``score`` head on each completion's last token in the packed rows, where a token sees
     its prompt and the earlier tokens of its own completion, at the positions it has in prompt + completion
     alone: the score of prompt + completion as one row."""
+    from rlfabric.models.prefix_packing import response_ends
+
+    return score_pack_positions(model, pack, response_ends(pack))
+
+
+def score_pack_positions(model: Any, pack: SharedPrefixPack, positions: np.ndarray) -> np.ndarray:
+    """[len(positions), H] float32: the ``score`` head on the hidden states at ``positions`` (flat indices into
+    the packed rows), each the score of the text up to and including that token (``score_shared_pack``)."""
     import torch
 
-    from rlfabric.models.prefix_packing import attention_mask_for, response_ends, shared_prefix_attention
+    from rlfabric.models.prefix_packing import attention_mask_for, shared_prefix_attention
 
     device = next(model.parameters()).device
     as_tensor = lambda values: torch.from_numpy(values).to(device)  # noqa: E731
@@ -222,8 +230,8 @@ def score_shared_pack(model: Any, pack: SharedPrefixPack) -> np.ndarray:
             position_ids=as_tensor(pack.position_ids),
             use_cache=False,
         ).last_hidden_state
-        last = hidden.reshape(-1, hidden.shape[-1])[as_tensor(response_ends(pack))]
-        return model.score(last).float().cpu().numpy()
+        picked = hidden.reshape(-1, hidden.shape[-1])[as_tensor(np.asarray(positions, np.int64))]
+        return model.score(picked).float().cpu().numpy()
 
 
 def score_samples(
