@@ -273,7 +273,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--selector",
         action="append",
         help="a reward that picks the best of N: 'train' (the config's training reward, the default), a reward "
-        "name, or YAML '{name: reward_model, kwargs: {path: DIR}, weights: {...}, label: rm}'; repeat for more",
+        "name, or YAML '{name: reward_model, kwargs: {path: DIR}, weights: {...}, label: rm}' (a process reward also "
+        "takes aggregate: min|mean|last|sum and split: newline|...); repeat for more",
     )
     evaluate.add_argument("--num-prompts", type=int, help="held-out prompts to use (default data.num_eval)")
     evaluate.add_argument("--samples", type=int, help="completions per prompt, M (default: the largest N)")

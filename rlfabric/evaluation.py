@@ -31,7 +31,7 @@ import yaml
 
 from rlfabric import rewards
 from rlfabric.actor_slots import RunAbortedError
-from rlfabric.algorithms.best_of_n import best_of_n, length_bins, pass_at_n
+from rlfabric.algorithms.best_of_n import STEP_AGGREGATES, best_of_n, length_bins, pass_at_n, step_aggregate
 from rlfabric.algorithms.reward_combination import combine_rewards
 from rlfabric.algorithms.step_credit import efficiency_penalty
 from rlfabric.config import ConfigError, load_config
@@ -44,7 +44,7 @@ from rlfabric.llm_run_state import FINAL_MODEL_DIR, INITIAL_MODEL_DIR, latest_ch
 from rlfabric.models.hf import check_model_source, encode_prompt, model_max_positions
 from rlfabric.placement import ActorRequest, check_fits
 from rlfabric.policies.served import GeneratorsFailed, ServedLLMPolicy
-from rlfabric.reward_config import RewardFunctionConfig
+from rlfabric.reward_config import RewardFunctionConfig, parse_split
 from rlfabric.reward_model_stage import (
     REWARD_MODEL_DIR,
     RUN_MODEL_SPECS,
@@ -54,6 +54,7 @@ from rlfabric.reward_model_stage import (
 from rlfabric.reward_pool import RewardPool
 from rlfabric.rewards import RewardInput, RewardResult, RewardSpec
 from rlfabric.rewards.likelihood import POLICY
+from rlfabric.rewards.process import split_completion
 from rlfabric.run.log import CONFIG_FILE, SUMMARY_FILE
 from rlfabric.run.progress import format_eta
 
@@ -62,17 +63,28 @@ VERIFIER = "verifier"  # the reward pool of rewards.functions (no selector takes
 TRAINING_REWARD = "the training reward: rewards.functions combined by rewards.weights and rewards.combine"
 EVAL_FILE, SAMPLES_FILE = "eval.json", "samples.jsonl"
 N_PLOT, LENGTH_PLOT = "best_of_n.png", "reward_vs_length.png"
-SELECTOR_KEYS = ("name", "kwargs", "weights", "label")
+SELECTOR_KEYS = ("name", "kwargs", "weights", "label", "aggregate", "split")
 
 
 @dataclass(frozen=True)
 class Selector:
     """What picks the best of N: a reward service (``spec``) whose components, weighted by ``weights`` (1 for a
-    component not named, as in ``rewards.weights``), sum to the score; or (``spec`` None) the training reward."""
+    component not named, as in ``rewards.weights``), sum to the score; or (``spec`` None) the training reward.
+    A process reward's weighted step scores become one score by ``aggregate`` (``step_aggregate``)."""
 
     label: str
     spec: RewardSpec | None = None
     weights: dict[str, float] = dataclasses.field(default_factory=dict)
+    aggregate: str | None = None
+    split: str | None = None  # a process reward's steps (``rewards.process.split``'s values); None: the config's
+
+    def score_of(self, components: dict[str, float]) -> float:
+        """sum_c w_c * components[c], w_c = ``weights``[c] (1 for a component not named)."""
+        return sum(self.weights.get(c, 1.0) * v for c, v in components.items())
+
+    def step_scores(self, result: RewardResult) -> list[float]:
+        """Each step's weighted components (``score_of``), for a process reward's result."""
+        return [self.score_of(step) for step in result.step_components or []]
 
 
 @dataclass(frozen=True)
@@ -111,8 +123,17 @@ def parse_selector(text: str, field: str = "--selector") -> Selector:
         weights = value.get("weights") or {}
         if not isinstance(weights, dict) or not all(isinstance(w, (int, float)) for w in weights.values()):
             raise ConfigError(f"{field} {text!r}: weights must map component names to numbers")
+        aggregate, split = value.get("aggregate"), value.get("split")
+        if aggregate is not None and aggregate not in STEP_AGGREGATES:
+            raise ConfigError(f"{field} {text!r}: aggregate must be one of {', '.join(STEP_AGGREGATES)}")
+        if split is not None:
+            try:
+                parse_split(str(split))
+            except ValueError as exc:
+                raise ConfigError(f"{field} {text!r}: split: {exc}") from None
         spec = RewardSpec.parse({k: value[k] for k in ("name", "kwargs") if k in value}, field)
-        return Selector(str(value.get("label") or spec.name), spec, {str(k): float(w) for k, w in weights.items()})
+        label, weights = str(value.get("label") or spec.name), {str(k): float(w) for k, w in weights.items()}
+        return Selector(label, spec, weights, aggregate, None if split is None else str(split))
     if not isinstance(value, str) or not value:
         raise ConfigError(
             f"{field} {text!r} is not valid: expected '{TRAIN_SELECTOR}', a reward name, or "
@@ -140,13 +161,11 @@ def check_selectors(selectors: list[Selector], run_dir: Path | None, run_model_k
                     f"{run_model_kind} (reward_model.kind), served by {{name: {name}}}: give it kwargs.{own}"
                 )
             spec = RewardSpec(spec.name, {**spec.kwargs, key: str(run_dir / REWARD_MODEL_DIR)})
-        if spec is not None and rewards.is_process_reward(rewards.resolve_reward(spec, field)):
-            # Its scores are per step (step_components), which best-of-N has no single number from.
-            raise ConfigError(
-                f"{field}: {spec.name!r} is a process reward (it scores each step of a completion); a selector "
-                "must give an outcome score per completion: choose an outcome reward, or 'train'"
-            )
-        out.append(Selector(label, spec, sel.weights))
+        process = spec is not None and rewards.is_process_reward(rewards.resolve_reward(spec, field))
+        if (sel.aggregate is not None or sel.split is not None) and not process:
+            raise ConfigError(f"{field}: aggregate and split apply to a process reward's steps, not an outcome reward")
+        # a process reward's steps rank by their weakest unless told otherwise
+        out.append(Selector(label, spec, sel.weights, (sel.aggregate or "min") if process else None, sel.split))
     return out
 
 
@@ -271,6 +290,8 @@ class BestOfNEval:
         self.progress = progress or (lambda line: print(line, file=sys.stderr, flush=True))
         self.generators: list[Any] = []
         self.pools: dict[str, RewardPool] = {}
+        self.splits: dict[str, str] = {}  # each pool's rewards.process.split
+        self.decode: Callable[[Any], str] | None = None  # the evaluated model's, for cutting completions into steps
 
     # -- setup --------------------------------------------------------------------------------------------------
 
@@ -305,6 +326,7 @@ class BestOfNEval:
             count_field="--num-prompts (default data.num_eval)",
         )
         tokenizer = load_tokenizer(model_dir)
+        self.decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)  # as the generator decodes
         ids = [encode_prompt(tokenizer, r[d.prompt_key], d.chat_template) for r in rows]
         check_prompt_lengths(
             {"data.eval": ids},
@@ -318,6 +340,9 @@ class BestOfNEval:
         g, r = self.cfg.generator, self.cfg.rewards
         pools = {VERIFIER: [dataclasses.asdict(f) for f in r.functions]}
         pools.update({s.label: [s.spec.to_dict()] for s in self.selectors if s.spec is not None})
+        # where each pool's inputs are cut into steps: a selector's own split, else the training config's
+        self.splits = {label: r.process.split for label in pools}
+        self.splits.update({s.label: s.split for s in self.selectors if s.split is not None})
         pools = {label: [with_evaluated_policy(spec, model_dir) for spec in specs] for label, specs in pools.items()}
         requests = eval_actor_requests(self.cfg, pools)
         wanted = sum(q.count * q.resources.get("CPU", 0.0) for q in requests) + 1  # and one for this driver
@@ -373,8 +398,12 @@ class BestOfNEval:
                     RewardInput(rows[i][key], text, row_metadata(rows[i], key), reason, count)
                     for text, reason, count in zip(texts, finish, tokens, strict=True)
                 ]
-                entries.append({"index": i, "prompt": rows[i][key], "inputs": inputs, "tokens": tokens})
-            tickets = {label: pool.submit([e["inputs"] for e in entries]) for label, pool in self.pools.items()}
+                entry = {"index": i, "prompt": rows[i][key], "inputs": inputs, "tokens": tokens}
+                entries.append({**entry, "ids": out.actions[part]})
+            tickets = {
+                label: pool.submit([self._with_steps(e, self.splits[label]) for e in entries])
+                for label, pool in self.pools.items()
+            }
             if pending is not None:
                 prompts += self._collect(*pending)
             pending = (entries, tickets)
@@ -387,6 +416,16 @@ class BestOfNEval:
             prompts += self._collect(*pending)
             self.progress(f"rlfabric eval: scored {len(prompts)}/{len(rows)} | {time.monotonic() - started:.0f}s")
         return prompts
+
+    def _with_steps(self, entry: dict[str, Any], split: str) -> list[RewardInput]:
+        """An entry's reward inputs with their steps under ``split``, cut as the rollout worker cuts them (a
+        process reward scores each); ``none``: as they are."""
+        if parse_split(split)[0] == "none" or self.decode is None:
+            return entry["inputs"]
+        return [
+            dataclasses.replace(x, steps=split_completion(ids, x.completion, self.decode, split)[0])
+            for x, ids in zip(entry["inputs"], entry["ids"], strict=True)
+        ]
 
     def _collect(self, entries: list[dict[str, Any]], tickets: dict[str, Any]) -> list[dict[str, Any]]:
         results = {label: self.pools[label].collect(ticket) for label, ticket in tickets.items()}
@@ -424,14 +463,13 @@ class BestOfNEval:
     def _scores(self, selector: Selector, entry: dict[str, Any]) -> np.ndarray:
         if selector.spec is None:
             return self._training_scores(entry["results"][VERIFIER])
-        return np.array(
-            [
-                np.nan
-                if res.error is not None
-                else sum(selector.weights.get(c, 1.0) * v for c, v in res.components.items())
-                for res in entry["results"][selector.label]
-            ]
-        )
+        scores = []
+        for res in entry["results"][selector.label]:
+            score = np.nan if res.error is not None else selector.score_of(res.components)
+            if selector.aggregate is not None and res.error is None:
+                score += step_aggregate(np.array(selector.step_scores(res)), selector.aggregate)
+            scores.append(score)
+        return np.array(scores)
 
     def _report(self, prompts: list[dict[str, Any]], model_dir: str, elapsed: float) -> dict[str, Any]:
         """The numbers of ``eval.json`` from the scored prompts (and ``samples.jsonl``'s rows under "samples")."""
@@ -477,6 +515,9 @@ class BestOfNEval:
                 "finish_reason": inp.finish_reason,
                 "correct": bool(correct[k, j]),
                 "scores": {label: _finite(scores[label][k, j]) for label in scores},
+                "step_scores": {
+                    s.label: s.step_scores(e["results"][s.label][j]) for s in self.selectors if s.aggregate is not None
+                },
                 "components": e["results"][VERIFIER][j].components,
                 "error": e["results"][VERIFIER][j].error,
             }

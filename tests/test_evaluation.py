@@ -14,11 +14,12 @@ import pytest
 import ray
 from grpo_runs import run_grpo
 
-from rlfabric.algorithms.best_of_n import best_of_n, length_bins, pass_at_n, pick_probabilities
+from rlfabric.algorithms.best_of_n import best_of_n, length_bins, pass_at_n, pick_probabilities, step_aggregate
 from rlfabric.cli import main
 from rlfabric.config import ConfigError, config_from_dict
 from rlfabric.evaluation import VERIFIER, check_selectors, eval_actor_requests, parse_selector
 from rlfabric.rewards import RewardInput, process_reward, register_reward
+from rlfabric.rewards.process import step_starts
 
 
 def char_sum_verifier(inputs: list[RewardInput]) -> list[dict[str, float]]:
@@ -86,6 +87,14 @@ def test_best_of_n_equals_the_mean_over_every_subset():
                 top = max(scores[i] for i in subset)
                 picks.append(np.mean([values[i] for i in subset if scores[i] == top]))
             assert best_of_n(scores, values, n) == pytest.approx(np.mean(picks))
+
+
+def test_step_scores_aggregate_by_hand():
+    steps = np.array([0.5, -1.0, 2.0])
+    assert [step_aggregate(steps, how) for how in ("min", "mean", "last", "sum")] == [-1.0, 0.5, 2.0, 1.5]
+    assert np.isnan(step_aggregate(np.array([]), "min"))
+    with pytest.raises(ValueError, match="aggregate = 'max': expected one of min, mean, last, sum"):
+        step_aggregate(steps, "max")
 
 
 def test_pass_at_n_by_hand():
@@ -156,6 +165,25 @@ def test_eval_of_a_run_writes_its_report_and_the_selectors_pick_as_they_should(t
     assert all(s["scores"]["shortness"] == -s["response_tokens"] for s in samples)
     bins = report["selectors"]["shortness"]["length_bins"]
     assert sum(b["samples"] for b in bins) == 24
+
+
+def test_a_process_reward_selects_by_its_steps_scores_aggregated(trained_run, tmp_path):
+    """step_count gives each step 1; cut at every "e" (the selector's own split) and summed, a completion's score
+    is its number of steps. The character tokenizer cuts no step inside a token, so the steps are the text's."""
+    selector = "{name: step_count, aggregate: sum, split: 'tag:e', label: steps}"
+    argv = ["eval", "--run-dir", str(trained_run), "--n", "1,4", "--samples", "8", "--num-prompts", "8", "--quiet"]
+    argv += [
+        "--out",
+        str(tmp_path / "eval"),
+        "sampling.max_new_tokens=24",
+        "rewards.functions=[{name: char_sum_verifier}]",
+    ]
+    assert main([*argv, "--selector", selector]) == 0
+    samples = [json.loads(line) for line in (tmp_path / "eval" / "samples.jsonl").read_text().splitlines()]
+    counts = [len(step_starts(s["completion"], "tag:e")) + 1 for s in samples]
+    assert [s["step_scores"]["steps"] for s in samples] == [[1.0] * k for k in counts]
+    assert [s["scores"]["steps"] for s in samples] == counts
+    assert max(counts) > 1  # some completion has several steps, so the split reached the reward
 
 
 def test_an_eval_whose_verifier_fails_every_sample_exits_1(trained_run, tmp_path, capsys):
@@ -237,8 +265,9 @@ def test_a_selector_of_the_other_kind_than_the_runs_model_is_one_line(trained_ru
         (["--selector", "no_such_reward"], ["no_such_reward", "not a registered reward"]),
         (["--selector", "{name: shortness, oops: 1}"], ["--selector", "oops"]),
         (["--selector", "{name: reward_model, kwargs: {path: no/such/folder}}"], ["--selector 'reward_model'"]),
-        (["--selector", "arithmetic_steps"], ["--selector 'arithmetic_steps'", "process reward", "outcome score"]),
-        (["--selector", "{name: step_count, label: s}"], ["--selector 's'", "process reward", "outcome score"]),
+        (["--selector", "{name: shortness, aggregate: min}"], ["--selector 'shortness'", "aggregate", "outcome"]),
+        (["--selector", "{name: step_count, aggregate: max}"], ["--selector", "aggregate must be one of min"]),
+        (["--selector", "{name: step_count, split: lines}"], ["--selector", "split 'lines': must be one of"]),
         (["--run-dir", "no/such/run"], ["--run-dir 'no/such/run'", "no such directory"]),
         (["--checkpoint", "./no/such/model"], ["--checkpoint"]),
         (["--n", "1,8", "--samples", "4"], ["--samples 4", "largest N (8)"]),

@@ -85,3 +85,24 @@ def length_bins(lengths: np.ndarray, scores: np.ndarray, correct: np.ndarray, nu
             }
         )
     return out
+
+
+# How a process reward's step scores s_1..s_K rank a completion (a selector's ``aggregate``).
+STEP_AGGREGATES = ("min", "mean", "last", "sum")
+
+
+def step_aggregate(step_scores: np.ndarray, how: str) -> float:
+    """A completion's score from its steps' scores s_1..s_K:
+
+        min  = min_k s_k          (the weakest step: a solution is as good as its worst step)
+        mean = (1/K) sum_k s_k
+        last = s_K                (the score of the whole text, as an outcome reward model gives it)
+        sum  = sum_k s_k
+
+    NaN for a completion with no step."""
+    s = np.asarray(step_scores, np.float64)
+    if how not in STEP_AGGREGATES:
+        raise ValueError(f"aggregate = {how!r}: expected one of {', '.join(STEP_AGGREGATES)}")
+    if s.size == 0:
+        return float("nan")
+    return float({"min": s.min, "mean": s.mean, "last": lambda: s[-1], "sum": s.sum}[how]())
