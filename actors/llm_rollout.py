@@ -135,7 +135,7 @@ class LLMRolloutCore(EpisodeRollouts):
                 num_gpus_per_worker=reward_gpus,
                 resources=reward_resources,
                 snapshot=reward_registry,
-                placement=(reward_placement or [])[:num_reward_workers],
+                placement=(reward_placement or [])[:num_reward_workers],  # the shadow's bundle comes after these
             )
             if reward_functions
             else None  # a text env or an agent gives the rewards itself
@@ -165,7 +165,7 @@ class LLMRolloutCore(EpisodeRollouts):
                 num_gpus_per_worker=reward_gpus,
                 resources=reward_resources,
                 snapshot=reward_registry,
-                placement=(reward_placement or [])[num_reward_workers:],
+                placement=(reward_placement or [])[num_reward_workers if reward_functions else 0 :],
             )
             if self.shadow
             else None  # a second reward, never used for learning (rlfabric.rewards.shadow)

@@ -400,10 +400,8 @@ class BestOfNEval:
                 ]
                 entry = {"index": i, "prompt": rows[i][key], "inputs": inputs, "tokens": tokens}
                 entries.append({**entry, "ids": out.actions[part]})
-            tickets = {
-                label: pool.submit([self._with_steps(e, self.splits[label]) for e in entries])
-                for label, pool in self.pools.items()
-            }
+            by_split = {split: [self._with_steps(e, split) for e in entries] for split in set(self.splits.values())}
+            tickets = {label: pool.submit(by_split[self.splits[label]]) for label, pool in self.pools.items()}
             if pending is not None:
                 prompts += self._collect(*pending)
             pending = (entries, tickets)

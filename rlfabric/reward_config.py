@@ -117,8 +117,9 @@ class RewardsConfig:
 
     @property
     def num_actors(self) -> int:
-        """Reward-service actors a run starts: ``num_workers``, and one for the shadow verifiers when any."""
-        return self.num_workers + int(bool(self.shadow.functions))
+        """Reward-service actors a run starts: ``num_workers`` when there are reward functions (an env, an agent
+        or a rubric may give every reward), and one for the shadow verifiers when any."""
+        return (self.num_workers if self.functions else 0) + int(bool(self.shadow.functions))
 
     def scalar_weights(self) -> dict[str, float]:
         """The weights of the scalar reward: ``weights``, and 0 for the count components of ``efficiency`` that

@@ -17,6 +17,7 @@ from rlfabric.agents import AgentEpisode
 from rlfabric.config import config_from_dict
 from rlfabric.envs.guess_number import GuessNumber
 from rlfabric.episode_rewards import add_agent_scores, add_scores, agent_episode_input, episode_input, score_episodes
+from rlfabric.llm_actors import actor_requests
 from rlfabric.models.chat_tokens import ChatTokens
 from rlfabric.models.hf import build_char_tokenizer
 from rlfabric.rewards import RewardInput, RewardResult, pointwise, process_reward, register_reward
@@ -281,3 +282,10 @@ def test_a_config_that_plays_episodes_and_names_no_reward_function_gets_none():
     assert config_from_dict(plain).rewards.functions == []  # not the single-turn default (arithmetic)
     named = merged(plain, {"rewards": {"functions": [{"name": "turns_taken"}]}})
     assert [f.name for f in config_from_dict(named).rewards.functions] == ["turns_taken"]
+
+    # reward workers are asked for (CPUs, a placement group's bundles) only where there are functions to run
+    def reward_workers(cfg: dict) -> int:
+        return {r.role: r.count for r in actor_requests(config_from_dict(cfg))}["rewards"]
+
+    assert reward_workers(plain) == 0
+    assert reward_workers(merged(named, {"rewards": {"num_workers": 3}})) == 3

@@ -65,14 +65,15 @@ def test_ppo_runners_spread_over_the_nodes_and_the_plan_says_where(three_nodes, 
 
 
 def test_grpo_generators_and_reward_workers_spread_and_learner_packed(three_nodes, tmp_path):
+    # 3 of the cluster's 5 CPUs, in amounts that fit whichever nodes Ray gives each group first
     placement = {"generator": "STRICT_SPREAD", "learner": "STRICT_PACK", "rewards": "STRICT_SPREAD"}
     cfg = config_from_dict(
         merged(
             BASE,
             {
                 "generator": {"num_generators": 2, "num_cpus": 1},
-                "learner": {"num_cpus": 1},
-                "rewards": {"num_workers": 2, "num_cpus": 0.5},
+                "learner": {"num_cpus": 0.5},
+                "rewards": {"num_workers": 2, "num_cpus": 0.25},
                 "training": {"total_steps": 1},
                 "ray": {"placement": placement},
             },

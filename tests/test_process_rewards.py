@@ -320,6 +320,24 @@ def test_every_prefix_score_comes_from_one_forward_over_the_whole_text(prm_dir):
     assert ran[0] < sum(wholes) < sum(len(t) for t in prefixes)
 
 
+def test_a_rope_that_rescales_with_the_length_scores_each_prefix_alone():
+    """Dynamic RoPE rotates a prefix inside a longer text otherwise than alone: no reading off one forward."""
+    from transformers import Qwen2Config, Qwen2ForSequenceClassification
+
+    from rlfabric.rewards.prefix_scores import reads_prefixes_off_one_forward
+
+    def model(rope: dict) -> Qwen2ForSequenceClassification:
+        config = Qwen2Config(
+            vocab_size=40, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+            num_key_value_heads=2, max_position_embeddings=64, num_labels=1, pad_token_id=0,
+            rope_parameters={"rope_theta": 10000.0, **rope},
+        )  # fmt: skip
+        return Qwen2ForSequenceClassification(config)
+
+    assert reads_prefixes_off_one_forward(model({"rope_type": "default"}))
+    assert not reads_prefixes_off_one_forward(model({"rope_type": "dynamic", "factor": 2.0}))
+
+
 def test_a_tokenizer_that_merges_across_a_step_end_gets_each_prefix_scored_alone(tmp_path):
     """ "\n7" is one token: the whole text's tokens do not start with the first prefix's ("...\n" ends it), so
     that sample's prefixes are scored as texts of their own; the other sample still takes one forward."""

@@ -10,7 +10,8 @@ per sample, as ``splits_exactly`` checks a prompt's seam), no prefix ends on the
 applies (``prefix_ends``). The completions of a prompt that recurs (a GRPO group's) then run behind one copy of
 it where that is exact and costs fewer FLOPs (``cheapest_shared_pack``); the other samples run as length-sorted
 batches of ``batch_size`` right-padded rows. Samples the one-forward path cannot serve exactly, and models that
-are not decoders with a ``score`` head, score each prefix as a text of its own (``score_samples``).
+are not decoders with a ``score`` head or whose RoPE rescales with the text's length, score each prefix as a text of
+its own (``score_samples``).
 """
 
 from __future__ import annotations
@@ -29,6 +30,16 @@ from rlfabric.rewards.reward_model import (
     shares_prompts,
     token_rows,
 )
+
+# RoPE variants that rescale with the length of the sequence run: a prefix inside a longer text is not rotated as
+# it is alone, so its score cannot be read off the whole text's forward
+LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")
+
+
+def reads_prefixes_off_one_forward(model: Any) -> bool:
+    """A decoder with a ``score`` head (``shares_prompts``) whose positions do not depend on the text's length."""
+    rotary = getattr(getattr(model, model.base_model_prefix, None), "rotary_emb", None)
+    return shares_prompts(model) and getattr(rotary, "rope_type", "default") not in LENGTH_DEPENDENT_ROPE
 
 
 def prefix_ends(
@@ -61,7 +72,7 @@ def score_step_prefixes(
     out = [np.zeros((len(s), heads), np.float32) for s in steps]
     wholes = token_rows(tokenizer, [p + "".join(s) for p, s in zip(prompts, steps, strict=True)])
     one_pass: dict[int, list[int]] = {}
-    if shares_prompts(model):
+    if reads_prefixes_off_one_forward(model):
         texts = [p + "".join(s[: k + 1]) for p, s in zip(prompts, steps, strict=True) for k in range(len(s))]
         rows, at = token_rows(tokenizer, texts), 0
         for i, s in enumerate(steps):
