@@ -398,8 +398,9 @@ class BestOfNEval:
                     RewardInput(rows[i][key], text, row_metadata(rows[i], key), reason, count)
                     for text, reason, count in zip(texts, finish, tokens, strict=True)
                 ]
-                entry = {"index": i, "prompt": rows[i][key], "inputs": inputs, "tokens": tokens}
-                entries.append({**entry, "ids": out.actions[part]})
+                entries.append(
+                    {"index": i, "prompt": rows[i][key], "inputs": inputs, "tokens": tokens, "ids": out.actions[part]}
+                )
             by_split = {split: [self._with_steps(e, split) for e in entries] for split in set(self.splits.values())}
             tickets = {label: pool.submit(by_split[self.splits[label]]) for label, pool in self.pools.items()}
             if pending is not None:
@@ -418,8 +419,9 @@ class BestOfNEval:
     def _with_steps(self, entry: dict[str, Any], split: str) -> list[RewardInput]:
         """An entry's reward inputs with their steps under ``split``, cut as the rollout worker cuts them (a
         process reward scores each); ``none``: as they are."""
-        if parse_split(split)[0] == "none" or self.decode is None:
+        if parse_split(split)[0] == "none":
             return entry["inputs"]
+        assert self.decode is not None  # set with the prompts, before any sampling
         return [
             dataclasses.replace(x, steps=split_completion(ids, x.completion, self.decode, split)[0])
             for x, ids in zip(entry["inputs"], entry["ids"], strict=True)

@@ -42,6 +42,12 @@ def reads_prefixes_off_one_forward(model: Any) -> bool:
     return shares_prompts(model) and getattr(rotary, "rope_type", "default") not in LENGTH_DEPENDENT_ROPE
 
 
+def in_chunks(flat: Sequence[Any], sizes: Sequence[int]) -> list[Any]:
+    """``flat`` cut into consecutive pieces of ``sizes`` (each sample's rows of a batch scored as one)."""
+    starts = np.cumsum([0, *sizes])
+    return [flat[a:b] for a, b in zip(starts[:-1], starts[1:], strict=True)]
+
+
 def prefix_ends(
     prefix_rows: Sequence[Sequence[int]], whole: Sequence[int], pad_id: int | None, max_length: int | None
 ) -> list[int] | None:
@@ -74,11 +80,9 @@ def score_step_prefixes(
     one_pass: dict[int, list[int]] = {}
     if reads_prefixes_off_one_forward(model):
         texts = [p + "".join(s[: k + 1]) for p, s in zip(prompts, steps, strict=True) for k in range(len(s))]
-        rows, at = token_rows(tokenizer, texts), 0
-        for i, s in enumerate(steps):
-            ends = prefix_ends(rows[at : at + len(s)], wholes[i], model.config.pad_token_id, max_length)
-            at += len(s)
-            if ends is not None and s:
+        for i, rows in enumerate(in_chunks(token_rows(tokenizer, texts), [len(s) for s in steps])):
+            ends = prefix_ends(rows, wholes[i], model.config.pad_token_id, max_length)
+            if ends is not None and rows:
                 one_pass[i] = ends
     shared = _score_behind_shared_prompts(model, tokenizer, prompts, wholes, one_pass, batch_size, out)
     plain = [i for i in one_pass if i not in shared]
@@ -98,10 +102,8 @@ def score_step_prefixes(
             batch_size,
             max_length,
         )
-        at = 0
-        for i in rest:
-            out[i] = flat[at : at + len(steps[i])]
-            at += len(steps[i])
+        for i, scores in zip(rest, in_chunks(flat, [len(steps[i]) for i in rest]), strict=True):
+            out[i] = scores
     return out
 
 
@@ -142,10 +144,9 @@ def _score_behind_shared_prompts(
         grid = np.full((len(members), max(len(c) for c in completions)), -1, np.int64)
         grid[pack.row, pack.column] = np.flatnonzero((pack.segment_ids != pack.prefix_ids).ravel())
         positions = [grid[m, end - len(prompt_rows[m])] for m, i in enumerate(members) for end in one_pass[i]]
-        scores, at = score_pack_positions(model, pack, np.asarray(positions, np.int64)), 0
-        for i in members:
-            out[i] = scores[at : at + len(one_pass[i])]
-            at += len(one_pass[i])
+        scores = score_pack_positions(model, pack, np.asarray(positions, np.int64))
+        for i, sample_scores in zip(members, in_chunks(scores, [len(one_pass[i]) for i in members]), strict=True):
+            out[i] = sample_scores
         done.update(members)
     return done
 
@@ -171,8 +172,7 @@ def score_row_positions(
             hidden = base(input_ids=batch.to(device), attention_mask=mask.to(device), use_cache=False).last_hidden_state
             row_index = torch.tensor([b for b, r in enumerate(picked) for _ in positions[r]], device=device)
             column = torch.tensor([c for r in picked for c in positions[r]], device=device)
-            scores, at = model.score(hidden[row_index, column]).float().cpu().numpy(), 0
-            for r in picked:
-                out[r] = scores[at : at + len(positions[r])]
-                at += len(positions[r])
+            scores = model.score(hidden[row_index, column]).float().cpu().numpy()
+            for r, row_scores in zip(picked, in_chunks(scores, [len(positions[r]) for r in picked]), strict=True):
+                out[r] = row_scores
     return out

@@ -36,7 +36,7 @@ import numpy as np
 
 from rlfabric.reward_config import parse_split
 from rlfabric.rewards.builtin import evaluate_expression, parse_expression
-from rlfabric.rewards.prefix_scores import score_step_prefixes
+from rlfabric.rewards.prefix_scores import in_chunks, score_step_prefixes
 from rlfabric.rewards.registry import RewardInput, pointwise, process_reward, register_reward
 from rlfabric.rewards.reward_model import (
     check_reward_model_kwargs,
@@ -179,11 +179,7 @@ def process_reward_model(
     )
     keep = [names.index(h) for h in heads] if heads else list(range(len(names)))
     flat = ensemble_components(scores[:, :, keep], [names[k] for k in keep])
-    out, at = [], 0
-    for s in steps:
-        out.append(flat[at : at + len(s)])
-        at += len(s)
-    return out
+    return in_chunks(flat, [len(s) for s in steps])
 
 
 process_reward_model.check_kwargs = check_process_reward_model_kwargs  # type: ignore[attr-defined]
