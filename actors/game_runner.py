@@ -33,11 +33,11 @@ from rlfabric.multiagent.llm_turns import LLMTurnBuffer
 from rlfabric.multiagent.mapping import plan_game
 from rlfabric.multiagent.selfplay import game_score
 from rlfabric.multiagent.spaces import AgentSpaces
-from rlfabric.normalization import RunningStats
+from rlfabric.normalization import RunningStats, discounted_returns
 from rlfabric.policies.game_llm import LLMPlayer, LLMServing
 from rlfabric.policies.neural import NeuralNetPolicy
 from rlfabric.policies.served import ServedLLMPolicy
-from rlfabric.trajectory import NO_GROUP, Trajectories
+from rlfabric.trajectory import NO_GROUP, Trajectories, time_major
 
 SNAPSHOT = "snapshot:"  # actor name prefix of an opponent-pool snapshot
 LLM_MOVE_TIMEOUT_S = 60.0  # default deadline of one batch of an llm policy's moves: past it, its generator is hung
@@ -100,13 +100,15 @@ class GameRunnerCore:
         callables_blob: bytes | None = None,
         episode_id_start: int = 0,
         llm_move_timeout_s: float = LLM_MOVE_TIMEOUT_S,
+        gamma: float = 0.99,
     ) -> None:
         """``llm_servers``: for each llm policy, its model folder and the generator actor serving it.
         ``agent_policies``: agent -> policy as the driver resolved it (else the config's mapping is resolved here).
         ``callables_blob``: the config's scripted rules and renderers, shipped by the driver (``user_callables``).
         ``episode_id_start``: the first row's episode id (the driver gives each runner its own range).
         ``llm_move_timeout_s``: the deadline of a batch of an llm policy's moves (the driver's is half the sample's,
-        so a hung generator is named, and replaced, before the sample's deadline)."""
+        so a hung generator is named, and replaced, before the sample's deadline). ``gamma``: the discount of the
+        returns whose statistics a learner scales rewards by (``ppo.normalize_reward``)."""
         if registry_blob is not None:
             registry.load_snapshot(registry_blob)
         self.callables = shipping.loads(callables_blob) if callables_blob else {}
@@ -152,6 +154,12 @@ class GameRunnerCore:
         for i, copy in enumerate(self.copies):
             copy.reset(seed * 1000 + i)
         self.next_episode_id = episode_id_start  # of the next row produced
+        # What each trainable neural policy's learner merges into its normalizers: statistics of the raw
+        # observations its net was given, and of its agents' running discounted returns, carried per (env copy,
+        # agent) across fragments like EnvRunner's.
+        self.gamma = gamma
+        self.raw_obs_stats = {p: RunningStats.empty((self.policy_spaces[p].obs_dim,)) for p in self.trainable}
+        self.return_carry: dict[tuple[int, str], float] = {}
 
     def _callable(self, name: str, resolve: Any) -> Any:
         """A rule or renderer the driver shipped, or else resolved here by name."""
@@ -248,6 +256,8 @@ class GameRunnerCore:
             obs = np.stack([r.obs for r in reqs])
             masks = None if reqs[0].mask is None else np.stack([r.mask for r in reqs])
             if isinstance(policy, NeuralNetPolicy):
+                if actor in self.raw_obs_stats and not greedy:  # training steps only, not evaluation games
+                    self.raw_obs_stats[actor] = self.raw_obs_stats[actor].merge(RunningStats.of(obs))
                 acted = policy.act(obs, greedy=greedy, mask=masks)
                 actions, logps = acted.actions, acted.logprobs
                 obs_seen = acted.info["inputs"]
@@ -295,13 +305,15 @@ class GameRunnerCore:
         for _ in range(self.fragment_length):
             ends += self._tick(self.copies)
         rows: dict[str, list[tuple[str, Any]]] = {p: [] for p in self.trainable}
+        copies: dict[str, list[int]] = {p: [] for p in self.trainable}  # each row's env copy
         for c in self.copies:
             for agent, actor, stream in c.take_rows():
                 if actor in self.llm_turns:
                     self.llm_turns[actor].add(c.index, agent, stream)
                 else:
                     rows[actor].append((agent, stream))
-        fragments = [self._fragment(p, rows[p]) for p in self.trainable]
+                    copies[actor].append(c.index)
+        fragments = [self._fragment(p, rows[p], copies[p]) for p in self.trainable]
         meta = {
             "version": self.version,
             "env_steps": self.fragment_length * len(self.copies),
@@ -366,14 +378,35 @@ class GameRunnerCore:
             out.append((sid, game_score(max(learner), max(r for _, r in opponents))))
         return out
 
-    def _fragment(self, policy: str, rows: list[tuple[str, Any]]) -> Trajectories:
+    def _fragment(self, policy: str, rows: list[tuple[str, Any]], copies: list[int]) -> Trajectories:
         if policy in self.llm_turns:  # the moves of the episodes that ended, as token rows
             fragment = self.llm_turns[policy].take_finished(self.next_episode_id)
         else:
             spaces, first_id = self.policy_spaces[policy], self.next_episode_id
             fragment = game_fragment(policy, rows, spaces, self.critic_dim, first_id, self.policies[policy])
+            keys = [(copy, agent) for copy, (agent, _) in zip(copies, rows, strict=True)]
+            fragment.extras = {
+                "obs_stats": self.raw_obs_stats[policy].to_dict(),
+                "return_stats": self._return_stats(fragment, keys).to_dict(),
+            }
+            self.raw_obs_stats[policy] = RunningStats.empty((spaces.obs_dim,))
         self.next_episode_id += fragment.num_rows
         return fragment
+
+    def _return_stats(self, fragment: Trajectories, keys: list[tuple[int, str]]) -> RunningStats:
+        """Statistics of the running discounted return at each of the fragment's steps, continuing each row's
+        (env copy, agent) return from its last fragment; a step that ends the agent's episode resets it."""
+        if not keys:
+            return RunningStats.empty((1,))
+        start = np.array([self.return_carry.get(key, 0.0) for key in keys])
+        ends = fragment.terminated | fragment.truncated
+        returns, _ = discounted_returns(time_major(fragment.rewards["env"]), time_major(ends), self.gamma, start)
+        returns = returns.T  # [rows, width]; past a row's length it is padding
+        for i, key in enumerate(keys):
+            last = int(fragment.length[i]) - 1
+            self.return_carry[key] = 0.0 if ends[i, last] else float(returns[i, last])
+        valid = np.arange(fragment.width)[None, :] < fragment.length[:, None]
+        return RunningStats.of(returns[valid].reshape(-1, 1))
 
     # -- evaluation ---------------------------------------------------------------------------------------------
 
@@ -476,7 +509,6 @@ def game_fragment(
             trunc_index.append((i, pos))
             trunc_obs.append(acting.inputs(final_obs[None])[0])
             trunc_critic.append(final_critic)
-    raw = obs.reshape(-1, d)[loss_mask.reshape(-1) > 0]
     return Trajectories(
         episode_id=np.arange(first_episode_id, first_episode_id + n, dtype=np.int64),
         group_id=np.full(n, NO_GROUP, np.int64),
@@ -500,12 +532,6 @@ def game_fragment(
         if critic_dim is None
         else np.asarray(trunc_critic, np.float32).reshape(-1, critic_dim),
         rewards={"env": rewards},
-        extras={
-            # games run without observation or reward normalization (refused at config time); the learner merges
-            # these all the same
-            "obs_stats": RunningStats.of(raw).to_dict(),
-            "return_stats": RunningStats.empty((1,)).to_dict(),
-        },
     )
 
 

@@ -18,7 +18,7 @@ import torch
 from rlfabric.algorithms import ppo
 from rlfabric.config import Config, config_from_dict
 from rlfabric.models import ActionSpec, ActorCritic
-from rlfabric.normalization import RunningStats, scale_rewards
+from rlfabric.normalization import Normalizer, RunningStats, scale_rewards
 from rlfabric.trajectory import Trajectories, time_major
 
 
@@ -52,6 +52,10 @@ class LearnerCore:
         self.obs_stats = RunningStats.empty((obs_dim,))
         self.return_stats = RunningStats.empty((1,))
         self.value_stats = RunningStats.empty((1,))  # of the value targets, when normalizing values
+        # A centralized critic's inputs (a game's global state), normalized here when normalizing observations:
+        # the learner sees every one of them, so it keeps their statistics itself.
+        self.critic_stats = RunningStats.empty((critic_dim,)) if critic_dim else None
+        self.critic_normalizer: Normalizer | None = None  # this update's, frozen while it runs
 
     def _device(self) -> torch.device:
         want = self.cfg.learner.device
@@ -94,15 +98,15 @@ class LearnerCore:
         n, width = frag.length.shape[0], frag.width
         valid = np.arange(width)[None, :] < frag.length[:, None]
         centralized = frag.critic_obs is not None
-        critic_in = frag.critic_obs if centralized else frag.obs
+        critic_in = self._critic_inputs(frag.critic_obs) if centralized else frag.obs
         values = np.zeros((n, width), np.float32)
         values[valid] = self._values(critic_in[valid])
         next_values = ppo.row_next_values(
             values,
             frag.length,
-            self._values(frag.bootstrap_critic_obs if centralized else frag.bootstrap_obs),
+            self._values(self._critic_inputs(frag.bootstrap_critic_obs) if centralized else frag.bootstrap_obs),
             frag.truncation_index,
-            self._values(frag.truncation_critic_obs if centralized else frag.truncation_obs),
+            self._values(self._critic_inputs(frag.truncation_critic_obs) if centralized else frag.truncation_obs),
         )
         p = self.cfg.ppo
         rewards = frag.rewards["env"]
@@ -132,10 +136,22 @@ class LearnerCore:
             flat["critic_obs"] = time_major(critic_in)[steps]
         return flat
 
+    def _critic_inputs(self, critic_obs: np.ndarray | None) -> np.ndarray | None:
+        """A centralized critic's inputs as it sees them: normalized with this update's statistics when
+        normalizing observations, else as they came."""
+        if critic_obs is None or self.critic_normalizer is None:
+            return critic_obs
+        return self.critic_normalizer(critic_obs)
+
     def _merge_stats(self, fragments: list[Trajectories]) -> None:
         for frag in fragments:
             self.obs_stats = self.obs_stats.merge(RunningStats.from_dict(frag.extras["obs_stats"]))
             self.return_stats = self.return_stats.merge(RunningStats.from_dict(frag.extras["return_stats"]))
+            if self.critic_stats is not None and frag.critic_obs is not None:
+                valid = np.arange(frag.width)[None, :] < frag.length[:, None]
+                self.critic_stats = self.critic_stats.merge(RunningStats.of(frag.critic_obs[valid]))
+        if self.critic_stats is not None and self.cfg.ppo.normalize_obs:
+            self.critic_normalizer = Normalizer(self.critic_stats, self.cfg.ppo.obs_clip)
 
     def update(self, fragments: list[Trajectories]) -> dict[str, float]:
         """One PPO update on a train batch; returns loss statistics. Bumps the policy version."""
@@ -220,6 +236,7 @@ class LearnerCore:
             "obs_stats": self.obs_stats.to_dict(),
             "return_stats": self.return_stats.to_dict(),
             "value_stats": self.value_stats.to_dict(),
+            "critic_stats": None if self.critic_stats is None else self.critic_stats.to_dict(),
             "version": self.version,
             "updates_done": self.updates_done,
             "rng": {
@@ -236,6 +253,8 @@ class LearnerCore:
         self.return_stats = RunningStats.from_dict(state["return_stats"])
         if "value_stats" in state:  # checkpoints from before value normalization have none
             self.value_stats = RunningStats.from_dict(state["value_stats"])
+        if state.get("critic_stats") is not None:  # a centralized critic's, from a run that kept them
+            self.critic_stats = RunningStats.from_dict(state["critic_stats"])
         self.version = int(state["version"])
         self.updates_done = int(state["updates_done"])
         self.rng.bit_generator.state = state["rng"]["numpy"]

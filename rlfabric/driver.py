@@ -167,21 +167,32 @@ class Trainer:
 
     # -- setup ------------------------------------------------------------------------------------------
 
+    def _num_learners(self) -> int:
+        """Learner actors that take ``learner``'s resources (a game has one per trainable neural policy)."""
+        return 1
+
     def _actor_options(
-        self, num_cpus: float, num_gpus: float, resources: dict[str, float], bundle: int
+        self, num_cpus: float, num_gpus: float, resources: dict[str, float], role: str, index: int
     ) -> dict[str, Any]:
-        """Ray options for one actor; with a placement group, ``bundle`` pins it to its own reservation
-        (0: the learner, 1 + i: runner i), so a runner can never take the learner's GPU bundle."""
+        """Ray options for the ``index``-th actor of ``role`` ("learner" or "runners"); with a placement group, it
+        goes in its own reservation (the learners' bundles first, then one per runner), so a runner can never take
+        a learner's GPU bundle."""
         opts: dict[str, Any] = {"num_cpus": num_cpus, "num_gpus": num_gpus, "resources": resources or None}
         if self.placement_group is not None:
             from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+            bundle = index if role == "learner" else self._num_learners() + index
             opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
                 self.placement_group, placement_group_bundle_index=bundle
             )
         elif self.role_groups is not None:
-            opts.update(self.role_groups.options(*(("learner", 0) if bundle == 0 else ("runners", bundle - 1))))
+            opts.update(self.role_groups.options(role, index))
         return opts
+
+    def _cpus_wanted(self) -> float:
+        """CPUs the run's actors take: what a local Ray instance must have at least."""
+        r = self.cfg.runners
+        return r.num_runners * r.num_cpus + self._num_learners() * self.cfg.learner.num_cpus
 
     def _runner_resources(self) -> dict[str, float]:
         """What one runner asks Ray for: its bundle, and what a replacement needs a node to have."""
@@ -190,9 +201,10 @@ class Trainer:
     def _make_placement_group(self) -> None:
         r, lc = self.cfg.runners, self.cfg.learner
         learner_bundle = {"CPU": lc.num_cpus, **({"GPU": lc.num_gpus} if lc.num_gpus else {}), **lc.resources}
+        learners = self._num_learners()
         if self.cfg.ray.placement:
             runners = ActorRequest("runners", r.num_runners, self._runner_resources())
-            learner = ActorRequest("learner", 1, learner_bundle)
+            learner = ActorRequest("learner", learners, learner_bundle)
             self.role_groups = RoleGroups([runners, learner], self.cfg.ray.placement, SETUP_TIMEOUT_S)
         strategy = self.cfg.ray.placement_strategy
         if strategy is None:
@@ -200,13 +212,13 @@ class Trainer:
         from ray.util.placement_group import placement_group
 
         runner_bundles = [self._runner_resources() for _ in range(r.num_runners)]
-        pg = placement_group([learner_bundle, *runner_bundles], strategy=strategy)
+        pg = placement_group([*[learner_bundle] * learners, *runner_bundles], strategy=strategy)
         try:
             ray.get(pg.ready(), timeout=SETUP_TIMEOUT_S)
         except ray.exceptions.GetTimeoutError:
             ray.util.remove_placement_group(pg)
             raise ConfigError(
-                f"ray.placement_strategy = {strategy!r}: the cluster cannot place 1 learner and "
+                f"ray.placement_strategy = {strategy!r}: the cluster cannot place {learners} learner(s) and "
                 f"{r.num_runners} runners with the requested resources within {SETUP_TIMEOUT_S:g} s"
             ) from None
         self.placement_group = pg
@@ -214,7 +226,7 @@ class Trainer:
     def _make_runner(self, index: int, generation: int) -> Any:
         r, t = self.cfg.runners, self.cfg.training
         seed = t.seed + 10_007 * index + 1_000_003 * generation + 7_919 * self.progress.iteration
-        return EnvRunner.options(**self._actor_options(r.num_cpus, 0, r.resources, bundle=1 + index)).remote(
+        return EnvRunner.options(**self._actor_options(r.num_cpus, 0, r.resources, "runners", index)).remote(
             self.cfg.env.id,
             self.cfg.env.kwargs,
             r.envs_per_runner,
@@ -229,7 +241,7 @@ class Trainer:
     def setup(self) -> None:
         checkpoint = self._read_checkpoint() if self.resume else None
         r = self.cfg.runners
-        ensure_ray(self.cfg.ray, r.num_runners * r.num_cpus + self.cfg.learner.num_cpus)
+        ensure_ray(self.cfg.ray, self._cpus_wanted())
         self.registry_blob = registry.snapshot()
         self._make_placement_group()
         self.pool = RunnerPool(
@@ -256,9 +268,10 @@ class Trainer:
         try:
             ray.get([learner.get_version.remote() for learner in self._learners()], timeout=SETUP_TIMEOUT_S)
         except ray.exceptions.GetTimeoutError:
+            asked = f"{self._num_learners()} x {{CPU: {lc.num_cpus:g}, GPU: {lc.num_gpus:g}, {lc.resources}}}"
             raise ConfigError(
-                f"learner.num_gpus = {lc.num_gpus!r} / learner.resources = {lc.resources!r}: the learner did not "
-                f"start within {SETUP_TIMEOUT_S:g} s; the cluster may not have these resources free"
+                f"learner.num_cpus / num_gpus / resources: the learners ({asked}) did not all start within "
+                f"{SETUP_TIMEOUT_S:g} s beside {r.num_runners} runners; the cluster may not have these resources free"
             ) from None
         if checkpoint is not None:
             self._load_learner_state(checkpoint)
@@ -288,7 +301,7 @@ class Trainer:
 
     def _make_learners(self, spaces: dict[str, Any]) -> None:
         lc = self.cfg.learner
-        options = self._actor_options(lc.num_cpus, lc.num_gpus, lc.resources, bundle=0)
+        options = self._actor_options(lc.num_cpus, lc.num_gpus, lc.resources, "learner", 0)
         self.learner = Learner.options(**options).remote(self.cfg.to_dict(), spaces["obs_dim"], spaces["action"])
 
     def _learners(self) -> list[Any]:

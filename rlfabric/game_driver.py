@@ -127,19 +127,13 @@ def user_callables(cfg: Config) -> bytes:
 
 def _refuse_unsupported(cfg: Config) -> None:
     p = cfg.ppo
+    neural = set(trainable_policies(cfg.multi_agent)) - set(trained_llm_policies(cfg.multi_agent))
     for name, value in (("ppo.normalize_obs", p.normalize_obs), ("ppo.normalize_reward", p.normalize_reward)):
-        if value:
-            raise ConfigError(f"{name} = true is not valid for a multi-agent env (not supported yet); set it false")
-    if cfg.ray.placement_strategy is not None and len(trainable_policies(cfg.multi_agent)) > 1:
-        raise ConfigError(
-            "ray.placement_strategy is not valid with several trainable policies yet (one learner bundle is reserved);"
-            " set it null"
-        )
-    if "learner" in cfg.ray.placement and len(trainable_policies(cfg.multi_agent)) > 1:
-        raise ConfigError(
-            "ray.placement.learner is not valid with several trainable policies yet (one learner bundle is "
-            "reserved); leave the learner out of ray.placement"
-        )
+        if value and not neural:
+            raise ConfigError(
+                f"{name} = true is not valid here: it applies to neural policies' learners, and no trainable neural "
+                "policy plays this game; set it false"
+            )
 
 
 class GameTrainer(Trainer):
@@ -174,7 +168,7 @@ class GameTrainer(Trainer):
     def _make_runner(self, index: int, generation: int) -> Any:
         r, t = self.cfg.runners, self.cfg.training
         seed = t.seed + 10_007 * index + 1_000_003 * generation + 7_919 * self.progress.iteration
-        return GameRunner.options(**self._actor_options(r.num_cpus, 0, r.resources, bundle=1 + index)).remote(
+        return GameRunner.options(**self._actor_options(r.num_cpus, 0, r.resources, "runners", index)).remote(
             self.cfg.env.id,
             self.cfg.env.kwargs,
             r.envs_per_runner,
@@ -188,13 +182,13 @@ class GameTrainer(Trainer):
             self.callables_blob,
             next_episode_id_range(self.progress),
             r.sample_timeout_s / 2,  # an llm move's deadline: a hung generator is named before the sample's
+            gamma=self.cfg.ppo.gamma,
         )
 
     def setup(self) -> None:
-        r = self.cfg.runners
         llm = [n for n, s in policy_specs(self.cfg.multi_agent).items() if s.kind == "llm"]
         llm_learners = len(trained_llm_policies(self.cfg.multi_agent))  # 1 CPU each, like their generators
-        ensure_ray(self.cfg.ray, r.num_runners * r.num_cpus + self.cfg.learner.num_cpus + len(llm) + llm_learners)
+        ensure_ray(self.cfg.ray, self._cpus_wanted() + len(llm) + llm_learners)
         if llm:
             self.llm_servers = LLMServers(policy_specs(self.cfg.multi_agent), llm, self.run_dir, self.cfg.training.seed)
         super().setup()
@@ -202,10 +196,14 @@ class GameTrainer(Trainer):
     def _fragments_per_sample(self) -> int:
         return len(self.trainable)
 
+    def _num_learners(self) -> int:
+        """One learner per trainable neural policy (a trained llm policy's learner is its own, 1 CPU)."""
+        return len(self.trainable) - len(trained_llm_policies(self.cfg.multi_agent))
+
     def _make_learners(self, spaces: dict[str, Any]) -> None:
         lc = self.cfg.learner
-        options = self._actor_options(lc.num_cpus, lc.num_gpus, lc.resources, bundle=0)
         specs = policy_specs(self.cfg.multi_agent)
+        neural = 0  # learners placed so far, each in its own bundle
         for i, policy in enumerate(self.trainable):
             spec = specs[policy]
             if spec.kind == "llm":
@@ -222,6 +220,8 @@ class GameTrainer(Trainer):
                 )
                 continue
             s = spaces[policy]
+            options = self._actor_options(lc.num_cpus, lc.num_gpus, lc.resources, "learner", neural)
+            neural += 1
             self.learners[policy] = Learner.options(**options).remote(
                 self.cfg.to_dict(), s["obs_dim"], s["action"], s["critic_dim"], 1_000 * i
             )

@@ -90,6 +90,15 @@ def test_a_game_config_that_cannot_train_a_language_model_says_which_field(polic
         config_from_dict(pick_config(640, **policy))
 
 
+@pytest.mark.parametrize("field", ["ppo.normalize_obs", "ppo.normalize_reward"])
+def test_normalizing_is_refused_where_no_neural_policy_trains(field):
+    cfg = pick_config(640, train=True)
+    cfg["env"]["id"] = "game_envs:pick_one"
+    cfg["ppo"][field.split(".")[1]] = True
+    with pytest.raises(ConfigError, match=rf"{field} = true is not valid here: .* no trainable neural policy"):
+        check_game_config(config_from_dict(cfg))
+
+
 def test_train_is_refused_for_a_policy_that_is_not_a_language_model():
     cfg = pick_config(640, train=True)
     cfg["multi_agent"]["policies"]["other"] = {"kind": "random", "train": True}

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 import warnings
 from pathlib import Path
 
@@ -106,6 +109,63 @@ def test_a_language_model_and_a_neural_net_play_one_game(local_ray, tmp_path):
     assert llm["moves"] > 1000 and 0 <= llm["invalid"] <= llm["moves"]  # every other move of ~3,000 is the model's
     assert summary["policies"] == ["net"] and set(summary["return_mean_by_policy"]) == {"llm", "net"}
     assert (tmp_path / "run" / "llm_players" / "llm" / "config.json").is_file()  # the model it built and served
+
+
+def test_a_game_normalizes_observations_and_rewards_and_resume_continues_the_statistics(local_ray, tmp_path):
+    from rlfabric.game_driver import frozen_weights
+
+    run_dir = tmp_path / "run"
+    overrides = ["ppo.normalize_obs=true", "ppo.normalize_reward=true", "ppo.num_epochs=2", "training.eval_episodes=0"]
+    cfg = load_config(ROOT / "examples" / "spread_mappo.yaml", [*overrides, "training.total_env_steps=6400"])
+    train(cfg, run_dir, quiet=True)
+
+    def learner_stats() -> dict:
+        saved = torch.load(sorted((run_dir / "checkpoints").glob("*.pt"))[-1], weights_only=False)
+        return saved["learners"]["shared"]
+
+    # every agent step of the 6,400 env steps (3 agents each) went into each statistic, the critic's too
+    assert [learner_stats()[k]["count"] for k in ("obs_stats", "return_stats", "critic_stats")] == [19200] * 3
+    resumed = ppo_trainer_from_run_dir(run_dir, ["training.total_env_steps=9600"], quiet=True)
+    try:
+        resumed.setup()
+        resumed.train()
+    finally:
+        resumed.close()
+    assert learner_stats()["obs_stats"]["count"] == 28800  # continued from the checkpoint, not started again
+    # a frozen copy of this policy normalizes as it did
+    assert frozen_weights(str(run_dir), None, "x")["obs_stats"]["count"] == 28800
+
+
+def test_two_trainable_policies_get_a_learner_each_on_a_fresh_local_ray_and_in_a_placement_group(tmp_path):
+    """Through the CLI, on the local Ray instance it starts itself: two runners and two learners need four CPUs
+    (the instance was sized for one learner, and the second one never started), each learner in its own bundle."""
+    overrides = [
+        "algo=ppo",
+        "env.id=pettingzoo:classic.tictactoe_v3",
+        "runners.num_runners=2",
+        "runners.envs_per_runner=4",
+        "ppo.train_batch_size=512",
+        "ppo.num_epochs=1",
+        "training.total_env_steps=1024",
+        "training.eval_episodes=0",
+        "multi_agent.policies={first: {}, second: {}}",
+        "multi_agent.policy_mapping={player_1: first, player_2: second}",
+        "ray.placement_strategy=PACK",
+    ]
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    done = subprocess.run(
+        [sys.executable, "-m", "rlfabric.cli", "train", *overrides, "--run-dir", str(tmp_path / "run"), "--quiet"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=env,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["policies"] == ["first", "second"] and summary["env_steps"] == 1024
+    plan = json.loads((tmp_path / "run" / "placement.json").read_text())
+    assert plan["learner"]["strategy"] == "PACK" and len(plan["learner"]["nodes"]) == 2
 
 
 def test_a_frozen_policy_from_an_earlier_run_plays_and_never_changes(local_ray, tmp_path):

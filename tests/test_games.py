@@ -275,3 +275,72 @@ def test_a_frozen_policy_without_a_checkpoint_is_one_error(tmp_path):
     ]
     with pytest.raises(ConfigError, match=r"multi_agent.policies.old.checkpoint = .* no run directory"):
         GameTrainer(load_config(None, overrides), tmp_path / "run")
+
+
+def relay_runner(fragment_length: int, normalize: bool) -> GameRunnerCore:
+    """Relay (tests/game_envs.py) in one env copy, discounted at 0.5; the policy normalizes by a mean of 2 and a
+    variance of 4 (ten observations seen before) when ``normalize``."""
+    cfg = load_config(None, ["algo=ppo", "env.id=game_envs:relay"])
+    runner = GameRunnerCore(cfg.env.id, {}, 1, fragment_length, 0, cfg.multi_agent, 10.0, gamma=0.5)
+    info = runner.spaces_info()["shared"]
+    stats = {"count": 10.0, "mean": np.array([2.0]), "m2": np.array([40.0])} if normalize else None
+    actor = ActorCritic(info["obs_dim"], info["action"], [8]).actor_arrays()
+    runner.set_weights({"actor": actor, "version": 0, "obs_stats": stats})
+    return runner
+
+
+def test_a_game_normalizes_what_its_net_sees_and_reports_raw_observations_and_returns():
+    _, frag = relay_runner(6, normalize=True).sample()  # one whole episode
+    rows = {agent: i for i, agent in enumerate(frag.agent_id)}
+    # late acts at t = 3, 4, 5: the net saw (t - 2) / 2, and the learner trains on what it saw
+    np.testing.assert_allclose(frag.obs[rows["late"], :3, 0], [0.5, 1.0, 1.5])
+    # the raw observations: early 0 1, stay 0..5, late 3 4 5 -> 11 values summing to 28, squares to 106
+    obs_stats = frag.extras["obs_stats"]
+    assert obs_stats["count"] == 11
+    np.testing.assert_allclose(obs_stats["mean"], [28 / 11])
+    np.testing.assert_allclose(obs_stats["m2"] / 11, [106 / 11 - (28 / 11) ** 2])
+    # running discounted returns (gamma 0.5), by hand: early 1, 10.5; stay 1, 1.5, 1.75, 1.875, 1.9375, 10.96875;
+    # late 1, 1.5, 10.75
+    returns = [1, 10.5, 1, 1.5, 1.75, 1.875, 1.9375, 10.96875, 1, 1.5, 10.75]
+    assert frag.extras["return_stats"]["count"] == 11
+    np.testing.assert_allclose(frag.extras["return_stats"]["mean"], [np.mean(returns)])
+    np.testing.assert_allclose(frag.extras["return_stats"]["m2"] / 11, [np.var(returns)])
+
+
+def test_a_game_agents_discounted_return_carries_over_into_the_next_fragment():
+    runner = relay_runner(3, normalize=False)
+    _, first = runner.sample()
+    _, second = runner.sample()  # stay goes on from 1.75; late starts; early has finished
+    assert first.extras["return_stats"]["count"] == 5 and second.extras["return_stats"]["count"] == 6
+    carried = [1.875, 1.9375, 10.96875, 1, 1.5, 10.75]  # stay's last three, then late's
+    np.testing.assert_allclose(second.extras["return_stats"]["mean"], [np.mean(carried)])
+    late = list(second.agent_id).index("late")
+    np.testing.assert_allclose(second.obs[late, :3, 0], [3.0, 4.0, 5.0])  # no statistics: the raw observations
+    _, third = runner.sample()  # a new episode: every return starts again
+    np.testing.assert_allclose(third.extras["return_stats"]["mean"], [np.mean([1, 10.5, 1, 1.5, 1.75])])
+
+
+def test_a_learner_merges_a_games_statistics_and_keeps_its_centralized_critics_for_resume():
+    from rlfabric.actors.learner import LearnerCore
+
+    cfg = load_config(None, ["algo=ppo", "env.id=game_envs:relay", "multi_agent.critic=centralized"])
+    runner = GameRunnerCore(cfg.env.id, {}, 1, 6, 0, cfg.multi_agent, 10.0, gamma=0.5)
+    info = runner.spaces_info()["shared"]
+    overrides = ["ppo.normalize_obs=true", "ppo.normalize_reward=true", "ppo.minibatch_size=11"]
+    config = load_config(None, ["algo=ppo", "env.id=game_envs:relay", *overrides]).to_dict()
+    learner = LearnerCore(config, info["obs_dim"], info["action"], info["critic_dim"])
+    runner.set_weights(learner.weights())
+    _, frag = runner.sample()
+    learner.update([frag])
+    state = learner.state()
+    assert state["obs_stats"]["count"] == 11 and state["return_stats"]["count"] == 11
+    # the critic's inputs: the three agents' observations (0 where absent), then the agent's one-hot
+    critic = state["critic_stats"]
+    assert critic["count"] == 11
+    np.testing.assert_allclose(critic["mean"][3:], [2 / 11, 6 / 11, 3 / 11])  # early, stay, late steps
+    # stay's observation is t at every step (0 1, 0..5, 3 4 5): 28 in all; early's is 0 and 1 (two steps each),
+    # then its last one, 2, at the 7 steps after it finished: 16 in all
+    np.testing.assert_allclose(critic["mean"][:2], [16 / 11, 28 / 11])
+    other = LearnerCore(config, info["obs_dim"], info["action"], info["critic_dim"])
+    other.load_state(state)
+    np.testing.assert_allclose(other.state()["critic_stats"]["m2"], critic["m2"])
