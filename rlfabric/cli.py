@@ -13,7 +13,7 @@ from ray.exceptions import RayError
 
 from rlfabric.actor_slots import RunAbortedError, error_summary
 from rlfabric.cli_inspect import cmd_envs_check, cmd_envs_list, cmd_tools_check, cmd_tools_list
-from rlfabric.cli_support import default_run_dir, import_user_modules, saved_algo
+from rlfabric.cli_support import IMPORT_HELP, default_run_dir, import_user_modules, saved_algo
 from rlfabric.config import ConfigError, load_config
 from rlfabric.submit import add_submit_parser, cmd_submit
 
@@ -231,7 +231,10 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     train = sub.add_parser(
-        "train", help="train (no config: GRPO post-training of a small LM on arithmetic, on a local Ray)"
+        "train",
+        help="train (no config: GRPO post-training of a small LM on arithmetic, on a local Ray)",
+        description="Train from a YAML config (first of the positionals) and key=value overrides; options may come "
+        "anywhere among them.",
     )
     train.add_argument("config", nargs="?", help="YAML config file (defaults apply to anything missing)")
     train.add_argument("overrides", nargs="*", help="dotted overrides, e.g. ppo.lr=1e-3 runners.num_runners=4")
@@ -242,7 +245,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--import",
         dest="import_modules",
         action="append",
-        help="module to import first (one that calls register_env or register_reward)",
+        help=IMPORT_HELP + " (one that calls register_env or register_reward)",
     )
     train.set_defaults(func=cmd_train)
 
@@ -255,7 +258,7 @@ def build_parser() -> argparse.ArgumentParser:
     train_rm.add_argument("overrides", nargs="*", help="dotted overrides, e.g. reward_model.steps=300")
     train_rm.add_argument("--run-dir", help="where outputs go (default: runs/reward_model-<time>)")
     train_rm.add_argument("--quiet", action="store_true", help="no progress line")
-    train_rm.add_argument("--import", dest="import_modules", action="append", help="module to import first")
+    train_rm.add_argument("--import", dest="import_modules", action="append", help=IMPORT_HELP)
     train_rm.set_defaults(func=cmd_train_rm)
 
     evaluate = sub.add_parser(
@@ -282,13 +285,15 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--seed", type=int, help="sampling seed (default training.seed)")
     evaluate.add_argument("--out", help="output folder (default RUN_DIR/eval, else runs/eval-<time>)")
     evaluate.add_argument("--quiet", action="store_true", help="no progress lines")
-    evaluate.add_argument("--import", dest="import_modules", action="append", help="module to import first")
+    evaluate.add_argument("--import", dest="import_modules", action="append", help=IMPORT_HELP)
     evaluate.set_defaults(func=cmd_eval)
 
-    envs = sub.add_parser("envs", help="list or check environments").add_subparsers(dest="envs_command", required=True)
+    envs = sub.add_parser("envs", help="list or check environments").add_subparsers(
+        dest="envs_command", required=True, metavar="{list,check}"
+    )
     env_list = envs.add_parser("list", help="show registered, entry-point and Gymnasium environments")
     env_list.add_argument("--all", action="store_true", help="list every Gymnasium id")
-    env_list.add_argument("--import", dest="import_modules", action="append", help="module to import first")
+    env_list.add_argument("--import", dest="import_modules", action="append", help=IMPORT_HELP)
     env_list.set_defaults(func=cmd_envs_list)
     check = envs.add_parser(
         "check",
@@ -305,10 +310,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--cycles", type=int, default=100, help="PettingZoo envs: cycles each API test plays (default 100)"
     )
     check.add_argument("--task", help="text envs: the JSON task row to reset on (default {})")
-    check.add_argument("--import", dest="import_modules", action="append", help="module to import first")
+    check.add_argument("--import", dest="import_modules", action="append", help=IMPORT_HELP)
     check.set_defaults(func=cmd_envs_check)
 
-    tools = sub.add_parser("tools", help="MCP tool servers").add_subparsers(dest="tools_command", required=True)
+    tools = sub.add_parser("tools", help="MCP tool servers").add_subparsers(
+        dest="tools_command", required=True, metavar="{list,check}"
+    )
     tool_list = tools.add_parser("list", help="show an MCP server's tools and their arguments")
     tool_list.add_argument(
         "server",

@@ -13,6 +13,8 @@ from typing import Any
 from rlfabric.config import ConfigError
 from rlfabric.run.log import CONFIG_FILE
 
+IMPORT_HELP = "module to import first, from the current directory or the Python path; repeat for more"
+
 
 def import_user_modules(names: list[str] | None) -> None:
     """Import modules that call register_env or register_reward, so their names show up.
@@ -24,6 +26,10 @@ def import_user_modules(names: list[str] | None) -> None:
     if names and cwd not in sys.path:
         sys.path.insert(0, cwd)
     for name in names or []:
+        if name.endswith(".py"):  # "x.py" would import x, then look for a submodule "py"
+            raise ConfigError(
+                f"--import {name!r}: takes a module name, not a file name (a module name: --import {name[:-3]})"
+            )
         try:
             importlib.import_module(name)
         except ImportError as exc:
@@ -32,6 +38,8 @@ def import_user_modules(names: list[str] | None) -> None:
                     f"--import {name!r}: no such module in the current directory ({cwd}) or on the Python path"
                 ) from None
             raise ConfigError(f"--import {name!r}: {exc.__class__.__name__}: {exc}") from None
+        except Exception as exc:  # noqa: BLE001 - the module's own code raised while it was imported
+            raise ConfigError(f"--import {name!r}: importing it raised {exc.__class__.__name__}: {exc}") from None
 
 
 def run_name(cfg: Any) -> str:

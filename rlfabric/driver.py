@@ -30,8 +30,8 @@ from rlfabric.run.checkpoints import CHECKPOINT_DIR, CheckpointStore
 from rlfabric.run.interrupts import stop_requests
 from rlfabric.run.log import CONFIG_FILE, RunLog, write_summary
 from rlfabric.run.plots import plot_learning_curve
-from rlfabric.run.progress import ppo_progress_line
-from rlfabric.run.resume import resumed_config
+from rlfabric.run.progress import EtaClock, ppo_progress_line
+from rlfabric.run.resume import refuse_run_over, resumed_config
 from rlfabric.runner_pool import Completed, RunAbortedError, RunnerPool, error_summary
 
 # How long setup waits for an actor to start before blaming the cluster's resources.
@@ -128,11 +128,8 @@ class Trainer:
         self.quiet = quiet
         # Fail on an unknown env, or on a run directory that already holds a run, before any actor starts.
         registry.resolve(cfg.env.id)
-        if not resume and latest_checkpoint(self.run_dir) is not None:
-            raise ConfigError(
-                f"--run-dir {str(self.run_dir)!r} already holds a run: continue it with --resume, "
-                "or choose another directory"
-            )
+        if not resume:
+            refuse_run_over(self.run_dir, latest_checkpoint(self.run_dir) is not None)
         self.progress = Progress()
         self.pool: RunnerPool | None = None
         self.learner: Any = None
@@ -277,13 +274,13 @@ class Trainer:
             self._load_learner_state(checkpoint)
             self._restarts_before = self.progress.runner_restarts
             self._lost_before = self.progress.lost_fragments
-        total = self.cfg.training.total_env_steps
+        total, clock = self.cfg.training.total_env_steps, EtaClock()
         self.log = RunLog(
             self.run_dir,
             self.cfg,
             resume_at=self.progress.iteration if self.resume else None,
             quiet=self.quiet,
-            progress_line=lambda row: ppo_progress_line(row, total),
+            progress_line=lambda row: ppo_progress_line(row, total, clock.eta("ppo", row["env_steps"], total)),
         )
         placement = self.cfg.ray.placement or dict.fromkeys(PPO_ROLES, self.cfg.ray.placement_strategy)
         for line in record_plan(self.run_dir, {"runners": self.pool.runners, "learner": self._learners()}, placement):

@@ -13,6 +13,8 @@ runners report update win rates and Elo, and each change of the pool goes to eve
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -77,7 +79,8 @@ def check_game_config(cfg: Config) -> tuple[dict[str, str], dict[str, dict[str, 
     policies, their spaces, frozen policies' checkpoints, llm models, and what PPO on a game does not do yet. One
     ConfigError line. Returns agent -> policy, which the runners get as it is (a mapping function runs here only),
     and each frozen policy's weights, read once here for every runner."""
-    env = registry.make_multi_agent_env(cfg.env.id, cfg.env.kwargs)
+    with env_build_errors(cfg):
+        env = registry.make_multi_agent_env(cfg.env.id, cfg.env.kwargs)
     try:
         plan = plan_game(env, cfg.multi_agent)
     except ValueError as exc:
@@ -393,9 +396,35 @@ class GameTrainer(Trainer):
         return out
 
 
+@contextmanager
+def env_build_errors(cfg: Config) -> Iterator[None]:
+    """Any error building or resetting ``cfg``'s env in the driver, as one ConfigError naming env.id (and
+    env.kwargs) with the exception, before any actor starts."""
+    try:
+        yield
+    except ConfigError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - a user factory may raise anything
+        e = cfg.env
+        with_kwargs = f" with env.kwargs = {e.kwargs!r}" if e.kwargs else ""
+        raise ConfigError(
+            f"env.id = {e.id!r}: building it{with_kwargs} and resetting it failed: {type(exc).__name__}: {exc}"
+        ) from None
+
+
 def is_game_config(cfg: Config) -> bool:
-    """Whether a PPO config trains a multi-agent env (its env spec builds a PettingZoo env)."""
-    return registry.is_multi_agent(cfg.env.id, cfg.env.kwargs)
+    """Whether a PPO config trains a multi-agent env (its env spec builds a PettingZoo env). A single-agent env is
+    built and reset once here, so a factory that fails is one line before any actor starts (a game is built by
+    ``check_game_config``)."""
+    with env_build_errors(cfg):
+        if registry.is_multi_agent(cfg.env.id, cfg.env.kwargs):
+            return True
+        env = registry.make_env(cfg.env.id, cfg.env.kwargs)
+        try:
+            env.reset(seed=cfg.training.seed)
+        finally:
+            env.close()
+    return False
 
 
 def ppo_trainer(cfg: Config, run_dir: str | Path, quiet: bool = False) -> Trainer:

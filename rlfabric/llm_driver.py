@@ -34,7 +34,6 @@ from rlfabric.actor_slots import ActorSlots, PlacementError, RunAbortedError, er
 from rlfabric.actors.llm_learner import ADDITIVE_LEARNER_METRICS, LEARNER_METRICS
 from rlfabric.actors.llm_rollout import RolloutRequest
 from rlfabric.compact import payload_bytes
-from rlfabric.config import ConfigError
 from rlfabric.grpo_config import LLMConfig, plays_episodes
 from rlfabric.grpo_report import eval_row, run_summary, step_row
 from rlfabric.likelihood_scorers import LikelihoodScorers
@@ -64,7 +63,8 @@ from rlfabric.run.checkpoints import CHECKPOINT_DIR
 from rlfabric.run.interrupts import stop_requests
 from rlfabric.run.log import RunLog, read_metrics, write_summary
 from rlfabric.run.plots import plot_llm_curves
-from rlfabric.run.progress import grpo_progress_line, phase_progress
+from rlfabric.run.progress import PhaseProgressLine
+from rlfabric.run.resume import refuse_run_over
 from rlfabric.weight_publisher import WeightPublisher
 
 MAX_GENERATION_RETRIES = 3
@@ -85,11 +85,8 @@ class GRPOTrainer(GRPOSetup):
         self.quiet = quiet
         self.resume_from = resume_from
         checkpoints = self.run_dir / CHECKPOINT_DIR
-        if resume_from is None and checkpoints.exists() and any(checkpoints.iterdir()):
-            raise ConfigError(
-                f"--run-dir {str(self.run_dir)!r} already holds a run: continue it with --resume "
-                f"{str(self.run_dir)!r}, or choose another directory"
-            )
+        if resume_from is None:
+            refuse_run_over(self.run_dir, checkpoints.exists() and any(checkpoints.iterdir()))
         # A reward_model spec without a path serves the reward model this run trains first (reward_model.pairs).
         self.trained_reward_specs = point_at_run_reward_model(cfg, self.run_dir)
         for i, spec in enumerate(cfg.rewards.functions):  # unknown reward names fail before any actor starts
@@ -143,7 +140,7 @@ class GRPOTrainer(GRPOSetup):
         self._unplaced: PlacementError | None = None
         self._saved_step = 0  # the step of the latest checkpoint (of this session or the one resumed)
         self._last_shown: list[dict[str, Any]] = []  # the last evaluation's sample completions
-        self._phase_start: dict[Any, tuple[float, int]] = {}  # when each phase's progress began, for its ETA
+        self._progress_line = PhaseProgressLine(cfg)  # a row's terminal line, with its phase's total and ETA
 
     @contextmanager
     def _timed(self, key: str) -> Iterator[None]:
@@ -398,15 +395,6 @@ class GRPOTrainer(GRPOSetup):
             )
         final = self.evaluate("final")
         return self._finish(initial, final)
-
-    def _progress_line(self, row: dict[str, Any]) -> str:
-        """``progress_line`` with the phase's total and the time left at the phase's rate so far."""
-        phase = row.get("phase")
-        total, done = phase_progress(self.cfg, row)
-        started, first = self._phase_start.setdefault(phase, (time.monotonic(), done))
-        rate = (done - first) / max(time.monotonic() - started, 1e-9)
-        eta = (total - done) / rate if rate > 0 else None
-        return grpo_progress_line(row, total, eta)
 
     def _grpo_steps(self, stop: threading.Event) -> None:
         """GRPO steps up to ``training.total_steps``. Ctrl-C (``stop``) is honoured between steps, after a

@@ -12,6 +12,7 @@ and sets the trainer's attributes (``cfg``, ``run_dir``, ``rollouts``, ``weights
 from __future__ import annotations
 
 import dataclasses
+import shutil
 import time
 from functools import partial
 from typing import Any
@@ -79,7 +80,9 @@ class GRPOSetup:
         for i in self.trained_reward_specs:
             rewards.resolve_reward(dataclasses.asdict(self.cfg.rewards.functions[i]), f"rewards.functions[{i}]")
 
-    def _load_data(self) -> None:
+    def _read_rows(self) -> None:
+        """The train and held-out rows (no tokenizer needed): a data error is one line before the run writes
+        anything."""
         d, seed, cfg = self.cfg.data, self.cfg.training.seed, self.cfg
         if cfg.env.verifiers.id:  # the environment's own rows, read from its actor once Ray runs
             self.train_rows, self.eval_rows = [], []
@@ -92,6 +95,13 @@ class GRPOSetup:
             eval_spec, train_rows=self.train_rows, num_rows=d.num_eval, seed=seed, prompt_key=d.prompt_key
         )
         self.rollouts.num_train_prompts = len(self.train_rows)
+
+    def _encode_prompts(self) -> None:
+        """The rows' prompts as token ids, checked against the model's context; a text env or agent checked on
+        its first task."""
+        d, cfg = self.cfg.data, self.cfg
+        if cfg.env.verifiers.id:
+            return
         context = model_max_positions(self.model_dir)
         if plays_episodes(cfg):  # task rows: the env's reset or the agent writes the prompts
             if not needs_ray(cfg):
@@ -122,7 +132,9 @@ class GRPOSetup:
         replay the random draws its first session began with."""
         return self.cfg.training.seed + self.version
 
-    def setup(self) -> None:
+    def _setup_before_ray(self) -> dict[str, Any] | None:
+        """The run's folder, metrics and model; the prompts encoded and checked; the reward model trained. Returns
+        the checkpoint's trainer state on resume (None for a new run)."""
         from rlfabric.models.hf import load_tokenizer
 
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -147,8 +159,22 @@ class GRPOSetup:
             self.model_dir = self.base_model_dir
             self.reference_dir = self.model_dir
         self.tokenizer = load_tokenizer(self.model_dir)
+        self._encode_prompts()
         self._train_reward_model()
-        self._load_data()
+        return state
+
+    def setup(self) -> None:
+        self._read_rows()
+        fresh = not self.run_dir.exists()  # a new run's folder, removed again if setup stops on bad input
+        try:
+            state = self._setup_before_ray()
+        except ConfigError:
+            if fresh:
+                if self.log is not None:
+                    self.log.close()
+                    self.log = None
+                shutil.rmtree(self.run_dir, ignore_errors=True)
+            raise
         ensure_ray(self.cfg.ray, wanted_cpus(self.cfg), openmp_env())
         check_fits(actor_requests(self.cfg), [n["Resources"] for n in ray.nodes() if n.get("Alive")])
         groups = self.role_groups = RoleGroups(actor_requests(self.cfg), self.cfg.ray.placement, SETUP_TIMEOUT_S)

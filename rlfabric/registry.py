@@ -297,7 +297,10 @@ def make_env(spec: str, kwargs: dict[str, Any] | None = None, field: str = "env.
         env.close()
         raise TypeError(f"env factory for {spec!r} returned {type(env).__name__}, {MULTI_AGENT_HINT}")
     if not isinstance(env, gym.Env):
-        raise TypeError(f"env factory for {spec!r} returned {type(env).__name__}, expected a gymnasium.Env")
+        raise TypeError(
+            f"env factory for {spec!r} returned {type(env).__name__}, expected a gymnasium.Env (a text env or an "
+            "agent's task trains with algo: grpo)"
+        )
     return env
 
 

@@ -93,7 +93,7 @@ def train_reward_model_run(cfg: Any, run_dir: Path, quiet: bool = False) -> dict
     """``rlfabric train-rm``: the reward-model stage of ``cfg`` alone, in ``run_dir`` (config snapshot,
     metrics.jsonl, TensorBoard, summary.json; the model in ``run_dir/reward_model``). Returns the summary."""
     from rlfabric.run.log import RunLog, write_summary
-    from rlfabric.run.progress import grpo_progress_line, phase_progress, tensorboard_view
+    from rlfabric.run.progress import PhaseProgressLine, tensorboard_view
 
     if not cfg.reward_model.pairs:
         raise ConfigError("reward_model.pairs = '' is not valid for train-rm: name the preference pairs to train on")
@@ -104,7 +104,7 @@ def train_reward_model_run(cfg: Any, run_dir: Path, quiet: bool = False) -> dict
         cfg,
         quiet=quiet,
         step_key="rm_step",
-        progress_line=lambda row: grpo_progress_line(row, *phase_progress(cfg, row)[:1]),
+        progress_line=PhaseProgressLine(cfg),
         tensorboard_view=tensorboard_view,
     )
     started = time.perf_counter()

@@ -201,7 +201,7 @@ class RolloutScheduler:
         if error not in self.errors_seen:
             self.errors_seen.add(error)
             what = "episode" if plays_episodes(self.cfg) else "reward"  # what failed the sample
-            self._note(f"{what} failed: {error} ({self.counters.failed_samples} failed samples so far)")
+            self._note(f"{what} failed: {error} (the first of its kind: later ones are counted, not printed)")
 
     def accept(self, meta: dict[str, Any], ref: ray.ObjectRef | None, step: StepBatch, request: RolloutRequest) -> None:
         """Count one rollout's samples (of ``request``) and choose its groups to train on from its per-group

@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from rlfabric.cli_support import default_run_dir, import_user_modules, run_name
+from rlfabric.cli_support import IMPORT_HELP, default_run_dir, import_user_modules, run_name
 from rlfabric.config import ConfigError, load_config
 from rlfabric.run.log import CONFIG_FILE
 
@@ -47,7 +47,7 @@ def add_submit_parser(sub: Any, func: Any) -> None:
         f"{DEFAULT_DASHBOARD})",
     )
     submit.add_argument("--working-dir", default=".", help="uploaded as the job's working folder (default: .)")
-    submit.add_argument("--import", dest="import_modules", action="append", help="module to import first")
+    submit.add_argument("--import", dest="import_modules", action="append", help=IMPORT_HELP)
     submit.add_argument(
         "--stop-timeout-s", type=int, default=300, help="how long `ray job stop` waits for the checkpoint (300)"
     )

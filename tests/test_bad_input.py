@@ -73,6 +73,11 @@ def _missing_relative(tmp: Path) -> str:
     return "./no_such_model"
 
 
+def _missing_in_a_local_folder(tmp: Path) -> str:
+    (tmp / "runs").mkdir()
+    return "runs/no_such_model"  # shaped like a hub id, but runs/ is here: no hub lookup (retried for ~30 s offline)
+
+
 def _missing_absolute(tmp: Path) -> str:
     return str(tmp / "no_such_model")
 
@@ -99,7 +104,15 @@ def _a_file(tmp: Path) -> str:
 
 @pytest.mark.parametrize(
     "make_path",
-    [_missing_relative, _missing_absolute, _missing_in_home, _empty_folder, _weights_without_config, _a_file],
+    [
+        _missing_relative,
+        _missing_in_a_local_folder,
+        _missing_absolute,
+        _missing_in_home,
+        _empty_folder,
+        _weights_without_config,
+        _a_file,
+    ],
 )
 def test_model_path_without_a_model_is_one_line_before_ray(make_path, tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
@@ -179,8 +192,9 @@ def test_bad_prompt_file_fails_in_setup_before_ray(tmp_path):
         with pytest.raises(ConfigError, match=r"^data.train = .*: no 'prompt' column .* 'question', 'answer'"):
             trainer.setup()
         assert not ray.is_initialized()
+        assert not (tmp_path / "run").exists()  # read before the run writes anything
     finally:
-        trainer.log.close()
+        trainer.close()
 
 
 # -- 3. --import from the current directory -------------------------------------------------------------------
@@ -252,6 +266,18 @@ def test_import_of_a_missing_module_is_one_line(tmp_path, monkeypatch, capsys):
     assert not ray.is_initialized()
 
 
+def test_import_of_a_module_that_raises_is_one_line(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    module = f"raises_on_import_{os.getpid()}_{time.monotonic_ns()}"
+    (tmp_path / f"{module}.py").write_text("raise RuntimeError('no licence server')\n")
+    code, out, err = run_cli(["train", "--import", module], capsys)
+    assert_one_config_error(code, out, err, f"--import {module!r}", "RuntimeError: no licence server")
+    code, out, err = run_cli(["train", "--import", f"{module}.py"], capsys)
+    assert_one_config_error(code, out, err, f"(a module name: --import {module})")
+    assert not ray.is_initialized()
+
+
 # -- 4. options and overrides in any order --------------------------------------------------------------------
 
 
@@ -268,7 +294,28 @@ def test_options_and_overrides_in_any_order(capsys):
     assert_one_config_error(code, out, err, "ppo.lr = -1")
 
 
-# -- 5. prompts longer than the model's context ---------------------------------------------------------------
+# -- 5. a PPO env that cannot be built ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "overrides, says",
+    [
+        (
+            ["env.kwargs={bogus: 1}"],
+            "env.id = 'gym:CartPole-v1': building it with env.kwargs = {'bogus': 1} and resetting it failed: TypeError",
+        ),
+        (["env.id=rlfabric/GuessNumber-v0"], "returned GuessNumber, expected a gymnasium.Env (a text env or an agent"),
+        (["env.id=pettingzoo:classic.tictactoe_v3", "env.kwargs={bogus: 1}"], "building it with env.kwargs"),
+    ],
+)
+def test_a_ppo_env_that_cannot_be_built_is_one_line_before_ray(overrides, says, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    code, out, err = run_cli(["train", str(ROOT / "examples/cartpole_ppo.yaml"), *overrides, "--run-dir", "r"], capsys)
+    assert_one_config_error(code, out, err, says)
+    assert not ray.is_initialized() and not (tmp_path / "r").exists()
+
+
+# -- 6. prompts longer than the model's context ---------------------------------------------------------------
 
 
 def test_check_prompt_lengths_names_the_longest_prompt_the_limit_and_the_fields():
@@ -295,11 +342,12 @@ def test_prompts_too_long_for_the_model_fail_in_setup_before_ray(tmp_path):
         with pytest.raises(ConfigError, match=r"^data.train: 1 of 2 prompts .* \(row 1\) is 62 tokens.* 70 positions"):
             trainer.setup()
         assert not ray.is_initialized()
+        assert not (tmp_path / "run").exists()  # the new run's folder (its model built to tokenize) is removed
     finally:
-        trainer.log.close()
+        trainer.close()
 
 
-# -- 6. RAY_ADDRESS ---------------------------------------------------------------------------------------------
+# -- 7. RAY_ADDRESS ---------------------------------------------------------------------------------------------
 
 
 def test_ray_address_where_nothing_listens_is_one_line(tmp_path, monkeypatch, capsys):

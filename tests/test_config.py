@@ -351,6 +351,11 @@ def test_resume_refuses_changes_the_checkpoint_depends_on(tmp_path):
     assert Trainer.from_run_dir(tmp_path, ["training.total_env_steps=500000"]).cfg.training.total_env_steps == 500000
     with pytest.raises(ConfigError, match="already holds a run"):
         Trainer(Config(), tmp_path)  # a fresh run must not mix with an old one's checkpoints
+    finished = tmp_path / "finished"  # a run too short for a checkpoint
+    finished.mkdir()
+    (finished / "summary.json").write_text("{}")
+    with pytest.raises(ConfigError, match="already holds a run: it has no checkpoint to resume"):
+        Trainer(Config(), finished)
 
 
 @pytest.mark.parametrize(

@@ -616,6 +616,24 @@ def test_progress_line_shows_the_step_total_and_the_time_left():
     )
     sft = {"phase": "sft", "sft_step": 20, "sft_loss": 1.5, "time_s": 7.0}
     assert progress_line(sft, 1000, None) == "sft     20/1000 | loss 1.500 |      7s | ETA ?"
+    evaluation = {"phase": "eval", "step": 0, "label": "after_sft", "eval_accuracy": 0.32, "time_s": 41.0}
+    assert progress_line(evaluation) == "eval after SFT | held-out accuracy 0.320 |     41s"
+    assert progress_line({**evaluation, "step": 25, "label": "step_25"}).startswith("eval step    25 | held-out")
+
+
+def test_each_phase_has_its_own_time_left_and_the_reward_model_stage_shows_it(monkeypatch):
+    from rlfabric.run import progress
+
+    now = [100.0]
+    monkeypatch.setattr(progress.time, "monotonic", lambda: now[0])
+    cfg = config_from_dict(merged(BASE, {"reward_model": {"pairs": "x.jsonl", "steps": 50}, "sft": {"steps": 100}}))
+    line = progress.PhaseProgressLine(cfg)
+    rm = {"phase": "rm", "rm_step": 10, "rm_loss": 0.7, "rm_accuracy": 0.5, "time_s": 1.0}
+    assert line(rm).endswith("| ETA ?")  # no rate yet
+    now[0] = 104.0
+    assert line({**rm, "rm_step": 20}).endswith("| ETA 12s")  # 10 steps in 4 s, 30 left
+    sft = {"phase": "sft", "sft_step": 5, "sft_loss": 1.5, "time_s": 5.0}
+    assert line(sft).endswith("| ETA ?")  # a new phase starts its own rate
 
 
 # -- 9. CLI config errors ----------------------------------------------------------------------------------------
@@ -815,6 +833,19 @@ def test_a_new_run_in_a_used_directory_points_to_resume(tmp_path):
     run_dir = saved_run(tmp_path, step=2)
     with pytest.raises(ConfigError, match=r"already holds a run: continue it with --resume"):
         GRPOTrainer(config_from_dict(BASE), run_dir)
+
+
+def test_a_new_run_never_writes_over_a_finished_run_without_checkpoints(tmp_path):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "config.yaml").write_text("algo: grpo\n")
+    (run_dir / "metrics.jsonl").write_text("")
+    GRPOTrainer(config_from_dict(BASE), run_dir)  # stopped before its first step: nothing to lose, reused
+    (run_dir / "metrics.jsonl").write_text('{"phase": "grpo", "step": 1}\n')
+    (run_dir / "summary.json").write_text("{}")
+    with pytest.raises(ConfigError, match=r"already holds a run: it has no checkpoint to resume; choose another"):
+        GRPOTrainer(config_from_dict(BASE), run_dir)
+    assert (run_dir / "summary.json").read_text() == "{}"
 
 
 def test_cli_resume_without_a_checkpoint_says_so_in_one_line(tmp_path):

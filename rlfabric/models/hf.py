@@ -104,7 +104,7 @@ def check_model_source(path: str, field: str = "model.path", cache_dir: str | Pa
     Accepted: ``"builtin"``; an existing folder holding ``config.json``; a hub id (``"org/name"`` that is not a
     local path) found in the Hugging Face cache (``cache_dir``, default the hub's own) or, when that misses, whose
     ``config.json`` the hub serves (fetched into the cache, as transformers would first thing). A path that looks
-    local (absolute, ``./``, ``../``, ``~``) must exist.
+    local (absolute, ``./``, ``../``, ``~``, or in a folder that exists here) must exist.
     """
     if path == BUILTIN:
         return
@@ -125,6 +125,7 @@ def check_model_source(path: str, field: str = "model.path", cache_dir: str | Pa
     from huggingface_hub.utils import HFValidationError, validate_repo_id
 
     looks_local = path.startswith(("/", "./", "../", "~")) or path in (".", "..")
+    looks_local |= len(local.parts) > 1 and local.parent.is_dir()  # "runs/x" where runs/ is here: not a hub id
     try:
         validate_repo_id(path)
     except HFValidationError:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import time
 from typing import Any
 
 
@@ -13,6 +14,33 @@ def format_eta(seconds: float | None) -> str:
     minutes, secs = divmod(int(round(seconds)), 60)
     return f"{minutes}m{secs:02d}s" if minutes else f"{secs}s"
 
+
+class EtaClock:
+    """Time left of each phase at the rate measured since the first row of it this process saw:
+    eta = (total - done) / ((done - done_first) / (now - t_first)); None until the rate is known."""
+
+    def __init__(self) -> None:
+        self.starts: dict[Any, tuple[float, int]] = {}  # phase -> (when its first row came, its count then)
+
+    def eta(self, phase: Any, done: int, total: int) -> float | None:
+        started, first = self.starts.setdefault(phase, (time.monotonic(), done))
+        rate = (done - first) / max(time.monotonic() - started, 1e-9)
+        return (total - done) / rate if rate > 0 else None
+
+
+class PhaseProgressLine:
+    """``grpo_progress_line`` of a GRPO config's rows, each with its phase's total and time left (``EtaClock``)."""
+
+    def __init__(self, cfg: Any) -> None:
+        self.cfg, self.clock = cfg, EtaClock()
+
+    def __call__(self, row: dict[str, Any]) -> str:
+        total, done = phase_progress(self.cfg, row)
+        return grpo_progress_line(row, total, self.clock.eta(row.get("phase"), done, total))
+
+
+# How an evaluation row that is not at a GRPO step is shown (both are at step 0).
+EVAL_LABELS = {"initial": "before training", "after_sft": "after SFT"}
 
 # Step counter and total of each phase before the GRPO steps: (row field, config section, config field).
 PHASE_STEPS = {
@@ -45,7 +73,8 @@ def grpo_progress_line(row: dict[str, Any], total: int | None = None, eta_s: flo
     if row.get("phase") == "sft":
         return f"sft  {row['sft_step']:>5}{of} | loss {row['sft_loss']:.3f} | {row['time_s']:6.0f}s{eta}"
     if row.get("phase") == "eval":
-        return f"eval step {row['step']:>5} | held-out accuracy {row['eval_accuracy']:.3f} | {row['time_s']:6.0f}s"
+        when = EVAL_LABELS.get(row.get("label"), f"step {row['step']:>5}")
+        return f"eval {when} | held-out accuracy {row['eval_accuracy']:.3f} | {row['time_s']:6.0f}s"
     accuracy = row.get("accuracy")
     return (
         f"step {row['step']:>5}{of} | reward {row['reward_mean']:6.3f} | "
@@ -71,12 +100,14 @@ def tensorboard_view(row: dict[str, Any]) -> tuple[int, dict[str, float]]:
     return int(row["step"]), {k: v for k, v in numbers.items() if k not in ("step", "iteration")}
 
 
-def ppo_progress_line(row: dict[str, Any], total_env_steps: int) -> str:
-    """The PPO terminal line: iteration, env steps (and the share of ``total_env_steps``), rate, return."""
+def ppo_progress_line(row: dict[str, Any], total_env_steps: int, eta_s: float | None = None) -> str:
+    """The PPO terminal line: iteration, env steps (and the share of ``total_env_steps``), rate, return, failures,
+    time left."""
     ret = row.get("episode_return_mean")
     pct = 100.0 * row["env_steps"] / total_env_steps
     return (
         f"iter {row['iteration']:>4} | env steps {row['env_steps']:>10,} ({pct:5.1f}%) | "
         f"{row['env_steps_per_s']:>8,.0f} steps/s | return {'   n/a' if ret is None else f'{ret:9.2f}'} | "
-        f"v{row['policy_version']} dropped {row['dropped_fragments']} restarts {row['runner_restarts']}"
+        f"v{row['policy_version']} dropped {row['dropped_fragments']} restarts {row['runner_restarts']} | "
+        f"ETA {format_eta(eta_s)}"
     )

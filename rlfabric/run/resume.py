@@ -7,7 +7,17 @@ from pathlib import Path
 from typing import Any
 
 from rlfabric.config import ConfigError, load_config
-from rlfabric.run.log import CONFIG_FILE
+from rlfabric.run.log import CONFIG_FILE, METRICS_FILE, SUMMARY_FILE
+
+
+def refuse_run_over(run_dir: Path, has_checkpoint: bool) -> None:
+    """A new run must not write over one in ``run_dir``: one that logged a step, finished, or left a checkpoint
+    (``has_checkpoint``). A directory left by a run that stopped before its first step is reused."""
+    logged = (run_dir / METRICS_FILE).is_file() and (run_dir / METRICS_FILE).stat().st_size > 0
+    if not (has_checkpoint or logged or (run_dir / SUMMARY_FILE).is_file()):
+        return
+    how = f"continue it with --resume {str(run_dir)!r}, or" if has_checkpoint else "it has no checkpoint to resume;"
+    raise ConfigError(f"--run-dir {str(run_dir)!r} already holds a run: {how} choose another directory")
 
 
 def _get_path(cfg: Any, dotted: str) -> Any:
