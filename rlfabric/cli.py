@@ -36,10 +36,34 @@ def _print_summary(summary: dict) -> None:
         "lost_fragments",
         "runner_restarts",
     ):
+        if key == "eval_return_mean" and summary.get(key) is None:
+            continue  # no greedy evaluation episodes (training.eval_episodes: 0)
         print(f"  {key:<20} {fmt(summary.get(key))}")
+    for line in _game_summary_lines(summary):
+        print(f"  {line}")
     print(f"  {'run dir':<20} {summary['run_dir']}")
     if summary.get("plot"):
         print(f"  {'learning curve':<20} {summary['plot']}")
+    if summary.get("self_play_plot"):
+        print(f"  {'self-play curve':<20} {summary['self_play_plot']}")
+
+
+def _game_summary_lines(summary: dict) -> list[str]:
+    """A game run's own figures: each policy's mean return, the final evaluation against each baseline, Elo."""
+    lines = []
+    if summary.get("return_mean_by_policy"):
+        by_policy = ", ".join(f"{p} {r:.2f}" for p, r in summary["return_mean_by_policy"].items())
+        lines.append(f"{'return by policy':<20} {by_policy}")
+    for key in summary:
+        if key.startswith("eval_win_rate_vs_"):
+            baseline = key.removeprefix("eval_win_rate_vs_")
+            rates = [summary.get(f"eval_{kind}_rate_vs_{baseline}") for kind in ("win", "draw", "loss")]
+            won, drew, lost = (f"{100 * r:.1f}%" if r is not None else "?" for r in rates)
+            games = summary.get("eval_games", "?")
+            lines.append(f"{'vs ' + baseline:<20} win {won}, draw {drew}, loss {lost} ({games} games)")
+    if summary.get("learner_elo") is not None:
+        lines.append(f"{'learner Elo':<20} {summary['learner_elo']:.0f} (pool of {summary.get('opponent_pool_size')})")
+    return lines
 
 
 def _print_llm_summary(summary: dict) -> None:

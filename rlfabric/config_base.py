@@ -58,7 +58,9 @@ def _type_name(tp: Any) -> str:
         args = [a for a in typing.get_args(tp) if a is not type(None)]
         return " or ".join(_type_name(a) for a in args) + " or null"
     if origin is list:
-        return f"a list of {_type_name(typing.get_args(tp)[0])}"
+        item = _type_name(typing.get_args(tp)[0])
+        plural = {"an integer": "integers", "a number": "numbers", "a string": "strings", "a mapping": "mappings"}
+        return f"a list of {plural.get(item, item)}"
     if origin is dict:
         return "a mapping"
     if dataclasses.is_dataclass(tp):
@@ -138,7 +140,7 @@ def _unknown_key_error(cls: type, key: Any, path: str) -> ConfigError:
     key = str(key)  # YAML reads keys like 2048, null or yes as int, None or bool
     full = f"{path}.{key}" if path else key
     hint = difflib.get_close_matches(key, names, n=1)
-    suggestion = f" (did you mean {hint[0]!r}?)" if hint else ""
+    suggestion = f" (did you mean {(f'{path}.' if path else '') + hint[0]!r}?)" if hint else ""
     return ConfigError(f"unknown config key {full!r}{suggestion}; allowed here: {', '.join(names)}")
 
 

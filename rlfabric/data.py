@@ -191,18 +191,25 @@ def _read_file(spec: str, field: str) -> list[dict[str, Any]]:
     if path.suffix not in FILE_FORMATS:
         raise ConfigError(f"{field} = {spec!r}: not 'task:<name>' and not a {', '.join(FILE_FORMATS)} file")
     if not path.is_file():
-        raise ConfigError(f"{field} = {spec!r}: file does not exist")
+        where = "" if path.is_absolute() else f" ({path.absolute()}: relative paths start at the current directory)"
+        raise ConfigError(f"{field} = {spec!r}: file does not exist{where}")
     import datasets
 
-    bars_were_on = datasets.is_progress_bar_enabled()
+    bars_were_on, verbosity = datasets.is_progress_bar_enabled(), datasets.logging.get_verbosity()
     datasets.disable_progress_bars()  # a bar per small file only clutters the run's output
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # its parse errors are logged, then raised: say it once
     try:
         table = datasets.load_dataset(FILE_FORMATS[path.suffix], data_files=str(path.resolve()), split="train")
     except Exception as exc:  # malformed JSON or parquet: one line naming the file, not a long arrow trace
         if _holds_no_rows(path):  # datasets fails on empty files with errors that do not say so
             raise ConfigError(f"{field} = {spec!r}: the file holds no rows") from None
-        raise ConfigError(f"{field} = {spec!r}: could not be read: {exc.__class__.__name__}: {exc}") from exc
+        root = exc  # datasets wraps the parser's error (which names the row) in a generic one
+        while root.__cause__ is not None:
+            root = root.__cause__
+        reason = (str(root).strip().splitlines() or [""])[0]
+        raise ConfigError(f"{field} = {spec!r}: could not be read: {root.__class__.__name__}: {reason}") from exc
     finally:
+        datasets.logging.set_verbosity(verbosity)
         if bars_were_on:
             datasets.enable_progress_bars()
     if len(table) == 0:

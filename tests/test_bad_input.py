@@ -185,6 +185,19 @@ def test_prompt_file_without_rows_says_so(name, tmp_path):
         load_prompts(str(path), field="data.eval")
 
 
+def test_a_malformed_or_missing_prompt_file_is_one_line_naming_the_row_or_the_path(tmp_path, monkeypatch, capfd):
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"prompt": "1+1="}\n{"prompt": broken\n')
+    with pytest.raises(ConfigError, match=r"^data.train = .*bad.jsonl': could not be read: .*JSON parse error.* row 1"):
+        load_prompts(str(path), num_rows=2)
+    assert capfd.readouterr().err == ""  # the library's own log line of the error is not printed as well
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(
+        ConfigError, match=rf"file does not exist \({re.escape(str(tmp_path / 'data'))}.*current directory"
+    ):
+        load_prompts("data/train.jsonl", num_rows=2)
+
+
 def test_bad_prompt_file_fails_in_setup_before_ray(tmp_path):
     path = write_jsonl(tmp_path / "qa.jsonl", [{"question": "1+1=", "answer": "2"}])
     trainer = GRPOTrainer(load_config(None, [*TINY, f"data.train={path}"]), tmp_path / "run", quiet=True)

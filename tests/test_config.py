@@ -40,7 +40,7 @@ def test_defaults():
 def test_unknown_nested_key_names_dotted_path_and_suggests():
     message = _error({"ppo": {"lrr": 1e-3}})
     assert "'ppo.lrr'" in message
-    assert "did you mean 'lr'?" in message
+    assert "did you mean 'ppo.lr'?" in message
 
 
 def test_unknown_top_level_key_suggests_section():
@@ -209,7 +209,7 @@ def test_overrides_win_over_the_file_and_later_over_earlier(tmp_path):
 
 
 def test_override_errors_are_validated_like_the_file():
-    with pytest.raises(ConfigError, match=r"^unknown config key 'ppo\.lrr' \(did you mean 'lr'\?\)"):
+    with pytest.raises(ConfigError, match=r"^unknown config key 'ppo\.lrr' \(did you mean 'ppo\.lr'\?\)"):
         load_config(None, ["algo=ppo", "ppo.lrr=0.1"])
     with pytest.raises(ConfigError, match=r"^ppo\.lr = 'abc' is not valid: expected a number$"):
         load_config(None, ["algo=ppo", "ppo.lr=abc"])
@@ -261,7 +261,7 @@ def test_load_config_file_errors(tmp_path):
 
 # id -> (config file text or None, overrides, substrings the one error line must contain)
 CLI_CASES = {
-    "unknown-key": ("algo: ppo\nppo:\n  lrr: 0.001\n", [], ["'ppo.lrr'", "did you mean 'lr'?"]),
+    "unknown-key": ("algo: ppo\nppo:\n  lrr: 0.001\n", [], ["'ppo.lrr'", "did you mean 'ppo.lr'?"]),
     # no config file: the first positional is an override
     "wrong-type": (None, ["grpo.lr=abc"], ["grpo.lr = 'abc'", "expected a number"]),
     "unknown-gym-env": (

@@ -164,6 +164,9 @@ def test_two_trainable_policies_get_a_learner_each_on_a_fresh_local_ray_and_in_a
     assert done.returncode == 0, done.stderr[-2000:]
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["policies"] == ["first", "second"] and summary["env_steps"] == 1024
+    printed = {line.split("  ")[1].strip(): line for line in done.stdout.splitlines() if line.startswith("  ")}
+    assert "return by policy" in printed and "first " in printed["return by policy"]  # the game's own figures
+    assert "eval_return_mean" not in printed  # no evaluation episodes: not a line of None
     plan = json.loads((tmp_path / "run" / "placement.json").read_text())
     assert plan["learner"]["strategy"] == "PACK" and len(plan["learner"]["nodes"]) == 2
 

@@ -345,7 +345,9 @@ def test_step_credit_and_efficiency_settings_out_of_range_are_one_line_naming_th
 
 def test_an_unknown_efficiency_key_is_named_with_a_suggestion():
     message = config_error({"rewards": {"efficiency": {"wieght": 1.0}}})
-    assert message.startswith("unknown config key 'rewards.efficiency.wieght' (did you mean 'weight'?)")
+    assert message.startswith(
+        "unknown config key 'rewards.efficiency.wieght' (did you mean 'rewards.efficiency.weight'?)"
+    )
 
 
 def test_a_valid_config_reaches_the_learners_batch_spec_with_counts_weighing_zero():
