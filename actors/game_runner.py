@@ -158,7 +158,7 @@ class GameRunnerCore:
         # observations its net was given, and of its agents' running discounted returns, carried per (env copy,
         # agent) across fragments like EnvRunner's.
         self.gamma = gamma
-        self.raw_obs_stats = {p: RunningStats.empty((self.policy_spaces[p].obs_dim,)) for p in self.trainable}
+        self.raw_obs: dict[str, list[np.ndarray]] = {p: [] for p in self.trainable}  # since the last fragment
         self.return_carry: dict[tuple[int, str], float] = {}
 
     def _callable(self, name: str, resolve: Any) -> Any:
@@ -256,8 +256,8 @@ class GameRunnerCore:
             obs = np.stack([r.obs for r in reqs])
             masks = None if reqs[0].mask is None else np.stack([r.mask for r in reqs])
             if isinstance(policy, NeuralNetPolicy):
-                if actor in self.raw_obs_stats and not greedy:  # training steps only, not evaluation games
-                    self.raw_obs_stats[actor] = self.raw_obs_stats[actor].merge(RunningStats.of(obs))
+                if actor in self.raw_obs and not greedy:  # training steps only, not evaluation games
+                    self.raw_obs[actor].append(obs)
                 acted = policy.act(obs, greedy=greedy, mask=masks)
                 actions, logps = acted.actions, acted.logprobs
                 obs_seen = acted.info["inputs"]
@@ -385,11 +385,13 @@ class GameRunnerCore:
             spaces, first_id = self.policy_spaces[policy], self.next_episode_id
             fragment = game_fragment(policy, rows, spaces, self.critic_dim, first_id, self.policies[policy])
             keys = [(copy, agent) for copy, (agent, _) in zip(copies, rows, strict=True)]
+            seen = self.raw_obs[policy]
+            raw = np.concatenate(seen) if seen else np.zeros((0, spaces.obs_dim), np.float32)
             fragment.extras = {
-                "obs_stats": self.raw_obs_stats[policy].to_dict(),
+                "obs_stats": RunningStats.of(raw).to_dict(),
                 "return_stats": self._return_stats(fragment, keys).to_dict(),
             }
-            self.raw_obs_stats[policy] = RunningStats.empty((spaces.obs_dim,))
+            self.raw_obs[policy] = []
         self.next_episode_id += fragment.num_rows
         return fragment
 
@@ -404,7 +406,10 @@ class GameRunnerCore:
         returns = returns.T  # [rows, width]; past a row's length it is padding
         for i, key in enumerate(keys):
             last = int(fragment.length[i]) - 1
-            self.return_carry[key] = 0.0 if ends[i, last] else float(returns[i, last])
+            if ends[i, last]:  # the agent's episode is over: its next one starts from 0
+                self.return_carry.pop(key, None)
+            else:
+                self.return_carry[key] = float(returns[i, last])
         valid = np.arange(fragment.width)[None, :] < fragment.length[:, None]
         return RunningStats.of(returns[valid].reshape(-1, 1))
 

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from rlfabric.config import ConfigError
+from rlfabric.config_base import raised_by_user_code
 from rlfabric.run.log import CONFIG_FILE
 
 IMPORT_HELP = "module to import first, from the current directory or the Python path; repeat for more"
@@ -39,7 +40,7 @@ def import_user_modules(names: list[str] | None) -> None:
                 ) from None
             raise ConfigError(f"--import {name!r}: {exc.__class__.__name__}: {exc}") from None
         except Exception as exc:  # noqa: BLE001 - the module's own code raised while it was imported
-            raise ConfigError(f"--import {name!r}: importing it raised {exc.__class__.__name__}: {exc}") from None
+            raise ConfigError(f"--import {name!r}: importing it raised {raised_by_user_code(exc)}") from None
 
 
 def run_name(cfg: Any) -> str:

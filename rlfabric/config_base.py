@@ -11,14 +11,25 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
+import traceback
 import types
 import typing
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Literal, Union
 
 
 class ConfigError(ValueError):
     """A config value that is missing, unknown, of the wrong type or out of range."""
+
+
+def raised_by_user_code(exc: BaseException) -> str:
+    """``Type: message (at file.py:line)``: an exception from a user's module or factory in one line, with the
+    place it was raised, since the one-line error replaces the traceback."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    where = f" (at {Path(frames[-1].filename).name}:{frames[-1].lineno})" if frames else ""
+    first = (str(exc).strip().splitlines() or [""])[0]
+    return f"{type(exc).__name__}: {first}{where}"
 
 
 @dataclass

@@ -13,6 +13,7 @@ runners report update win rates and Elo, and each change of the pool goes to eve
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -27,6 +28,7 @@ from rlfabric.actors.game_llm_learner import GameLLMLearner
 from rlfabric.actors.game_runner import GameRunner
 from rlfabric.actors.learner import Learner
 from rlfabric.config import Config, ConfigError, config_from_dict
+from rlfabric.config_base import raised_by_user_code
 from rlfabric.driver import SETUP_TIMEOUT_S, Trainer, ensure_ray, latest_checkpoint, next_episode_id_range
 from rlfabric.game_llm_servers import LLMServers
 from rlfabric.models import ActionSpec, ActorCritic
@@ -79,14 +81,14 @@ def check_game_config(cfg: Config) -> tuple[dict[str, str], dict[str, dict[str, 
     policies, their spaces, frozen policies' checkpoints, llm models, and what PPO on a game does not do yet. One
     ConfigError line. Returns agent -> policy, which the runners get as it is (a mapping function runs here only),
     and each frozen policy's weights, read once here for every runner."""
-    with env_build_errors(cfg):
+    with env_build_errors(cfg, "building it and resetting it"):
         env = registry.make_multi_agent_env(cfg.env.id, cfg.env.kwargs)
-    try:
-        plan = plan_game(env, cfg.multi_agent)
-    except ValueError as exc:
-        raise ConfigError(f"env.id = {cfg.env.id!r}: {exc}") from None
-    finally:
-        env.close()
+        try:
+            plan = plan_game(env, cfg.multi_agent)
+        except ValueError as exc:
+            raise ConfigError(f"env.id = {cfg.env.id!r}: {exc}") from None
+        finally:
+            env.close()
     frozen = {}
     for name, spec in policy_specs(cfg.multi_agent).items():
         if spec.kind == "llm":
@@ -397,9 +399,9 @@ class GameTrainer(Trainer):
 
 
 @contextmanager
-def env_build_errors(cfg: Config) -> Iterator[None]:
-    """Any error building or resetting ``cfg``'s env in the driver, as one ConfigError naming env.id (and
-    env.kwargs) with the exception, before any actor starts."""
+def env_build_errors(cfg: Config, what: str = "building it") -> Iterator[None]:
+    """Any error building (or resetting) ``cfg``'s env in the driver, as one ConfigError naming env.id (and
+    env.kwargs) with the exception and where it was raised, before any actor starts."""
     try:
         yield
     except ConfigError:
@@ -407,29 +409,43 @@ def env_build_errors(cfg: Config) -> Iterator[None]:
     except Exception as exc:  # noqa: BLE001 - a user factory may raise anything
         e = cfg.env
         with_kwargs = f" with env.kwargs = {e.kwargs!r}" if e.kwargs else ""
-        raise ConfigError(
-            f"env.id = {e.id!r}: building it{with_kwargs} and resetting it failed: {type(exc).__name__}: {exc}"
-        ) from None
+        raise ConfigError(f"env.id = {e.id!r}: {what}{with_kwargs} failed: {raised_by_user_code(exc)}") from None
 
 
 def is_game_config(cfg: Config) -> bool:
-    """Whether a PPO config trains a multi-agent env (its env spec builds a PettingZoo env). A single-agent env is
-    built and reset once here, so a factory that fails is one line before any actor starts (a game is built by
-    ``check_game_config``)."""
+    """Whether a PPO config trains a multi-agent env (its env spec builds a PettingZoo env; a factory that is not
+    a class is built once to tell)."""
     with env_build_errors(cfg):
-        if registry.is_multi_agent(cfg.env.id, cfg.env.kwargs):
-            return True
+        return registry.is_multi_agent(cfg.env.id, cfg.env.kwargs)
+
+
+def runs_on_local_ray(cfg: Config) -> bool:
+    """Whether the run starts (or joins) a Ray instance on this machine, rather than a cluster whose workers may
+    have what this process lacks (a GPU simulator, a licence, files, the env's packages)."""
+    return (cfg.ray.address or os.environ.get("RAY_ADDRESS") or "local") == "local"
+
+
+def check_env_builds(cfg: Config) -> None:
+    """A single-agent env built and reset once in the driver when the run is local, so a factory or reset that
+    fails is one line before any actor starts. On a cluster the first runner's failure is that line instead."""
+    if not runs_on_local_ray(cfg):
+        return
+    with env_build_errors(cfg, "building it and resetting it"):
         env = registry.make_env(cfg.env.id, cfg.env.kwargs)
         try:
             env.reset(seed=cfg.training.seed)
         finally:
             env.close()
-    return False
 
 
 def ppo_trainer(cfg: Config, run_dir: str | Path, quiet: bool = False) -> Trainer:
-    """The trainer for a PPO config: ``GameTrainer`` on a multi-agent env, else the single-agent ``Trainer``."""
-    return (GameTrainer if is_game_config(cfg) else Trainer)(cfg, run_dir, quiet=quiet)
+    """The trainer for a PPO config: ``GameTrainer`` on a multi-agent env, else the single-agent ``Trainer`` (its
+    env checked once the run directory is known to be free)."""
+    if is_game_config(cfg):
+        return GameTrainer(cfg, run_dir, quiet=quiet)
+    trainer = Trainer(cfg, run_dir, quiet=quiet)
+    check_env_builds(cfg)
+    return trainer
 
 
 def ppo_trainer_from_run_dir(run_dir: str | Path, overrides: list[str] | None = None, quiet: bool = False) -> Trainer:

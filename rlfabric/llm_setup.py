@@ -41,7 +41,7 @@ from rlfabric.llm_run_state import INITIAL_MODEL_DIR, not_final, read_trainer_st
 from rlfabric.llm_text_env import start_tool_servers
 from rlfabric.models.hf import encode_prompt, model_max_positions
 from rlfabric.placement import RoleGroups, check_fits, record_plan
-from rlfabric.reward_model_stage import ensure_reward_model
+from rlfabric.reward_model_stage import REWARD_MODEL_DIR, ensure_reward_model
 from rlfabric.run.log import RunLog
 from rlfabric.run.progress import tensorboard_view
 
@@ -165,15 +165,16 @@ class GRPOSetup:
 
     def setup(self) -> None:
         self._read_rows()
-        fresh = not self.run_dir.exists()  # a new run's folder, removed again if setup stops on bad input
+        # the outermost folder this run creates, removed again if setup stops on bad input before Ray starts
+        created = next((p for p in reversed([self.run_dir, *self.run_dir.parents]) if not p.exists()), None)
         try:
             state = self._setup_before_ray()
         except ConfigError:
-            if fresh:
-                if self.log is not None:
-                    self.log.close()
-                    self.log = None
-                shutil.rmtree(self.run_dir, ignore_errors=True)
+            if self.log is not None:
+                self.log.close()
+                self.log = None
+            if created is not None and not (self.run_dir / REWARD_MODEL_DIR / "config.json").is_file():
+                shutil.rmtree(created, ignore_errors=True)  # kept where a reward model was trained: it is reused
             raise
         ensure_ray(self.cfg.ray, wanted_cpus(self.cfg), openmp_env())
         check_fits(actor_requests(self.cfg), [n["Resources"] for n in ray.nodes() if n.get("Alive")])

@@ -92,13 +92,16 @@ def policy_tokenizer(cfg: Any) -> Any:
 def train_reward_model_run(cfg: Any, run_dir: Path, quiet: bool = False) -> dict[str, Any]:
     """``rlfabric train-rm``: the reward-model stage of ``cfg`` alone, in ``run_dir`` (config snapshot,
     metrics.jsonl, TensorBoard, summary.json; the model in ``run_dir/reward_model``). Returns the summary."""
+    from rlfabric.run.checkpoints import CHECKPOINT_DIR
     from rlfabric.run.log import RunLog, write_summary
     from rlfabric.run.progress import PhaseProgressLine, tensorboard_view
+    from rlfabric.run.resume import refuse_run_over
 
     if not cfg.reward_model.pairs:
         raise ConfigError("reward_model.pairs = '' is not valid for train-rm: name the preference pairs to train on")
     if (run_dir / REWARD_MODEL_DIR / "config.json").is_file():
         raise ConfigError(f"--run-dir {str(run_dir)!r} already holds a reward model; choose another directory")
+    refuse_run_over(run_dir, has_checkpoint=(run_dir / CHECKPOINT_DIR).is_dir())  # a training run's folder
     log = RunLog(
         run_dir,
         cfg,

@@ -147,6 +147,9 @@ def test_hub_id_in_the_local_cache_is_accepted(tmp_path, monkeypatch):
     check_model_source("some-org/some-model", cache_dir=tmp_path)
     with pytest.raises(ConfigError, match="'some-org/other-model'"):
         check_model_source("some-org/other-model", cache_dir=tmp_path)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "some-org").mkdir()  # a folder of that name here does not hide the cached hub model
+    check_model_source("some-org/some-model", cache_dir=tmp_path)
 
 
 # -- 2. prompt files ------------------------------------------------------------------------------------------
@@ -285,7 +288,9 @@ def test_import_of_a_module_that_raises_is_one_line(tmp_path, monkeypatch, capsy
     module = f"raises_on_import_{os.getpid()}_{time.monotonic_ns()}"
     (tmp_path / f"{module}.py").write_text("raise RuntimeError('no licence server')\n")
     code, out, err = run_cli(["train", "--import", module], capsys)
-    assert_one_config_error(code, out, err, f"--import {module!r}", "RuntimeError: no licence server")
+    assert_one_config_error(
+        code, out, err, f"--import {module!r}", f"RuntimeError: no licence server (at {module}.py:1)"
+    )
     code, out, err = run_cli(["train", "--import", f"{module}.py"], capsys)
     assert_one_config_error(code, out, err, f"(a module name: --import {module})")
     assert not ray.is_initialized()
@@ -315,10 +320,10 @@ def test_options_and_overrides_in_any_order(capsys):
     [
         (
             ["env.kwargs={bogus: 1}"],
-            "env.id = 'gym:CartPole-v1': building it with env.kwargs = {'bogus': 1} and resetting it failed: TypeError",
+            "env.id = 'gym:CartPole-v1': building it and resetting it with env.kwargs = {'bogus': 1} failed: TypeError",
         ),
         (["env.id=rlfabric/GuessNumber-v0"], "returned GuessNumber, expected a gymnasium.Env (a text env or an agent"),
-        (["env.id=pettingzoo:classic.tictactoe_v3", "env.kwargs={bogus: 1}"], "building it with env.kwargs"),
+        (["env.id=pettingzoo:classic.tictactoe_v3", "env.kwargs={bogus: 1}"], "resetting it with env.kwargs = {'bogus"),
     ],
 )
 def test_a_ppo_env_that_cannot_be_built_is_one_line_before_ray(overrides, says, tmp_path, monkeypatch, capsys):
@@ -326,6 +331,17 @@ def test_a_ppo_env_that_cannot_be_built_is_one_line_before_ray(overrides, says, 
     code, out, err = run_cli(["train", str(ROOT / "examples/cartpole_ppo.yaml"), *overrides, "--run-dir", "r"], capsys)
     assert_one_config_error(code, out, err, says)
     assert not ray.is_initialized() and not (tmp_path / "r").exists()
+
+
+def test_on_a_cluster_the_driver_leaves_building_the_env_to_the_runners(monkeypatch):
+    from rlfabric.game_driver import check_env_builds
+
+    cfg = load_config(ROOT / "examples/cartpole_ppo.yaml", ["env.kwargs={bogus: 1}"])
+    with pytest.raises(ConfigError, match="bogus"):
+        check_env_builds(cfg)  # a local run: built here
+    monkeypatch.setenv("RAY_ADDRESS", "10.0.0.1:6379")  # its workers may have what this machine lacks
+    check_env_builds(cfg)
+    check_env_builds(load_config(ROOT / "examples/cartpole_ppo.yaml", ["env.kwargs={bogus: 1}", "ray.address=auto"]))
 
 
 # -- 6. prompts longer than the model's context ---------------------------------------------------------------

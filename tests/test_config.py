@@ -353,8 +353,8 @@ def test_resume_refuses_changes_the_checkpoint_depends_on(tmp_path):
         Trainer(Config(), tmp_path)  # a fresh run must not mix with an old one's checkpoints
     finished = tmp_path / "finished"  # a run too short for a checkpoint
     finished.mkdir()
-    (finished / "summary.json").write_text("{}")
-    with pytest.raises(ConfigError, match="already holds a run: it has no checkpoint to resume"):
+    (finished / "summary.json").write_text('{"env": "gym:CartPole-v1"}')
+    with pytest.raises(ConfigError, match=r"already holds a run \(it has no checkpoint to resume\)"):
         Trainer(Config(), finished)
 
 

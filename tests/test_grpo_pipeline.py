@@ -634,6 +634,19 @@ def test_each_phase_has_its_own_time_left_and_the_reward_model_stage_shows_it(mo
     assert line({**rm, "rm_step": 20}).endswith("| ETA 12s")  # 10 steps in 4 s, 30 left
     sft = {"phase": "sft", "sft_step": 5, "sft_loss": 1.5, "time_s": 5.0}
     assert line(sft).endswith("| ETA ?")  # a new phase starts its own rate
+    now[0] = 110.0
+    assert line({**rm, "rm_step": 52}).endswith("| ETA 0s")  # past the total (a last batch that overshoots)
+
+
+def test_ppo_progress_line_shows_the_time_left():
+    from rlfabric.run.progress import ppo_progress_line
+
+    row = {"iteration": 3, "env_steps": 6144, "env_steps_per_s": 2048.0, "episode_return_mean": None}
+    row.update(policy_version=3, dropped_fragments=0, runner_restarts=1)
+    assert ppo_progress_line(row, 20480, 7.2) == (
+        "iter    3 | env steps      6,144 ( 30.0%) |    2,048 steps/s | return    n/a | "
+        "v3 dropped 0 restarts 1 | ETA 7s"
+    )
 
 
 # -- 9. CLI config errors ----------------------------------------------------------------------------------------
@@ -842,10 +855,14 @@ def test_a_new_run_never_writes_over_a_finished_run_without_checkpoints(tmp_path
     (run_dir / "metrics.jsonl").write_text("")
     GRPOTrainer(config_from_dict(BASE), run_dir)  # stopped before its first step: nothing to lose, reused
     (run_dir / "metrics.jsonl").write_text('{"phase": "grpo", "step": 1}\n')
-    (run_dir / "summary.json").write_text("{}")
-    with pytest.raises(ConfigError, match=r"already holds a run: it has no checkpoint to resume; choose another"):
+    (run_dir / "summary.json").write_text('{"algo": "grpo"}')
+    with pytest.raises(ConfigError, match=r"already holds a run \(it has no checkpoint to resume\): choose another"):
         GRPOTrainer(config_from_dict(BASE), run_dir)
-    assert (run_dir / "summary.json").read_text() == "{}"
+    assert (run_dir / "summary.json").read_text() == '{"algo": "grpo"}'
+    # a reward model trained there first (train-rm, or the stage of a run that stopped after it) is reused
+    (run_dir / "metrics.jsonl").write_text('{"phase": "rm", "rm_step": 10}\n{"phase": "rm_eval", "rm_step": 10}\n')
+    (run_dir / "summary.json").write_text('{"reward_model": "reward_model"}')
+    GRPOTrainer(config_from_dict(BASE), run_dir)
 
 
 def test_cli_resume_without_a_checkpoint_says_so_in_one_line(tmp_path):

@@ -104,7 +104,8 @@ def check_model_source(path: str, field: str = "model.path", cache_dir: str | Pa
     Accepted: ``"builtin"``; an existing folder holding ``config.json``; a hub id (``"org/name"`` that is not a
     local path) found in the Hugging Face cache (``cache_dir``, default the hub's own) or, when that misses, whose
     ``config.json`` the hub serves (fetched into the cache, as transformers would first thing). A path that looks
-    local (absolute, ``./``, ``../``, ``~``, or in a folder that exists here) must exist.
+    local (absolute, ``./``, ``../``, ``~``) must exist; so must one in a folder that exists here, unless the cache
+    has it as a hub id.
     """
     if path == BUILTIN:
         return
@@ -125,16 +126,20 @@ def check_model_source(path: str, field: str = "model.path", cache_dir: str | Pa
     from huggingface_hub.utils import HFValidationError, validate_repo_id
 
     looks_local = path.startswith(("/", "./", "../", "~")) or path in (".", "..")
-    looks_local |= len(local.parts) > 1 and local.parent.is_dir()  # "runs/x" where runs/ is here: not a hub id
     try:
         validate_repo_id(path)
     except HFValidationError:
         looks_local = True
+    where = "" if local.is_absolute() else f" ({local.absolute()})"
     if looks_local:
-        where = "" if local.is_absolute() else f" ({local.absolute()})"
         raise ConfigError(f"{field} = {path!r} is not valid: no such folder{where}; allowed: {MODEL_SOURCES}")
     if isinstance(try_to_load_from_cache(path, "config.json", cache_dir=cache_dir), str):
         return
+    if len(local.parts) > 1 and local.parent.is_dir():  # "runs/x" where runs/ is here: a typo, not a hub id
+        raise ConfigError(
+            f"{field} = {path!r} is not valid: no such folder{where}, and not a hub model in the local Hugging Face "
+            f"cache (not asked of the hub: {local.parent}/ is a folder here); allowed: {MODEL_SOURCES}"
+        )
     try:
         hf_hub_download(path, "config.json", cache_dir=cache_dir)
     except Exception as exc:  # not on the hub, gated, offline, no network: the first line of the hub's reason

@@ -25,7 +25,7 @@ class EtaClock:
     def eta(self, phase: Any, done: int, total: int) -> float | None:
         started, first = self.starts.setdefault(phase, (time.monotonic(), done))
         rate = (done - first) / max(time.monotonic() - started, 1e-9)
-        return (total - done) / rate if rate > 0 else None
+        return max(0.0, (total - done) / rate) if rate > 0 else None  # the last batch may pass the total
 
 
 class PhaseProgressLine:

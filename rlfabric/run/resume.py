@@ -3,21 +3,42 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
 from typing import Any
 
 from rlfabric.config import ConfigError, load_config
-from rlfabric.run.log import CONFIG_FILE, METRICS_FILE, SUMMARY_FILE
+from rlfabric.run.log import CONFIG_FILE, SUMMARY_FILE, read_metrics
+
+# Rows a reward model's training logs (``rlfabric train-rm``, or a GRPO run's first stage): a new run in the same
+# directory reuses that model rather than writing over a run.
+REWARD_MODEL_PHASES = frozenset({"rm_lm", "rm", "rm_eval"})
 
 
 def refuse_run_over(run_dir: Path, has_checkpoint: bool) -> None:
-    """A new run must not write over one in ``run_dir``: one that logged a step, finished, or left a checkpoint
-    (``has_checkpoint``). A directory left by a run that stopped before its first step is reused."""
-    logged = (run_dir / METRICS_FILE).is_file() and (run_dir / METRICS_FILE).stat().st_size > 0
-    if not (has_checkpoint or logged or (run_dir / SUMMARY_FILE).is_file()):
+    """A new run must not write over one in ``run_dir``: one that logged a training row, finished (a summary with
+    ``algo`` or ``env``), or left a checkpoint (``has_checkpoint``). A directory left by a run that stopped before
+    its first row, or holding only a trained reward model, is reused."""
+    trained = any(row.get("phase") not in REWARD_MODEL_PHASES for row in read_metrics(run_dir))
+    if not (has_checkpoint or trained or _finished_training(run_dir / SUMMARY_FILE)):
         return
-    how = f"continue it with --resume {str(run_dir)!r}, or" if has_checkpoint else "it has no checkpoint to resume;"
-    raise ConfigError(f"--run-dir {str(run_dir)!r} already holds a run: {how} choose another directory")
+    how = (
+        f": continue it with --resume {str(run_dir)!r}, choose another directory, or delete it"
+        if has_checkpoint
+        else " (it has no checkpoint to resume): choose another directory or delete it"
+    )
+    raise ConfigError(f"--run-dir {str(run_dir)!r} already holds a run{how}")
+
+
+def _finished_training(summary: Path) -> bool:
+    """Whether ``summary`` is a training run's (PPO's names its env, GRPO's its algo; train-rm's does neither)."""
+    if not summary.is_file():
+        return False
+    try:
+        found = json.loads(summary.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return True  # unreadable: assume the worst
+    return not isinstance(found, dict) or "algo" in found or "env" in found
 
 
 def _get_path(cfg: Any, dotted: str) -> Any:
