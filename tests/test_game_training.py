@@ -115,25 +115,26 @@ def test_a_game_normalizes_observations_and_rewards_and_resume_continues_the_sta
     from rlfabric.game_driver import frozen_weights
 
     run_dir = tmp_path / "run"
-    overrides = ["ppo.normalize_obs=true", "ppo.normalize_reward=true", "ppo.num_epochs=2", "training.eval_episodes=0"]
-    cfg = load_config(ROOT / "examples" / "spread_mappo.yaml", [*overrides, "training.total_env_steps=6400"])
+    overrides = ["ppo.normalize_obs=true", "ppo.normalize_reward=true", "ppo.num_epochs=1", "training.eval_episodes=0"]
+    overrides += ["runners.envs_per_runner=8", "ppo.train_batch_size=800", "ppo.minibatch_size=400"]
+    cfg = load_config(ROOT / "examples" / "spread_mappo.yaml", [*overrides, "training.total_env_steps=1600"])
     train(cfg, run_dir, quiet=True)
 
     def learner_stats() -> dict:
         saved = torch.load(sorted((run_dir / "checkpoints").glob("*.pt"))[-1], weights_only=False)
         return saved["learners"]["shared"]
 
-    # every agent step of the 6,400 env steps (3 agents each) went into each statistic, the critic's too
-    assert [learner_stats()[k]["count"] for k in ("obs_stats", "return_stats", "critic_stats")] == [19200] * 3
-    resumed = ppo_trainer_from_run_dir(run_dir, ["training.total_env_steps=9600"], quiet=True)
+    # every agent step of the 1,600 env steps (3 agents each) went into each statistic, the critic's too
+    assert [learner_stats()[k]["count"] for k in ("obs_stats", "return_stats", "critic_stats")] == [4800] * 3
+    resumed = ppo_trainer_from_run_dir(run_dir, ["training.total_env_steps=2400"], quiet=True)
     try:
         resumed.setup()
         resumed.train()
     finally:
         resumed.close()
-    assert learner_stats()["obs_stats"]["count"] == 28800  # continued from the checkpoint, not started again
+    assert learner_stats()["obs_stats"]["count"] == 7200  # continued from the checkpoint, not started again
     # a frozen copy of this policy normalizes as it did
-    assert frozen_weights(str(run_dir), None, "x")["obs_stats"]["count"] == 28800
+    assert frozen_weights(str(run_dir), None, "x")["obs_stats"]["count"] == 7200
 
 
 def test_two_trainable_policies_get_a_learner_each_on_a_fresh_local_ray_and_in_a_placement_group(tmp_path):
