@@ -130,8 +130,16 @@ def test_hub_id_neither_cached_nor_reachable_is_one_line(tmp_path, monkeypatch, 
     monkeypatch.setattr(hub, "HF_HUB_CACHE", str(tmp_path / "hub-cache"))  # an empty cache
     monkeypatch.setattr(hub, "HF_HUB_OFFLINE", True)  # no network here: say so instead of retrying for a minute
     code, out, err = run_cli(["train", "model.path=no-such-org/no-such-model"], capsys)
-    assert_one_config_error(code, out, err, "model.path = 'no-such-org/no-such-model'", "cache", "hub id")
+    assert_one_config_error(code, out, err, "model.path = 'no-such-org/no-such-model'", "cache", "HF_HUB_OFFLINE")
     assert not ray.is_initialized()
+    # online mode, but nothing answers at the hub's address: said at once, not after the hub client's retries
+    monkeypatch.setattr(hub, "HF_HUB_OFFLINE", False)
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))
+        port = closed.getsockname()[1]  # free once closed: nothing listens there
+    monkeypatch.setattr(hub, "ENDPOINT", f"http://127.0.0.1:{port}")
+    code, out, err = run_cli(["train", "model.path=no_such_model_name"], capsys)
+    assert_one_config_error(code, out, err, "'no_such_model_name'", f"the hub cannot be asked (http://127.0.0.1:{port}")
 
 
 def test_hub_id_in_the_local_cache_is_accepted(tmp_path, monkeypatch):

@@ -98,6 +98,25 @@ MODEL_SOURCES = (
 )
 
 
+def hub_unreachable_reason(timeout_s: float = 5.0) -> str | None:
+    """Why the Hugging Face hub cannot be reached from here (offline mode, no name resolution, no connection), or
+    None when a connection to its endpoint opens."""
+    import socket
+    from urllib.parse import urlsplit
+
+    import huggingface_hub.constants as hub
+
+    if hub.HF_HUB_OFFLINE:
+        return "HF_HUB_OFFLINE is set"
+    endpoint = urlsplit(hub.ENDPOINT)
+    port = endpoint.port or (443 if endpoint.scheme == "https" else 80)
+    try:
+        socket.create_connection((endpoint.hostname or "", port), timeout=timeout_s).close()
+    except OSError as exc:
+        return f"{hub.ENDPOINT}: {exc.strerror or exc}"
+    return None
+
+
 def check_model_source(path: str, field: str = "model.path", cache_dir: str | Path | None = None) -> None:
     """Raise a one-line ConfigError naming ``field`` unless ``path`` is a model transformers can load.
 
@@ -139,6 +158,12 @@ def check_model_source(path: str, field: str = "model.path", cache_dir: str | Pa
         raise ConfigError(
             f"{field} = {path!r} is not valid: no such folder{where}, and not a hub model in the local Hugging Face "
             f"cache (not asked of the hub: {local.parent}/ is a folder here); allowed: {MODEL_SOURCES}"
+        )
+    unreachable = hub_unreachable_reason()
+    if unreachable is not None:  # say so now, rather than after the hub client's retries (about 30 s)
+        raise ConfigError(
+            f"{field} = {path!r} is not valid: no such folder{where}, not a hub model in the local Hugging Face "
+            f"cache, and the hub cannot be asked ({unreachable}); allowed: {MODEL_SOURCES}"
         )
     try:
         hf_hub_download(path, "config.json", cache_dir=cache_dir)
