@@ -410,8 +410,7 @@ class GameRunnerCore:
                 self.return_carry.pop(key, None)
             else:
                 self.return_carry[key] = float(returns[i, last])
-        valid = np.arange(fragment.width)[None, :] < fragment.length[:, None]
-        return RunningStats.of(returns[valid].reshape(-1, 1))
+        return RunningStats.of(returns[fragment.within_length].reshape(-1, 1))
 
     # -- evaluation ---------------------------------------------------------------------------------------------
 

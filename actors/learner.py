@@ -96,7 +96,7 @@ class LearnerCore:
         """
         assert frag.obs is not None and frag.actions is not None and frag.truncation_index is not None
         n, width = frag.length.shape[0], frag.width
-        valid = np.arange(width)[None, :] < frag.length[:, None]
+        valid = frag.within_length
         centralized = frag.critic_obs is not None
         critic_in = self._critic_inputs(frag.critic_obs) if centralized else frag.obs
         values = np.zeros((n, width), np.float32)
@@ -148,8 +148,7 @@ class LearnerCore:
             self.obs_stats = self.obs_stats.merge(RunningStats.from_dict(frag.extras["obs_stats"]))
             self.return_stats = self.return_stats.merge(RunningStats.from_dict(frag.extras["return_stats"]))
             if self.critic_stats is not None and frag.critic_obs is not None:
-                valid = np.arange(frag.width)[None, :] < frag.length[:, None]
-                self.critic_stats = self.critic_stats.merge(RunningStats.of(frag.critic_obs[valid]))
+                self.critic_stats = self.critic_stats.merge(RunningStats.of(frag.critic_obs[frag.within_length]))
         if self.critic_stats is not None and self.cfg.ppo.normalize_obs:
             self.critic_normalizer = Normalizer(self.critic_stats, self.cfg.ppo.obs_clip)
 

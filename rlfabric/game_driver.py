@@ -34,7 +34,12 @@ from rlfabric.game_llm_servers import LLMServers
 from rlfabric.models import ActionSpec, ActorCritic
 from rlfabric.models.hf import check_model_source
 from rlfabric.multiagent.baselines import scripted_rule, text_renderer
-from rlfabric.multiagent.config import policy_specs, trainable_policies, trained_llm_policies
+from rlfabric.multiagent.config import (
+    policy_specs,
+    trainable_policies,
+    trained_llm_policies,
+    trained_neural_policies,
+)
 from rlfabric.multiagent.mapping import plan_game
 from rlfabric.multiagent.selfplay import OpponentPool
 from rlfabric.run.plots import plot_self_play
@@ -132,9 +137,8 @@ def user_callables(cfg: Config) -> bytes:
 
 def _refuse_unsupported(cfg: Config) -> None:
     p = cfg.ppo
-    neural = set(trainable_policies(cfg.multi_agent)) - set(trained_llm_policies(cfg.multi_agent))
     for name, value in (("ppo.normalize_obs", p.normalize_obs), ("ppo.normalize_reward", p.normalize_reward)):
-        if value and not neural:
+        if value and not trained_neural_policies(cfg.multi_agent):
             raise ConfigError(
                 f"{name} = true is not valid here: it applies to neural policies' learners, and no trainable neural "
                 "policy plays this game; set it false"
@@ -203,12 +207,11 @@ class GameTrainer(Trainer):
 
     def _num_learners(self) -> int:
         """One learner per trainable neural policy (a trained llm policy's learner is its own, 1 CPU)."""
-        return len(self.trainable) - len(trained_llm_policies(self.cfg.multi_agent))
+        return len(trained_neural_policies(self.cfg.multi_agent))
 
     def _make_learners(self, spaces: dict[str, Any]) -> None:
         lc = self.cfg.learner
-        specs = policy_specs(self.cfg.multi_agent)
-        neural = 0  # learners placed so far, each in its own bundle
+        specs, neural = policy_specs(self.cfg.multi_agent), trained_neural_policies(self.cfg.multi_agent)
         for i, policy in enumerate(self.trainable):
             spec = specs[policy]
             if spec.kind == "llm":
@@ -225,8 +228,8 @@ class GameTrainer(Trainer):
                 )
                 continue
             s = spaces[policy]
-            options = self._actor_options(lc.num_cpus, lc.num_gpus, lc.resources, "learner", neural)
-            neural += 1
+            # each neural policy's learner in its own bundle
+            options = self._actor_options(lc.num_cpus, lc.num_gpus, lc.resources, "learner", neural.index(policy))
             self.learners[policy] = Learner.options(**options).remote(
                 self.cfg.to_dict(), s["obs_dim"], s["action"], s["critic_dim"], 1_000 * i
             )

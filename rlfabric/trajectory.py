@@ -106,6 +106,11 @@ class Trajectories:
         """L: positions per row including padding."""
         return self.loss_mask.shape[1] if self.loss_mask.ndim == 2 else 0
 
+    @property
+    def within_length(self) -> np.ndarray:
+        """[N, L] bool: the positions before each row's ``length`` (the rest is padding)."""
+        return np.arange(self.width)[None, :] < self.length[:, None]
+
     def validate(self) -> None:
         """Raise ValueError naming the first column whose shape does not fit the record."""
         n, width = self.num_rows, self.width

@@ -35,6 +35,7 @@ from rlfabric.engines.fast_layers import (
 from rlfabric.engines.requests import EngineRequest
 from rlfabric.engines.sampling import sample_tokens
 from rlfabric.engines.session_cache import CachedPrefix, SessionCache
+from rlfabric.models.hf import STATIC_ROPE_TYPES  # the others rescale with the sequence: they take the fallback
 
 log = logging.getLogger(__name__)
 # attend(layer index, qk, v) -> attention output [n, heads * head_dim], for one decode step
@@ -43,9 +44,6 @@ DecodeAttentionStep = Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor]
 # Model families whose decoder layer is: RMSNorm -> attention (q/k/v/o projections, RoPE, GQA) -> residual ->
 # RMSNorm -> SwiGLU MLP -> residual. Their modules share names, so one forward serves all three.
 FAST_PATH_MODEL_TYPES = frozenset({"llama", "qwen2", "mistral"})
-# RoPE variants whose frequencies are fixed at construction. "dynamic" and "longrope" rescale with the sequence
-# length on every call, so they take the fallback.
-STATIC_ROPE_TYPES = frozenset({"default", "linear", "llama3", "yarn"})
 
 
 def fast_path_unsupported_reason(model: nn.Module, max_seq_len: int) -> str | None:

@@ -98,6 +98,11 @@ MODEL_SOURCES = (
 )
 
 
+# RoPE variants whose frequencies are fixed at construction, so a position's rotation does not depend on how long
+# the sequence is. "dynamic" and "longrope" rescale with the sequence length on every call.
+STATIC_ROPE_TYPES = frozenset({"default", "linear", "llama3", "yarn"})
+
+
 def hub_unreachable_reason(timeout_s: float = 5.0) -> str | None:
     """Why the Hugging Face hub cannot be reached from here (offline mode, no name resolution, no connection), or
     None when a connection to its endpoint opens."""

@@ -102,6 +102,11 @@ def is_trained(spec: PolicySpec) -> bool:
     return spec.kind == "neural" or (spec.kind == "llm" and spec.train)
 
 
+def trained_neural_policies(cfg: MultiAgentConfig) -> list[str]:
+    """The neural policies (they always train), in config order: a PPO learner each."""
+    return [name for name, spec in policy_specs(cfg).items() if spec.kind == "neural"]
+
+
 def trained_llm_policies(cfg: MultiAgentConfig) -> list[str]:
     """The llm policies with ``train``, in config order: a GameLLMLearner each."""
     return [name for name, spec in policy_specs(cfg).items() if spec.kind == "llm" and spec.train]

@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from rlfabric.models.hf import STATIC_ROPE_TYPES
 from rlfabric.rewards.reward_model import (
     cheapest_shared_pack,
     prompt_chunks,
@@ -31,15 +32,13 @@ from rlfabric.rewards.reward_model import (
     token_rows,
 )
 
-# RoPE variants that rescale with the length of the sequence run: a prefix inside a longer text is not rotated as
-# it is alone, so its score cannot be read off the whole text's forward
-LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")
-
 
 def reads_prefixes_off_one_forward(model: Any) -> bool:
-    """A decoder with a ``score`` head (``shares_prompts``) whose positions do not depend on the text's length."""
+    """A decoder with a ``score`` head (``shares_prompts``) whose positions do not depend on the text's length
+    (a static RoPE: under one that rescales with the length, a prefix inside a longer text is not rotated as it is
+    alone, so its score cannot be read off the whole text's forward)."""
     rotary = getattr(getattr(model, model.base_model_prefix, None), "rotary_emb", None)
-    return shares_prompts(model) and getattr(rotary, "rope_type", "default") not in LENGTH_DEPENDENT_ROPE
+    return shares_prompts(model) and getattr(rotary, "rope_type", "default") in STATIC_ROPE_TYPES
 
 
 def in_chunks(flat: Sequence[Any], sizes: Sequence[int]) -> list[Any]:
