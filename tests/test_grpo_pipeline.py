@@ -855,7 +855,13 @@ def test_a_new_run_never_writes_over_a_finished_run_without_checkpoints(tmp_path
     (run_dir / "metrics.jsonl").write_text("")
     GRPOTrainer(config_from_dict(BASE), run_dir)  # stopped before its first step: nothing to lose, reused
     (run_dir / "metrics.jsonl").write_text('{"phase": "grpo", "step": 1}\n')
+    with pytest.raises(ConfigError, match=r"already holds a run"):  # a training row alone: stopped mid-run
+        GRPOTrainer(config_from_dict(BASE), run_dir)
+    (run_dir / "metrics.jsonl").write_text("")
     (run_dir / "summary.json").write_text('{"algo": "grpo"}')
+    with pytest.raises(ConfigError, match=r"already holds a run"):  # a finished run's summary alone
+        GRPOTrainer(config_from_dict(BASE), run_dir)
+    (run_dir / "metrics.jsonl").write_text('{"phase": "grpo", "step": 1}\n')
     with pytest.raises(ConfigError, match=r"already holds a run \(it has no checkpoint to resume\): choose another"):
         GRPOTrainer(config_from_dict(BASE), run_dir)
     assert (run_dir / "summary.json").read_text() == '{"algo": "grpo"}'
