@@ -240,6 +240,8 @@ class GRPOConfig:
     weight_decay: float = 0.0
     max_grad_norm: float = 1.0
     warmup_steps: int = 0
+    # After the warm-up: constant, linear (decay to 0 at training.total_steps) or cosine.
+    lr_schedule: str = "constant"
 
 
 @dataclass
@@ -340,7 +342,7 @@ def validate_llm(cfg: LLMConfig) -> LLMConfig:
     ):
         require(value >= 1, path, value, "must be at least 1")
     require(g.group_size >= 2, "grpo.group_size", g.group_size, "must be at least 2 (advantages compare a group)")
-    for table in TABLES:  # advantage, ratio_level, loss_aggregation, kl_estimator: the registered names
+    for table in TABLES:  # advantage, ratio_level, loss_aggregation, kl_estimator, lr_schedule: registered names
         table.check(getattr(g, table.field.removeprefix("grpo.")))
     for path, value in (
         ("grpo.lr", g.lr),

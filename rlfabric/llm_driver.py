@@ -56,6 +56,7 @@ from rlfabric.llm_sft import DemonstrationPool, sft_batch
 from rlfabric.llm_text_env import stop_tool_servers, tool_server_restarts
 from rlfabric.models.hf import check_model_source
 from rlfabric.models.packed_batch import pad_rows_for_learners
+from rlfabric.objectives import LR_SCHEDULES
 from rlfabric.placement import RoleGroups
 from rlfabric.reward_model_stage import point_at_run_reward_model
 from rlfabric.rollout_scheduler import RolloutScheduler, StepBatch
@@ -228,9 +229,8 @@ class GRPOTrainer(GRPOSetup):
 
     def _lr(self) -> float:
         g = self.cfg.grpo
-        if g.warmup_steps and self.counters.step < g.warmup_steps:
-            return g.lr * (self.counters.step + 1) / g.warmup_steps
-        return g.lr
+        schedule = LR_SCHEDULES.resolve(g.lr_schedule)
+        return schedule(g.lr, self.counters.step, self.cfg.training.total_steps, g.warmup_steps)
 
     def _update(self, step: StepBatch) -> dict[str, float]:
         """One learner update on the chosen groups: the learners (and a reference actor) read the records by
@@ -410,9 +410,9 @@ class GRPOTrainer(GRPOSetup):
             if self.counters.failed_samples > failed_before:  # a scorer that died or hangs: replaced now
                 for slot, generation, reason in self.scorers.unanswered():
                     self._replace_scorer(slot, generation, reason)
-            metrics: dict[str, float] = {}
+            metrics: dict[str, float] = {"lr": self._lr()}
             if step.groups:
-                metrics = self._update(step)
+                metrics |= self._update(step)
             self.counters.step += 1
             self.counters.trained_samples += sum(n for _, n, _ in step.groups)
             if self.counters.step < t.total_steps and self._unplaced is None and not stop.is_set():

@@ -1,4 +1,5 @@
-"""The GRPO family's named parts: advantage estimators, policy-loss ratios, loss aggregations, KL estimators.
+"""The GRPO family's named parts: advantage estimators, policy-loss ratios, loss aggregations, KL estimators,
+learning-rate schedules.
 
 One source of the valid names. Config validation checks a name against its table here, the docs test checks that
 docs/config.md lists every name, and the learner's math (``rlfabric.algorithms.grpo``) resolves the name to the
@@ -110,7 +111,15 @@ KL_ESTIMATORS = PartTable("KL estimator", "grpo.kl_estimator", "fn(logp [N, T], 
 KL_ESTIMATORS.add("k1", f"{_MATH}:kl_k1", "logp - ref_logp (unbiased, can be negative)")
 KL_ESTIMATORS.add("k3", f"{_MATH}:kl_k3", "exp(d) - d - 1 (unbiased, nonnegative)")
 
-TABLES = (ADVANTAGE_ESTIMATORS, POLICY_RATIOS, LOSS_AGGREGATIONS, KL_ESTIMATORS)
+_SCHEDULES = "rlfabric.algorithms.lr_schedules"
+LR_SCHEDULES = PartTable(
+    "learning-rate schedule", "grpo.lr_schedule", "fn(lr, step, total_steps, warmup_steps) -> learning rate"
+)
+LR_SCHEDULES.add("constant", f"{_SCHEDULES}:constant_lr", "grpo.lr after the warm-up")
+LR_SCHEDULES.add("linear", f"{_SCHEDULES}:linear_lr", "linear decay from grpo.lr after the warm-up to 0 at the end")
+LR_SCHEDULES.add("cosine", f"{_SCHEDULES}:cosine_lr", "half a cosine from grpo.lr after the warm-up to 0 at the end")
+
+TABLES = (ADVANTAGE_ESTIMATORS, POLICY_RATIOS, LOSS_AGGREGATIONS, KL_ESTIMATORS, LR_SCHEDULES)
 
 # Step-level credit (grpo.step_credit): per-step advantages of multi-turn episodes. "none", the default, is not a
 # part: it is GRPO's one advantage per row, unchanged, so this table is checked by the config on its own.

@@ -684,12 +684,13 @@ def test_cli_rejects_an_unknown_reward_before_ray_starts(tmp_path):
 
 def test_resume_continues_a_grpo_run_from_its_latest_checkpoint(local_ray, tmp_path):
     """A run that ended after step 3 (latest checkpoint: step 2) continues from step 2 with the checkpoint's
-    weights, policy version, prompt order and KL reference; the step it redoes is logged once."""
+    weights, policy version, prompt order and KL reference; the step it redoes is logged once. Its linear
+    learning-rate decay is stretched over the new total."""
     run_dir = tmp_path / "run"
     first = run_grpo(
         run_dir,
         sft={"steps": 3, "lr": 1e-2},
-        grpo={"kl_coef": 0.1, "reference": "actor", "lr": 1e-2},
+        grpo={"kl_coef": 0.1, "reference": "actor", "lr": 1e-2, "lr_schedule": "linear"},
         training={"total_steps": 3, "checkpoint_every": 2},
     )
     checkpoint = run_dir / "checkpoints" / "step_000002"
@@ -712,6 +713,8 @@ def test_resume_continues_a_grpo_run_from_its_latest_checkpoint(local_ray, tmp_p
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if r.get("phase") == "grpo"]
     assert [r["step"] for r in steps] == [1, 2, 3, 4]
+    # lr * (1 - t / T): T = 3 for the first session's steps 1-2, T = 4 once resumed
+    assert [r["lr"] for r in steps] == pytest.approx([1e-2, 1e-2 * 2 / 3, 1e-2 * 2 / 4, 1e-2 * 1 / 4])
     assert steps[2]["policy_version"] == first.phase("grpo")[2]["policy_version"]  # step 3 redone from v(step 2)
     assert steps[3]["policy_version"] == steps[2]["policy_version"] + 1
     assert [r["label"] for r in rows if r.get("phase") == "eval"] == ["initial", "after_sft", "final"]

@@ -7,7 +7,7 @@ import torch
 
 from rlfabric.algorithms import grpo
 from rlfabric.config import ConfigError, config_from_dict
-from rlfabric.objectives import ADVANTAGE_ESTIMATORS, LOSS_AGGREGATIONS, TABLES
+from rlfabric.objectives import ADVANTAGE_ESTIMATORS, LOSS_AGGREGATIONS, LR_SCHEDULES, TABLES
 
 CONFIG_DOC = Path(__file__).resolve().parent.parent / "docs" / "config.md"
 
@@ -63,3 +63,20 @@ def test_aggregation_denominators_by_hand():
 def test_a_bad_target_is_refused_when_added():
     with pytest.raises(ValueError, match="must be 'package.module:function'"):
         ADVANTAGE_ESTIMATORS.add("broken", "rlfabric.algorithms.grpo.rloo_advantages", "no colon")
+
+
+@pytest.mark.parametrize(
+    "schedule, expected",
+    [  # lr 1.0, T = 10 steps, W = 2 warm-up steps (0.5, 1.0), then the schedule at t = 2, 6, 9
+        ("constant", [0.5, 1.0, 1.0, 1.0, 1.0]),
+        ("linear", [0.5, 1.0, 1.0, 0.5, 0.125]),  # 1 - (t - 2) / 8
+        ("cosine", [0.5, 1.0, 1.0, 0.5, 0.0380602]),  # (1 + cos(pi (t - 2) / 8)) / 2
+    ],
+)
+def test_learning_rate_schedules_by_hand(schedule, expected):
+    lr_at = LR_SCHEDULES.resolve(schedule)
+    got = [lr_at(1.0, t, 10, 2) for t in (0, 1, 2, 6, 9)]
+    assert got == pytest.approx(expected, abs=1e-6)
+    assert [lr_at(2.0, t, 4, 0) for t in range(4)] == pytest.approx(
+        {"constant": [2.0] * 4, "linear": [2.0, 1.5, 1.0, 0.5], "cosine": [2.0, 1.7071068, 1.0, 0.2928932]}[schedule]
+    )
