@@ -240,8 +240,9 @@ class GRPOConfig:
     weight_decay: float = 0.0
     max_grad_norm: float = 1.0
     warmup_steps: int = 0
-    # After the warm-up: constant, linear (decay to 0 at training.total_steps) or cosine.
-    lr_schedule: str = "constant"
+    # After the warm-up: linear (decay to 0 at training.total_steps, as Hugging Face and TRL default to), cosine
+    # or constant.
+    lr_schedule: str = "linear"
 
 
 @dataclass

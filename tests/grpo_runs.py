@@ -28,6 +28,7 @@ BASE: dict = {
         "epochs": 1,
         "micro_batch_size": 8,
         "lr": 5e-4,
+        "lr_schedule": "constant",
         "kl_coef": 0.0,
         "dynamic_sampling": False,
         "overlong_filter": False,
