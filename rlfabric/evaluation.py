@@ -161,8 +161,7 @@ def check_selectors(selectors: list[Selector], run_dir: Path | None, run_model_k
                     f"{run_model_kind} (reward_model.kind), served by {{name: {name}}}: give it kwargs.{own}"
                 )
             spec = RewardSpec(spec.name, {**spec.kwargs, key: str(run_dir / REWARD_MODEL_DIR)})
-        named = "--selector" if spec is not None and spec.name == sel.label else field  # the name said once
-        process = spec is not None and rewards.is_process_reward(rewards.resolve_reward(spec, named))
+        process = spec is not None and rewards.is_process_reward(rewards.resolve_reward(spec, field))
         if (sel.aggregate is not None or sel.split is not None) and not process:
             raise ConfigError(f"{field}: aggregate and split apply to a process reward's steps, not an outcome reward")
         # a process reward's steps rank by their weakest unless told otherwise
