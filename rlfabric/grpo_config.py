@@ -356,6 +356,12 @@ def validate_llm(cfg: LLMConfig) -> LLMConfig:
     ):
         positive(path, value)
     require(g.clip_low < 1, "grpo.clip_low", g.clip_low, "must be < 1 (the ratio's lower bound is 1 - clip_low)")
+    require(
+        g.lr_schedule == "constant" or g.warmup_steps < t.total_steps,
+        "grpo.warmup_steps",
+        g.warmup_steps,
+        f"must be < training.total_steps ({t.total_steps}) for grpo.lr_schedule {g.lr_schedule!r} to decay",
+    )
     for path, value in (
         ("grpo.kl_coef", g.kl_coef),
         ("grpo.entropy_coef", g.entropy_coef),

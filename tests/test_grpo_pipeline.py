@@ -802,6 +802,15 @@ def saved_run(tmp_path: Path, step: int, **sections: dict) -> Path:
     return run_dir
 
 
+def test_a_run_saved_before_lr_schedules_resumes_at_the_constant_rate_it_trained_with(tmp_path):
+    run_dir = saved_run(tmp_path, step=2, grpo={"lr_schedule": "linear"})
+    assert GRPOTrainer.from_run_dir(run_dir).cfg.grpo.lr_schedule == "linear"  # saved: kept
+    config = run_dir / "config.yaml"
+    config.write_text("".join(line for line in config.read_text().splitlines(True) if "lr_schedule" not in line))
+    assert GRPOTrainer.from_run_dir(run_dir).cfg.grpo.lr_schedule == "constant"  # saved before the key existed
+    assert GRPOTrainer.from_run_dir(run_dir, ["grpo.lr_schedule=cosine"]).cfg.grpo.lr_schedule == "cosine"
+
+
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [

@@ -80,3 +80,14 @@ def test_learning_rate_schedules_by_hand(schedule, expected):
     assert [lr_at(2.0, t, 4, 0) for t in range(4)] == pytest.approx(
         {"constant": [2.0] * 4, "linear": [2.0, 1.5, 1.0, 0.5], "cosine": [2.0, 1.7071068, 1.0, 0.2928932]}[schedule]
     )
+    # past the end (a step beyond the total): never negative, never rising again
+    assert lr_at(1.0, 12, 10, 2) == pytest.approx({"constant": 1.0, "linear": 0.0, "cosine": 0.0}[schedule])
+
+
+def test_a_warm_up_as_long_as_the_run_is_refused_where_the_rate_should_decay():
+    grpo = {"algo": "grpo", "training": {"total_steps": 10}}
+    for schedule in ("linear", "cosine"):
+        with pytest.raises(ConfigError, match=r"^grpo.warmup_steps = 10 is not valid: must be < training.total_st"):
+            config_from_dict({**grpo, "grpo": {"warmup_steps": 10, "lr_schedule": schedule}})
+    assert config_from_dict({**grpo, "grpo": {"warmup_steps": 9}}).grpo.warmup_steps == 9
+    assert config_from_dict({**grpo, "grpo": {"warmup_steps": 10, "lr_schedule": "constant"}}).grpo.warmup_steps == 10

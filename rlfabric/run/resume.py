@@ -7,12 +7,18 @@ import json
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from rlfabric.config import ConfigError, load_config
 from rlfabric.run.log import CONFIG_FILE, SUMMARY_FILE, read_metrics
 
 # Rows a reward model's training logs (``rlfabric train-rm``, or a GRPO run's first stage): a new run in the same
 # directory reuses that model rather than writing over a run.
 REWARD_MODEL_PHASES = frozenset({"rm_lm", "rm", "rm_eval"})
+
+# Defaults that changed: a GRPO run saved before its config held the key trained with the former value, and resumes
+# with it unless an override says otherwise ({section: {key: former value}}).
+FORMER_GRPO_DEFAULTS = {"grpo": {"lr_schedule": "constant"}}  # linear decay became the default later
 
 
 def refuse_run_over(run_dir: Path, has_checkpoint: bool) -> None:
@@ -51,8 +57,9 @@ def _get_path(cfg: Any, dotted: str) -> Any:
 def resumed_config(run_dir: Path, overrides: list[str] | None, fixed: tuple[str, ...]) -> Any:
     """The config saved in ``run_dir`` with ``overrides`` applied, refusing changes to the ``fixed`` paths (what
     the checkpoint's weights depend on); the error names the changed field, e.g. ``model.hidden_sizes``."""
-    saved = load_config(run_dir / CONFIG_FILE)
-    cfg = load_config(run_dir / CONFIG_FILE, overrides)
+    former = former_defaults(run_dir / CONFIG_FILE)
+    saved = load_config(run_dir / CONFIG_FILE, former)
+    cfg = load_config(run_dir / CONFIG_FILE, [*former, *(overrides or [])])
     for path in fixed:
         before, after = _get_path(saved, path), _get_path(cfg, path)
         if dataclasses.is_dataclass(before) and before != after:
@@ -65,3 +72,20 @@ def resumed_config(run_dir: Path, overrides: list[str] | None, fixed: tuple[str,
                 f"{path} = {after!r} is not valid with --resume: the checkpoint was trained with {before!r}"
             )
     return cfg
+
+
+def former_defaults(config_file: Path) -> list[str]:
+    """Overrides that give a saved GRPO config the former default of each key in ``FORMER_GRPO_DEFAULTS`` it does
+    not hold (a run saved before the key existed)."""
+    try:
+        saved = yaml.safe_load(config_file.read_text()) or {}
+    except (OSError, yaml.YAMLError):
+        return []  # load_config names the file's problem
+    if not isinstance(saved, dict) or saved.get("algo", "grpo") != "grpo":
+        return []
+    return [
+        f"{section}.{key}={value}"
+        for section, keys in FORMER_GRPO_DEFAULTS.items()
+        for key, value in keys.items()
+        if key not in (saved.get(section) or {})
+    ]
