@@ -261,7 +261,9 @@ def build_parser() -> argparse.ArgumentParser:
         "anywhere among them.",
     )
     train.add_argument("config", nargs="?", help="YAML config file (defaults apply to anything missing)")
-    train.add_argument("overrides", nargs="*", help="dotted overrides, e.g. ppo.lr=1e-3 runners.num_runners=4")
+    train.add_argument(
+        "overrides", nargs="*", help="dotted overrides, e.g. grpo.lr=1e-3 training.total_steps=50 (PPO: ppo.lr=3e-4)"
+    )
     train.add_argument("--run-dir", help="where outputs go (default: runs/<env or task>-<time>)")
     train.add_argument("--resume", metavar="DIR", help="continue the run in DIR from its latest checkpoint")
     train.add_argument("--quiet", action="store_true", help="no progress line")
