@@ -33,6 +33,7 @@ from rlfabric import rewards
 from rlfabric.actor_slots import ActorSlots, PlacementError, RunAbortedError, error_summary, lost_object
 from rlfabric.actors.llm_learner import ADDITIVE_LEARNER_METRICS, LEARNER_METRICS
 from rlfabric.actors.llm_rollout import RolloutRequest
+from rlfabric.algorithms.lr_schedules import scheduled_lr
 from rlfabric.compact import payload_bytes
 from rlfabric.grpo_config import LLMConfig, plays_episodes
 from rlfabric.grpo_report import eval_row, run_summary, step_row
@@ -229,10 +230,10 @@ class GRPOTrainer(GRPOSetup):
 
     def _lr(self) -> float:
         g = self.cfg.grpo
-        schedule = LR_SCHEDULES.resolve(g.lr_schedule)
-        return schedule(g.lr, self.counters.step, self.cfg.training.total_steps, g.warmup_steps)
+        shape = LR_SCHEDULES.resolve(g.lr_schedule)
+        return scheduled_lr(shape, g.lr, self.counters.step, self.cfg.training.total_steps, g.warmup_steps)
 
-    def _update(self, step: StepBatch) -> dict[str, float]:
+    def _update(self, step: StepBatch, lr: float) -> dict[str, float]:
         """One learner update on the chosen groups: the learners (and a reference actor) read the records by
         ref and pack the batch themselves; the driver sends refs and group ids and gets the metrics back.
 
@@ -244,7 +245,7 @@ class GRPOTrainer(GRPOSetup):
             if self.reference is not None:  # an ObjectRef the learners resolve: never fetched here
                 ref_logprobs = self.reference.logprobs_of.remote(step.refs, groups)
             with self._timed("update_time_s"):
-                steps = [ln.train_on.remote(step.refs, groups, self._lr(), ref_logprobs) for ln in self.learners]
+                steps = [ln.train_on.remote(step.refs, groups, lr, ref_logprobs) for ln in self.learners]
                 publishing = self.weights.start()  # every generator and scorer, queued behind the step
                 lost = self._lost_record(steps, step)
                 if lost is None:
@@ -412,7 +413,7 @@ class GRPOTrainer(GRPOSetup):
                     self._replace_scorer(slot, generation, reason)
             metrics: dict[str, float] = {"lr": self._lr()}
             if step.groups:
-                metrics |= self._update(step)
+                metrics |= self._update(step, metrics["lr"])
             self.counters.step += 1
             self.counters.trained_samples += sum(n for _, n, _ in step.groups)
             if self.counters.step < t.total_steps and self._unplaced is None and not stop.is_set():

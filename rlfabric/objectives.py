@@ -113,7 +113,7 @@ KL_ESTIMATORS.add("k3", f"{_MATH}:kl_k3", "exp(d) - d - 1 (unbiased, nonnegative
 
 _SCHEDULES = "rlfabric.algorithms.lr_schedules"
 LR_SCHEDULES = PartTable(
-    "learning-rate schedule", "grpo.lr_schedule", "fn(lr, step, total_steps, warmup_steps) -> learning rate"
+    "learning-rate schedule", "grpo.lr_schedule", "fn(done = (t - W) / (T - W) in [0, 1]) -> factor of grpo.lr"
 )
 LR_SCHEDULES.add("constant", f"{_SCHEDULES}:constant_lr", "grpo.lr after the warm-up")
 LR_SCHEDULES.add("linear", f"{_SCHEDULES}:linear_lr", "linear decay from grpo.lr after the warm-up to 0 at the end")

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from rlfabric.algorithms import grpo
+from rlfabric.algorithms.lr_schedules import scheduled_lr
 from rlfabric.config import ConfigError, config_from_dict
 from rlfabric.objectives import ADVANTAGE_ESTIMATORS, LOSS_AGGREGATIONS, LR_SCHEDULES, TABLES
 
@@ -74,7 +75,11 @@ def test_a_bad_target_is_refused_when_added():
     ],
 )
 def test_learning_rate_schedules_by_hand(schedule, expected):
-    lr_at = LR_SCHEDULES.resolve(schedule)
+    shape = LR_SCHEDULES.resolve(schedule)
+
+    def lr_at(lr: float, step: int, total_steps: int, warmup_steps: int) -> float:
+        return scheduled_lr(shape, lr, step, total_steps, warmup_steps)
+
     got = [lr_at(1.0, t, 10, 2) for t in (0, 1, 2, 6, 9)]
     assert got == pytest.approx(expected, abs=1e-6)
     assert [lr_at(2.0, t, 4, 0) for t in range(4)] == pytest.approx(
