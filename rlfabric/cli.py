@@ -163,13 +163,19 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_train_rm(args: argparse.Namespace) -> int:
-    from rlfabric.reward_model_stage import REWARD_MODEL_DIR, RUN_MODEL_SPECS, train_reward_model_run
+    from rlfabric.reward_model_stage import (
+        REWARD_MODEL_DIR,
+        RUN_MODEL_SPECS,
+        check_reward_model_run,
+        train_reward_model_run,
+    )
 
     import_user_modules(args.import_modules)
     cfg = load_config(args.config, args.overrides)
     if cfg.algo != "grpo":
         raise ConfigError(f"algo = {cfg.algo!r}: train-rm reads the reward_model section of a GRPO config")
     run_dir = Path(args.run_dir) if args.run_dir else Path("runs") / f"reward_model-{time.strftime('%Y%m%d-%H%M%S')}"
+    check_reward_model_run(cfg, run_dir)  # before the line that names what it trains on
     what = "a judge" if cfg.reward_model.kind == "judge" else "a reward model"
     print(f"rlfabric: training {what} on {cfg.reward_model.pairs} -> {run_dir}", file=sys.stderr)
     summary = train_reward_model_run(cfg, run_dir, quiet=args.quiet)

@@ -89,12 +89,10 @@ def policy_tokenizer(cfg: Any) -> Any:
     return load_tokenizer(cfg.model.path)
 
 
-def train_reward_model_run(cfg: Any, run_dir: Path, quiet: bool = False) -> dict[str, Any]:
-    """``rlfabric train-rm``: the reward-model stage of ``cfg`` alone, in ``run_dir`` (config snapshot,
-    metrics.jsonl, TensorBoard, summary.json; the model in ``run_dir/reward_model``). Returns the summary."""
+def check_reward_model_run(cfg: Any, run_dir: Path) -> None:
+    """What ``rlfabric train-rm`` needs before it starts: preference pairs to train on, and a ``run_dir`` that
+    holds neither a reward model nor a training run (a ConfigError in one line)."""
     from rlfabric.run.checkpoints import CHECKPOINT_DIR
-    from rlfabric.run.log import RunLog, write_summary
-    from rlfabric.run.progress import PhaseProgressLine, tensorboard_view
     from rlfabric.run.resume import refuse_run_over
 
     if not cfg.reward_model.pairs:
@@ -102,6 +100,15 @@ def train_reward_model_run(cfg: Any, run_dir: Path, quiet: bool = False) -> dict
     if (run_dir / REWARD_MODEL_DIR / "config.json").is_file():
         raise ConfigError(f"--run-dir {str(run_dir)!r} already holds a reward model; choose another directory")
     refuse_run_over(run_dir, has_checkpoint=(run_dir / CHECKPOINT_DIR).is_dir())  # a training run's folder
+
+
+def train_reward_model_run(cfg: Any, run_dir: Path, quiet: bool = False) -> dict[str, Any]:
+    """``rlfabric train-rm``: the reward-model stage of ``cfg`` alone, in ``run_dir`` (config snapshot,
+    metrics.jsonl, TensorBoard, summary.json; the model in ``run_dir/reward_model``). Returns the summary."""
+    from rlfabric.run.log import RunLog, write_summary
+    from rlfabric.run.progress import PhaseProgressLine, tensorboard_view
+
+    check_reward_model_run(cfg, run_dir)
     log = RunLog(
         run_dir,
         cfg,

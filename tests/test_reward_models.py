@@ -224,10 +224,10 @@ def test_a_grpo_run_trains_its_reward_model_first_scores_with_it_and_keeps_it_on
 
 def test_train_rm_refuses_a_config_without_pairs_in_one_line(tmp_path, capsys):
     assert main(["train-rm", "--run-dir", str(tmp_path / "rm"), "--quiet"]) == 2
-    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+    assert capsys.readouterr().err.strip().splitlines() == [  # the one line: no "training ... on" before it
         "rlfabric: config error: reward_model.pairs = '' is not valid for train-rm: name the preference pairs to "
         "train on"
-    )
+    ]
 
 
 def test_train_rm_names_reward_model_num_eval_when_the_pairs_leave_too_few_held_out_prompts(tmp_path, capsys):
