@@ -157,9 +157,17 @@ class Trainer:
         run_dir = Path(run_dir)
         if not (run_dir / CONFIG_FILE).is_file():
             raise ConfigError(f"--resume {str(run_dir)!r}: not a run directory (no {CONFIG_FILE})")
-        if latest_checkpoint(run_dir) is None:
+        checkpoint = latest_checkpoint(run_dir)
+        if checkpoint is None:
             raise ConfigError(f"--resume {str(run_dir)!r}: no checkpoint found under {CHECKPOINT_DIR}/")
         cfg = resumed_config(run_dir, overrides, FIXED_ON_RESUME)
+        done = torch.load(checkpoint, weights_only=False)["progress"]["env_steps"]
+        if done >= cfg.training.total_env_steps:  # a finished run: it would only evaluate again
+            raise ConfigError(
+                f"training.total_env_steps = {cfg.training.total_env_steps} is not valid with --resume: the latest "
+                f"checkpoint ({checkpoint.name}) is at {done} env steps already; pass training.total_env_steps=N "
+                f"with N > {done}"
+            )
         return cls(cfg, run_dir, resume=True, quiet=quiet)
 
     # -- setup ------------------------------------------------------------------------------------------

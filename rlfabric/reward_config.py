@@ -126,6 +126,32 @@ class RewardsConfig:
         ``weights`` does not name (counts are not rewards)."""
         return {**{name: 0.0 for name in self.efficiency.counts}, **self.weights}
 
+    def component_references(self) -> list[tuple[str, str]]:
+        """(field, component name) for every component these sections name: ``weights``, ``combine.clip`` and
+        ``combine.gates`` (gated and gate), and with the efficiency penalty on, ``efficiency.counts`` and
+        ``efficiency.success``. The default ``weights`` entry (``format: 0``) is left out: it names a component
+        only some rewards give."""
+        named = [("rewards.weights", name) for name, w in self.weights.items() if (name, w) != ("format", 0.0)]
+        named += [("rewards.combine.clip", name) for name in self.combine.clip]
+        named += [("rewards.combine.gates", name) for pair in self.combine.gates.items() for name in pair]
+        if self.efficiency.weight:
+            named += [("rewards.efficiency.counts", name) for name in self.efficiency.counts]
+            named.append(("rewards.efficiency.success", self.efficiency.success))
+        return named
+
+
+def unknown_components(references: list[tuple[str, str]], given: set[str]) -> str | None:
+    """One line naming, by field, each component in ``references`` ((field, name) pairs, as
+    ``RewardsConfig.component_references`` gives them) that is not in ``given`` (the components the run's rewards
+    gave), or None when every one was given: a misspelt name counts for nothing while the component it meant keeps
+    weight 1."""
+    unknown: dict[str, list[str]] = {}
+    for where, name in references:
+        if name not in given and name not in unknown.setdefault(where, []):
+            unknown[where].append(name)
+    found = "; ".join(f"{where} names {', '.join(map(repr, names))}" for where, names in unknown.items() if names)
+    return found or None
+
 
 @dataclass
 class RewardModelConfig:

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
+import io
 import json
 from pathlib import Path
 
@@ -61,16 +63,20 @@ class Run:
     run_dir: Path
     summary: dict
     rows: list[dict]
+    console: str = ""  # what the run printed (its progress lines and notes), when it was not quiet
 
     def phase(self, name: str) -> list[dict]:
         return [r for r in self.rows if r.get("phase") == name]
 
 
-def run_grpo(run_dir: Path, **sections: dict) -> Run:
+def run_grpo(run_dir: Path, quiet: bool = True, **sections: dict) -> Run:
+    """BASE with ``sections`` merged in, trained in ``run_dir``; not ``quiet``: what it prints is kept."""
     cfg = config_from_dict(merged(BASE, sections))
-    summary = train_llm(cfg, run_dir, quiet=True)
+    console = io.StringIO()
+    with contextlib.redirect_stderr(console):
+        summary = train_llm(cfg, run_dir, quiet=quiet)
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return Run(run_dir, summary, rows)
+    return Run(run_dir, summary, rows, console.getvalue())
 
 
 def write_prompts(path: Path, prompts: list[str]) -> str:

@@ -5,6 +5,7 @@ import sys
 import time
 
 import pytest
+import torch
 
 from rlfabric.config import Config, ConfigError, apply_overrides, load_config, parse_override
 from rlfabric.config import ppo_config_from_dict as config_from_dict
@@ -345,10 +346,17 @@ def test_resume_refuses_changes_the_checkpoint_depends_on(tmp_path):
 
     (tmp_path / "config.yaml").write_text(dump_config(Config()))
     (tmp_path / "checkpoints").mkdir()
-    (tmp_path / "checkpoints" / "iter_000003.pt").write_bytes(b"")
+    torch.save({"progress": {"env_steps": 400000}}, tmp_path / "checkpoints" / "iter_000003.pt")  # what resume reads
     with pytest.raises(ConfigError, match=r"^model.hidden_sizes = \[32\] is not valid with --resume"):
         Trainer.from_run_dir(tmp_path, ["model.hidden_sizes=[32]"])
     assert Trainer.from_run_dir(tmp_path, ["training.total_env_steps=500000"]).cfg.training.total_env_steps == 500000
+    # a run that is done (a total its checkpoint has reached) only says how to train longer
+    with pytest.raises(
+        ConfigError,
+        match=r"^training.total_env_steps = 400000 is not valid with --resume: the latest checkpoint "
+        r"\(iter_000003.pt\) is at 400000 env steps already; pass training.total_env_steps=N with N > 400000$",
+    ):
+        Trainer.from_run_dir(tmp_path, ["training.total_env_steps=400000"])
     with pytest.raises(ConfigError, match="already holds a run"):
         Trainer(Config(), tmp_path)  # a fresh run must not mix with an old one's checkpoints
     finished = tmp_path / "finished"  # a run too short for a checkpoint

@@ -126,9 +126,14 @@ def lagged_run(local_ray, tmp_path_factory) -> Run:
 
 @pytest.fixture(scope="module")
 def sync_run(local_ray, tmp_path_factory) -> Run:
+    """Its weights name a component no reward gives (``corect``, weight 1 as for any unnamed one: no effect)."""
     return run_grpo(
         tmp_path_factory.mktemp("sync") / "run",
-        rewards={"functions": [{"name": "arithmetic"}, {"name": "test_spread", "kwargs": {"only_even_answers": True}}]},
+        quiet=False,
+        rewards={
+            "functions": [{"name": "arithmetic"}, {"name": "test_spread", "kwargs": {"only_even_answers": True}}],
+            "weights": {"format": 0.0, "correct": 1.0, "corect": 1.0},
+        },
         sft={"steps": 3, "lr": 1e-2},
         grpo={"kl_coef": 0.1, "reference": "actor", "lr": 1e-2, "dynamic_sampling": True},
         training={"max_policy_lag": 0},
@@ -511,6 +516,14 @@ def test_kl_starts_at_zero_and_grows(request, which):
 # -- 7. dynamic sampling and overlong filtering ----------------------------------------------------------------
 
 
+def test_a_reward_weight_naming_a_component_no_reward_gives_is_noted_once(sync_run):
+    notes = [line for line in sync_run.console.splitlines() if "no reward gave such a component" in line]
+    assert notes == [
+        "rlfabric: rewards.weights names 'corect': no reward gave such a component by step 3 (they gave correct, "
+        "format, spread); a name no reward gives counts for nothing"
+    ], sync_run.console
+
+
 def test_dynamic_sampling_drops_groups_without_signal(sync_run):
     s, rows = sync_run.summary, sync_run.phase("grpo")
     assert s["steps"] == 3
@@ -582,7 +595,8 @@ def test_metrics_plot_and_samples(lagged_run):
     assert (lagged_run.run_dir / "learning_curve.png").stat().st_size > 0
     assert (lagged_run.run_dir / "samples.jsonl").is_file()
     assert json.loads((lagged_run.run_dir / "summary.json").read_text())["steps"] == 3
-    assert [p.name for p in sorted((lagged_run.run_dir / "checkpoints").iterdir())] == ["step_000002"]
+    # every checkpoint_every steps and at the end
+    assert [p.name for p in sorted((lagged_run.run_dir / "checkpoints").iterdir())] == ["step_000002", "step_000003"]
     assert (lagged_run.run_dir / "checkpoints" / "step_000002" / "optimizer.pt").is_file()
     assert not (lagged_run.run_dir / "final_model" / "optimizer.pt").exists()  # the model alone
     shown = [json.loads(line) for line in (lagged_run.run_dir / "samples.jsonl").read_text().splitlines()]
@@ -613,6 +627,10 @@ def test_progress_line_shows_the_step_total_and_the_time_left():
     }
     assert progress_line(row, 100, 65.4) == (
         "step    12/100 | reward  0.500 | acc 0.250 | v40 |  100.0 samples/s | failed 0 |     30s | ETA 1m05s"
+    )
+    assert progress_line({**row, "lr": 4.5e-4}, 100, 65.4) == (
+        "step    12/100 | reward  0.500 | acc 0.250 | v40 | lr 4.5e-04 |  100.0 samples/s | failed 0 |     30s | "
+        "ETA 1m05s"
     )
     sft = {"phase": "sft", "sft_step": 20, "sft_loss": 1.5, "time_s": 7.0}
     assert progress_line(sft, 1000, None) == "sft     20/1000 | loss 1.500 |      7s | ETA ?"
@@ -683,9 +701,9 @@ def test_cli_rejects_an_unknown_reward_before_ray_starts(tmp_path):
 
 
 def test_resume_continues_a_grpo_run_from_its_latest_checkpoint(local_ray, tmp_path):
-    """A run that ended after step 3 (latest checkpoint: step 2) continues from step 2 with the checkpoint's
-    weights, policy version, prompt order and KL reference; the step it redoes is logged once. Its linear
-    learning-rate decay is stretched over the new total."""
+    """A run stopped after step 3 with its latest checkpoint at step 2 (a crash before the final checkpoint)
+    continues from step 2 with the checkpoint's weights, policy version, prompt order and KL reference; the step
+    it redoes is logged once. Its linear learning-rate decay is stretched over the new total."""
     run_dir = tmp_path / "run"
     first = run_grpo(
         run_dir,
@@ -693,6 +711,7 @@ def test_resume_continues_a_grpo_run_from_its_latest_checkpoint(local_ray, tmp_p
         grpo={"kl_coef": 0.1, "reference": "actor", "lr": 1e-2, "lr_schedule": "linear"},
         training={"total_steps": 3, "checkpoint_every": 2},
     )
+    shutil.rmtree(run_dir / "checkpoints" / "step_000003")  # the finished run's own: as if it crashed before it
     checkpoint = run_dir / "checkpoints" / "step_000002"
     state = json.loads((checkpoint / "trainer_state.json").read_text())
     assert state["reference_model"] == {"path": "reference_model", "in_run": True}  # the policy after SFT

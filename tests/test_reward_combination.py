@@ -87,3 +87,28 @@ def test_the_learners_batch_takes_its_advantages_from_the_combined_reward():
     gated = grpo_batch([record], None, **spec, overlong_filter=False, combine={"gates": {"length": "correct"}})
     # length counts only where correct: (1 - 1.5, 0, 1 - 1) = (-0.5, 0, 0), mean -1/6
     np.testing.assert_allclose(gated["advantages"], [-1 / 3, 1 / 6, 1 / 6], atol=1e-6)
+
+
+def test_component_names_no_reward_gave_are_named_by_the_field_that_names_them():
+    from rlfabric.config import config_from_dict
+    from rlfabric.reward_config import unknown_components
+
+    rewards = config_from_dict(
+        {
+            "rewards": {
+                "weights": {"format": 0.0, "corect": 2.0, "length": 0.5},
+                "combine": {"clip": {"lenght": [-1, 0]}, "gates": {"length": "sucess"}},
+                "efficiency": {"weight": 0.1, "counts": ["tool_calls"], "success": "correct"},
+            }
+        }
+    ).rewards
+    given = {"correct", "length", "tool_calls"}
+    assert unknown_components(rewards.component_references(), given) == (
+        "rewards.weights names 'corect'; rewards.combine.clip names 'lenght'; rewards.combine.gates names 'sucess'"
+    )
+    assert unknown_components(rewards.component_references(), given | {"corect", "lenght", "sucess"}) is None
+    # the default weights' format: 0 names a component only some rewards give; an efficiency penalty that is off
+    # names nothing
+    assert config_from_dict({}).rewards.component_references() == []
+    off = config_from_dict({"rewards": {"efficiency": {"counts": ["calls"], "success": "won"}}}).rewards
+    assert off.component_references() == []
