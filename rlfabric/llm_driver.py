@@ -59,7 +59,7 @@ from rlfabric.models.hf import check_model_source
 from rlfabric.models.packed_batch import pad_rows_for_learners
 from rlfabric.objectives import LR_SCHEDULES
 from rlfabric.placement import RoleGroups
-from rlfabric.reward_config import unknown_components
+from rlfabric.reward_config import by_field, misspelt_components, unknown_components
 from rlfabric.reward_model_stage import point_at_run_reward_model
 from rlfabric.rollout_scheduler import RolloutScheduler, StepBatch
 from rlfabric.run.checkpoints import CHECKPOINT_DIR
@@ -72,7 +72,6 @@ from rlfabric.weight_publisher import WeightPublisher
 
 MAX_GENERATION_RETRIES = 3
 MAX_STEPS_WITHOUT_SCORES = 3  # steps in a row in which every sample failed its reward: the run stops
-COMPONENT_CHECK_STEPS = 5  # scored steps whose reward components are pooled before the config's names are checked
 STOP_NOTICE = "rlfabric: stopping after this step, with a checkpoint when checkpointing is on (Ctrl-C again: at once)"
 
 
@@ -140,10 +139,9 @@ class GRPOTrainer(GRPOSetup):
         self.scorers = LikelihoodScorers(cfg, self.weights, self._note)
         self._steps_without_scores = 0
         # The components the reward config names (before an env adds its own weights), checked against those the
-        # rewards give over the first COMPONENT_CHECK_STEPS scored steps
+        # rewards give: at the first scored step for misspellings, at the end for names never given
         self._component_references = cfg.rewards.component_references()
         self._components_given: set[str] = set()
-        self._component_steps = 0  # scored steps pooled so far; -1 once checked
         # a generator lost with its node during a step's weight load that could not be replaced: raised once that
         # step (which the learners did train) is counted and logged
         self._unplaced: PlacementError | None = None
@@ -402,6 +400,7 @@ class GRPOTrainer(GRPOSetup):
                 f"{self.counters.stale_samples} stale, {self.counters.filtered_groups} groups filtered)"
             )
         self._checkpoint_unless_saved()  # the last step's: a longer run continues from it, redoing no step
+        self._note_components_never_given()
         final = self.evaluate("final")
         return self._finish(initial, final)
 
@@ -449,23 +448,24 @@ class GRPOTrainer(GRPOSetup):
             raise RunAbortedError(f"every sample of the last {steps} steps failed {part}; first error: {first}")
 
     def _check_component_names(self, step: StepBatch) -> None:
-        """Once, after ``COMPONENT_CHECK_STEPS`` steps with scored rows (or at the last step): a note naming each
-        component the reward config names that no reward gave (a misspelt weight counts for nothing, silently
-        otherwise). Pooling steps gives a component some rewards give only now and then (a penalty) time to show."""
-        if self._component_steps < 0:
-            return
+        """At the first step with scored rows, a note naming each component the reward config names that looks
+        like a misspelling of one the rewards gave (a misspelt weight counts for nothing, silently otherwise)."""
         given = {name for m in step.scored if m["rows"] for name in m["component_means"]}
+        if given and not self._components_given:
+            misspelt = misspelt_components(self._component_references, given)
+            if misspelt:
+                self._note(f"{misspelt} (a name no reward gives counts for nothing)")
         self._components_given |= given
-        self._component_steps += bool(given)
-        last = self.counters.step >= self.cfg.training.total_steps
-        if self._component_steps < COMPONENT_CHECK_STEPS and not last or not self._components_given:
-            return
-        self._component_steps = -1
+
+    def _note_components_never_given(self) -> None:
+        """At the end, a note naming each component the reward config names that no reward gave in this session:
+        a penalty that never fired, or a name no reward gives."""
         unknown = unknown_components(self._component_references, self._components_given)
-        if unknown:
+        if unknown and self._components_given:
             self._note(
-                f"{unknown}: no reward gave such a component by step {self.counters.step} (they gave "
-                f"{', '.join(sorted(self._components_given))}); a name no reward gives counts for nothing"
+                f"{by_field(unknown)}: no reward gave such a component in this session's steps (a penalty that "
+                "never fired, or a name no reward gives, which counts for nothing; the rewards gave "
+                f"{', '.join(sorted(self._components_given))})"
             )
 
     def _failing_part(self) -> str:

@@ -4,6 +4,7 @@ their checks. Documented key by key in docs/config.md."""
 
 from __future__ import annotations
 
+import difflib
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -140,17 +141,30 @@ class RewardsConfig:
         return named
 
 
-def unknown_components(references: list[tuple[str, str]], given: set[str]) -> str | None:
-    """One line naming, by field, each component in ``references`` ((field, name) pairs, as
-    ``RewardsConfig.component_references`` gives them) that is not in ``given`` (the components the run's rewards
-    gave), or None when every one was given: a misspelt name counts for nothing while the component it meant keeps
-    weight 1."""
-    unknown: dict[str, list[str]] = {}
-    for where, name in references:
-        if name not in given and name not in unknown.setdefault(where, []):
-            unknown[where].append(name)
-    found = "; ".join(f"{where} names {', '.join(map(repr, names))}" for where, names in unknown.items() if names)
-    return found or None
+def unknown_components(references: list[tuple[str, str]], given: set[str]) -> list[tuple[str, str]]:
+    """The (field, name) pairs of ``references`` (as ``RewardsConfig.component_references`` gives them) whose
+    component is not in ``given``, the components the run's rewards gave; each pair once."""
+    return list(dict.fromkeys((where, name) for where, name in references if name not in given))
+
+
+def by_field(pairs: list[tuple[str, str]]) -> str:
+    """``rewards.weights names 'a', 'b'; rewards.combine.clip names 'c'`` for (field, name) pairs."""
+    fields: dict[str, list[str]] = {}
+    for where, name in pairs:
+        fields.setdefault(where, []).append(repr(name))
+    return "; ".join(f"{where} names {', '.join(names)}" for where, names in fields.items())
+
+
+def misspelt_components(references: list[tuple[str, str]], given: set[str]) -> str | None:
+    """One line naming each unknown component (``unknown_components``) that looks like a misspelling of a given
+    one (difflib's similarity ratio 0.8 or more), with the name it resembles; None when none does. A misspelt name
+    counts for nothing, while the component it meant keeps weight 1."""
+    found = []
+    for where, name in unknown_components(references, given):
+        close = difflib.get_close_matches(name, sorted(given), n=1, cutoff=0.8)
+        if close:
+            found.append(f"{where} names {name!r}, which no reward gives: did you mean {close[0]!r}?")
+    return "; ".join(found) or None
 
 
 @dataclass

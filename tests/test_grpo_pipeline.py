@@ -126,13 +126,14 @@ def lagged_run(local_ray, tmp_path_factory) -> Run:
 
 @pytest.fixture(scope="module")
 def sync_run(local_ray, tmp_path_factory) -> Run:
-    """Its weights name a component no reward gives (``corect``, weight 1 as for any unnamed one: no effect)."""
+    """Its weights name components no reward gives (``corect``, ``bonus``: weight 1 as for any unnamed one, no
+    effect)."""
     return run_grpo(
         tmp_path_factory.mktemp("sync") / "run",
         quiet=False,
         rewards={
             "functions": [{"name": "arithmetic"}, {"name": "test_spread", "kwargs": {"only_even_answers": True}}],
-            "weights": {"format": 0.0, "correct": 1.0, "corect": 1.0},
+            "weights": {"format": 0.0, "correct": 1.0, "corect": 1.0, "bonus": 1.0},
         },
         sft={"steps": 3, "lr": 1e-2},
         grpo={"kl_coef": 0.1, "reference": "actor", "lr": 1e-2, "dynamic_sampling": True},
@@ -516,11 +517,15 @@ def test_kl_starts_at_zero_and_grows(request, which):
 # -- 7. dynamic sampling and overlong filtering ----------------------------------------------------------------
 
 
-def test_a_reward_weight_naming_a_component_no_reward_gives_is_noted_once(sync_run):
-    notes = [line for line in sync_run.console.splitlines() if "no reward gave such a component" in line]
+def test_reward_weights_naming_components_no_reward_gives_are_noted(sync_run):
+    """A misspelling at the first scored step, with the name it resembles; every name never given, at the end."""
+    notes = [line for line in sync_run.console.splitlines() if "no reward gave" in line or "no reward gives" in line]
     assert notes == [
-        "rlfabric: rewards.weights names 'corect': no reward gave such a component by step 3 (they gave correct, "
-        "format, spread); a name no reward gives counts for nothing"
+        "rlfabric: rewards.weights names 'corect', which no reward gives: did you mean 'correct'? (a name no reward "
+        "gives counts for nothing)",
+        "rlfabric: rewards.weights names 'corect', 'bonus': no reward gave such a component in this session's steps "
+        "(a penalty that never fired, or a name no reward gives, which counts for nothing; the rewards gave correct, "
+        "format, spread)",
     ], sync_run.console
 
 

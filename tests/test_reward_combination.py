@@ -89,24 +89,38 @@ def test_the_learners_batch_takes_its_advantages_from_the_combined_reward():
     np.testing.assert_allclose(gated["advantages"], [-1 / 3, 1 / 6, 1 / 6], atol=1e-6)
 
 
-def test_component_names_no_reward_gave_are_named_by_the_field_that_names_them():
+def test_component_names_no_reward_gave_are_named_by_field_and_misspellings_get_the_name_they_resemble():
     from rlfabric.config import config_from_dict
-    from rlfabric.reward_config import unknown_components
+    from rlfabric.reward_config import by_field, misspelt_components, unknown_components
 
     rewards = config_from_dict(
         {
             "rewards": {
-                "weights": {"format": 0.0, "corect": 2.0, "length": 0.5},
-                "combine": {"clip": {"lenght": [-1, 0]}, "gates": {"length": "sucess"}},
+                "weights": {"format": 0.0, "corect": 2.0, "length": 0.5, "penalty": -1.0},
+                "combine": {"clip": {"lenght": [-1, 0]}, "gates": {"length": "corect"}},
                 "efficiency": {"weight": 0.1, "counts": ["tool_calls"], "success": "correct"},
             }
         }
     ).rewards
     given = {"correct", "length", "tool_calls"}
-    assert unknown_components(rewards.component_references(), given) == (
-        "rewards.weights names 'corect'; rewards.combine.clip names 'lenght'; rewards.combine.gates names 'sucess'"
+    unknown = unknown_components(rewards.component_references(), given)
+    assert unknown == [
+        ("rewards.weights", "corect"),
+        ("rewards.weights", "penalty"),
+        ("rewards.combine.clip", "lenght"),
+        ("rewards.combine.gates", "corect"),
+    ]
+    assert by_field(unknown) == (
+        "rewards.weights names 'corect', 'penalty'; rewards.combine.clip names 'lenght'; "
+        "rewards.combine.gates names 'corect'"
     )
-    assert unknown_components(rewards.component_references(), given | {"corect", "lenght", "sucess"}) is None
+    assert misspelt_components(rewards.component_references(), given) == (
+        "rewards.weights names 'corect', which no reward gives: did you mean 'correct'?; "
+        "rewards.combine.clip names 'lenght', which no reward gives: did you mean 'length'?; "
+        "rewards.combine.gates names 'corect', which no reward gives: did you mean 'correct'?"
+    )
+    assert unknown_components(rewards.component_references(), given | {"corect", "lenght", "penalty"}) == []
+    assert misspelt_components([("rewards.weights", "penalty")], given) is None  # resembles no given name
     # the default weights' format: 0 names a component only some rewards give; an efficiency penalty that is off
     # names nothing
     assert config_from_dict({}).rewards.component_references() == []
