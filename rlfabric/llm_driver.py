@@ -393,13 +393,15 @@ class GRPOTrainer(GRPOSetup):
             except PlacementError:  # what was trained is kept: resume where the cluster has room again
                 self._checkpoint_unless_saved()
                 raise
+        # The last step's checkpoint (a longer run continues from it, redoing no step), taken while the rollouts
+        # generated ahead are still in flight: their prompts go back into the order it saves.
+        self._checkpoint_unless_saved()
         self.rollouts.cancel_in_flight()  # generated ahead for steps that will not run
         if self.counters.trained_samples == 0:
             raise RunAbortedError(
                 f"trained on no sample in {self.counters.step} steps ({self.counters.failed_samples} failed, "
                 f"{self.counters.stale_samples} stale, {self.counters.filtered_groups} groups filtered)"
             )
-        self._checkpoint_unless_saved()  # the last step's: a longer run continues from it, redoing no step
         self._note_components_never_given()
         final = self.evaluate("final")
         return self._finish(initial, final)

@@ -754,15 +754,18 @@ def test_resume_continues_a_grpo_run_from_its_latest_checkpoint(local_ray, tmp_p
 
 def test_resume_of_an_async_run_that_ended(local_ray, tmp_path):
     """max_policy_lag 1, no SFT, the KL reference in the learner (the initial model), one checkpoint kept: a run
-    that ended continues for one more step; the prompts generated ahead are taken again; the checkpoint it
-    resumed from is pruned and the first session's final evaluation becomes a step evaluation."""
+    that ended continues for one more step from the checkpoint of its last step; the prompts generated ahead are
+    taken again; the checkpoint it resumed from is pruned and the first session's final evaluation becomes a step
+    evaluation."""
     run_dir = tmp_path / "run"
     run_grpo(
         run_dir,
         grpo={"kl_coef": 0.1, "reference": "learner"},
-        training={"total_steps": 3, "checkpoint_every": 3, "keep_checkpoints": 1, "max_policy_lag": 1},
+        training={"total_steps": 3, "checkpoint_every": 2, "keep_checkpoints": 1, "max_policy_lag": 1},
     )
     state = json.loads((run_dir / "checkpoints" / "step_000003" / "trainer_state.json").read_text())
+    # 64 prompts, 2 a step: 3 steps trained on 6; the 2 of the batch generated ahead for a fourth are kept
+    assert len(state["order"]) == 64 - 3 * 2
     assert state["reference_model"] == {"path": "initial_model", "in_run": True}
     summary = train_resumed(run_dir, ["training.total_steps=4", "training.checkpoint_every=1"])
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
