@@ -31,7 +31,7 @@ from rlfabric.run.interrupts import stop_requests
 from rlfabric.run.log import CONFIG_FILE, RunLog, write_summary
 from rlfabric.run.plots import plot_learning_curve
 from rlfabric.run.progress import EtaClock, ppo_progress_line
-from rlfabric.run.resume import refuse_run_over, resumed_config
+from rlfabric.run.resume import finished_summary, refuse_run_over, resumed_config
 from rlfabric.runner_pool import Completed, RunAbortedError, RunnerPool, error_summary
 
 # How long setup waits for an actor to start before blaming the cluster's resources.
@@ -157,16 +157,15 @@ class Trainer:
         run_dir = Path(run_dir)
         if not (run_dir / CONFIG_FILE).is_file():
             raise ConfigError(f"--resume {str(run_dir)!r}: not a run directory (no {CONFIG_FILE})")
-        checkpoint = latest_checkpoint(run_dir)
-        if checkpoint is None:
+        if latest_checkpoint(run_dir) is None:
             raise ConfigError(f"--resume {str(run_dir)!r}: no checkpoint found under {CHECKPOINT_DIR}/")
         cfg = resumed_config(run_dir, overrides, FIXED_ON_RESUME)
-        done = torch.load(checkpoint, weights_only=False)["progress"]["env_steps"]
-        if done >= cfg.training.total_env_steps:  # a finished run: it would only evaluate again
+        # A run that finished has nothing left to do at its total (one stopped in its final evaluation finishes).
+        done = (finished_summary(run_dir) or {}).get("env_steps")
+        if done is not None and done >= cfg.training.total_env_steps:
             raise ConfigError(
-                f"training.total_env_steps = {cfg.training.total_env_steps} is not valid with --resume: the latest "
-                f"checkpoint ({checkpoint.name}) is at {done} env steps already; pass training.total_env_steps=N "
-                f"with N > {done}"
+                f"--resume {str(run_dir)!r}: the run finished at {done} env steps of "
+                f"{cfg.training.total_env_steps}; pass training.total_env_steps=N with N > {done} to train longer"
             )
         return cls(cfg, run_dir, resume=True, quiet=quiet)
 

@@ -59,8 +59,8 @@ from rlfabric.models.hf import check_model_source
 from rlfabric.models.packed_batch import pad_rows_for_learners
 from rlfabric.objectives import LR_SCHEDULES
 from rlfabric.placement import RoleGroups
-from rlfabric.reward_config import by_field, misspelt_components, unknown_components
 from rlfabric.reward_model_stage import point_at_run_reward_model
+from rlfabric.reward_names import misspelling_note, names_by_field, unknown_components
 from rlfabric.rollout_scheduler import RolloutScheduler, StepBatch
 from rlfabric.run.checkpoints import CHECKPOINT_DIR
 from rlfabric.run.interrupts import stop_requests
@@ -393,9 +393,6 @@ class GRPOTrainer(GRPOSetup):
             except PlacementError:  # what was trained is kept: resume where the cluster has room again
                 self._checkpoint_unless_saved()
                 raise
-        # The last step's checkpoint (a longer run continues from it, redoing no step), taken while the rollouts
-        # generated ahead are still in flight: their prompts go back into the order it saves.
-        self._checkpoint_unless_saved()
         self.rollouts.cancel_in_flight()  # generated ahead for steps that will not run
         if self.counters.trained_samples == 0:
             raise RunAbortedError(
@@ -436,6 +433,11 @@ class GRPOTrainer(GRPOSetup):
                 self.evaluate(f"step_{self.counters.step}")
             if t.checkpoint_every and self.counters.step % t.checkpoint_every == 0:
                 self.save_checkpoint()
+        # The last step's checkpoint (a longer run continues from it, redoing no step), while Ctrl-C still waits
+        # for it and the rollouts generated ahead are in flight (their prompts go back into the order it saves).
+        # A run that trained nothing stops with its error instead.
+        if self.counters.trained_samples:
+            self._checkpoint_unless_saved()
         self._stop_if_asked(stop)  # asked during the last step: the final evaluation is not waited for either
 
     def _check_scoring(self, step: StepBatch) -> None:
@@ -450,24 +452,23 @@ class GRPOTrainer(GRPOSetup):
             raise RunAbortedError(f"every sample of the last {steps} steps failed {part}; first error: {first}")
 
     def _check_component_names(self, step: StepBatch) -> None:
-        """At the first step with scored rows, a note naming each component the reward config names that looks
-        like a misspelling of one the rewards gave (a misspelt weight counts for nothing, silently otherwise)."""
+        """At the first step with scored rows, a note naming each component the reward config names that
+        resembles one the rewards gave (``rlfabric.reward_names``: a misspelling, silent otherwise)."""
         given = {name for m in step.scored if m["rows"] for name in m["component_means"]}
         if given and not self._components_given:
-            misspelt = misspelt_components(self._component_references, given)
+            misspelt = misspelling_note(self._component_references, given)
             if misspelt:
-                self._note(f"{misspelt} (a name no reward gives counts for nothing)")
+                self._note(misspelt)
         self._components_given |= given
 
     def _note_components_never_given(self) -> None:
-        """At the end, a note naming each component the reward config names that no reward gave in this session:
-        a penalty that never fired, or a name no reward gives."""
+        """At the end, a note naming each component the reward config names that no reward gave in this session."""
         unknown = unknown_components(self._component_references, self._components_given)
         if unknown and self._components_given:
+            given = ", ".join(sorted(self._components_given))
             self._note(
-                f"{by_field(unknown)}: no reward gave such a component in this session's steps (a penalty that "
-                "never fired, or a name no reward gives, which counts for nothing; the rewards gave "
-                f"{', '.join(sorted(self._components_given))})"
+                f"{names_by_field(unknown)}: no reward gave such a component in the steps this command ran (they "
+                f"gave {given}): a penalty that never fired, or a wrong name"
             )
 
     def _failing_part(self) -> str:

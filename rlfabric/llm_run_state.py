@@ -14,7 +14,7 @@ from typing import Any
 from rlfabric.config import ConfigError
 from rlfabric.run.checkpoints import CHECKPOINT_DIR, CheckpointStore
 from rlfabric.run.log import CONFIG_FILE
-from rlfabric.run.resume import resumed_config
+from rlfabric.run.resume import finished_training, resumed_config
 
 TRAINER_STATE_FILE = "trainer_state.json"  # written last: a checkpoint without it is incomplete
 REFERENCE_MODEL_DIR = "reference_model"  # the KL reference after an SFT warm-up, kept for --resume
@@ -121,11 +121,18 @@ def resume_point(run_dir: Path, overrides: list[str] | None) -> tuple[Any, Path]
     for folder in needed:
         if not folder.is_dir():
             raise ConfigError(f"--resume {str(run_dir)!r}: {folder.name}/ is missing from the run directory")
-    step = state["counters"]["step"]
-    if step >= cfg.training.total_steps:
+    step, total = state["counters"]["step"], cfg.training.total_steps
+    # At the total, a run that stopped before it finished (Ctrl-C in its last step, a crash in its final
+    # evaluation) only finishes; one that finished has nothing left to do.
+    if step == total and finished_training(run_dir):
         raise ConfigError(
-            f"training.total_steps = {cfg.training.total_steps} is not valid with --resume: the latest "
-            f"checkpoint ({checkpoint.name}) is at step {step} already; pass training.total_steps=N with N > {step}"
+            f"--resume {str(run_dir)!r}: the run finished at step {step} of {total} (its latest checkpoint, "
+            f"{checkpoint.name}); pass training.total_steps=N with N > {step} to train longer"
+        )
+    if step > total:
+        raise ConfigError(
+            f"training.total_steps = {total} is not valid with --resume: the latest checkpoint ({checkpoint.name}) is "
+            f"at step {step} already; pass training.total_steps=N with N > {step}"
         )
     if cfg.grpo.kl_coef > 0 and reference is None:
         raise ConfigError(

@@ -4,7 +4,6 @@ their checks. Documented key by key in docs/config.md."""
 
 from __future__ import annotations
 
-import difflib
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -128,43 +127,19 @@ class RewardsConfig:
         return {**{name: 0.0 for name in self.efficiency.counts}, **self.weights}
 
     def component_references(self) -> list[tuple[str, str]]:
-        """(field, component name) for every component these sections name: ``weights``, ``combine.clip`` and
-        ``combine.gates`` (gated and gate), and with the efficiency penalty on, ``efficiency.counts`` and
-        ``efficiency.success``. The default ``weights`` entry (``format: 0``) is left out: it names a component
-        only some rewards give."""
+        """(field, component name) for every component these sections name (``rlfabric.reward_names`` checks
+        them): ``weights``, ``combine.clip`` and ``combine.gates`` (gated and gate), with the efficiency penalty on
+        ``efficiency.counts`` and ``efficiency.success``, and with shadow verifiers ``shadow.train_component``. The
+        default ``weights`` entry (``format: 0``) is left out: it names a component only some rewards give."""
         named = [("rewards.weights", name) for name, w in self.weights.items() if (name, w) != ("format", 0.0)]
         named += [("rewards.combine.clip", name) for name in self.combine.clip]
         named += [("rewards.combine.gates", name) for pair in self.combine.gates.items() for name in pair]
         if self.efficiency.weight:
             named += [("rewards.efficiency.counts", name) for name in self.efficiency.counts]
             named.append(("rewards.efficiency.success", self.efficiency.success))
+        if self.shadow.functions:
+            named.append(("rewards.shadow.train_component", self.shadow.train_component))
         return named
-
-
-def unknown_components(references: list[tuple[str, str]], given: set[str]) -> list[tuple[str, str]]:
-    """The (field, name) pairs of ``references`` (as ``RewardsConfig.component_references`` gives them) whose
-    component is not in ``given``, the components the run's rewards gave; each pair once."""
-    return list(dict.fromkeys((where, name) for where, name in references if name not in given))
-
-
-def by_field(pairs: list[tuple[str, str]]) -> str:
-    """``rewards.weights names 'a', 'b'; rewards.combine.clip names 'c'`` for (field, name) pairs."""
-    fields: dict[str, list[str]] = {}
-    for where, name in pairs:
-        fields.setdefault(where, []).append(repr(name))
-    return "; ".join(f"{where} names {', '.join(names)}" for where, names in fields.items())
-
-
-def misspelt_components(references: list[tuple[str, str]], given: set[str]) -> str | None:
-    """One line naming each unknown component (``unknown_components``) that looks like a misspelling of a given
-    one (difflib's similarity ratio 0.8 or more), with the name it resembles; None when none does. A misspelt name
-    counts for nothing, while the component it meant keeps weight 1."""
-    found = []
-    for where, name in unknown_components(references, given):
-        close = difflib.get_close_matches(name, sorted(given), n=1, cutoff=0.8)
-        if close:
-            found.append(f"{where} names {name!r}, which no reward gives: did you mean {close[0]!r}?")
-    return "; ".join(found) or None
 
 
 @dataclass

@@ -73,7 +73,7 @@ def run_grpo(run_dir: Path, quiet: bool = True, **sections: dict) -> Run:
     """BASE with ``sections`` merged in, trained in ``run_dir``; not ``quiet``: what it prints is kept."""
     cfg = config_from_dict(merged(BASE, sections))
     console = io.StringIO()
-    with contextlib.redirect_stderr(console):
+    with contextlib.redirect_stderr(console) if not quiet else contextlib.nullcontext():
         summary = train_llm(cfg, run_dir, quiet=quiet)
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return Run(run_dir, summary, rows, console.getvalue())

@@ -5,7 +5,6 @@ import sys
 import time
 
 import pytest
-import torch
 
 from rlfabric.config import Config, ConfigError, apply_overrides, load_config, parse_override
 from rlfabric.config import ppo_config_from_dict as config_from_dict
@@ -346,17 +345,21 @@ def test_resume_refuses_changes_the_checkpoint_depends_on(tmp_path):
 
     (tmp_path / "config.yaml").write_text(dump_config(Config()))
     (tmp_path / "checkpoints").mkdir()
-    torch.save({"progress": {"env_steps": 400000}}, tmp_path / "checkpoints" / "iter_000003.pt")  # what resume reads
+    (tmp_path / "checkpoints" / "iter_000003.pt").write_bytes(b"")
     with pytest.raises(ConfigError, match=r"^model.hidden_sizes = \[32\] is not valid with --resume"):
         Trainer.from_run_dir(tmp_path, ["model.hidden_sizes=[32]"])
     assert Trainer.from_run_dir(tmp_path, ["training.total_env_steps=500000"]).cfg.training.total_env_steps == 500000
-    # a run that is done (a total its checkpoint has reached) only says how to train longer
+    # at its total without a summary (stopped in its final evaluation): resumed, to finish; a finished run (its
+    # summary) only says how to train longer
+    assert Trainer.from_run_dir(tmp_path, ["training.total_env_steps=400000"]).resume
+    (tmp_path / "summary.json").write_text('{"env": "gym:CartPole-v1", "env_steps": 400000}')
     with pytest.raises(
         ConfigError,
-        match=r"^training.total_env_steps = 400000 is not valid with --resume: the latest checkpoint "
-        r"\(iter_000003.pt\) is at 400000 env steps already; pass training.total_env_steps=N with N > 400000$",
+        match=r"^--resume '.*': the run finished at 400000 env steps of 400000; pass training.total_env_steps=N "
+        r"with N > 400000 to train longer$",
     ):
         Trainer.from_run_dir(tmp_path, ["training.total_env_steps=400000"])
+    assert Trainer.from_run_dir(tmp_path, ["training.total_env_steps=500000"]).resume
     with pytest.raises(ConfigError, match="already holds a run"):
         Trainer(Config(), tmp_path)  # a fresh run must not mix with an old one's checkpoints
     finished = tmp_path / "finished"  # a run too short for a checkpoint

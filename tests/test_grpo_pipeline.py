@@ -519,14 +519,17 @@ def test_kl_starts_at_zero_and_grows(request, which):
 
 def test_reward_weights_naming_components_no_reward_gives_are_noted(sync_run):
     """A misspelling at the first scored step, with the name it resembles; every name never given, at the end."""
-    notes = [line for line in sync_run.console.splitlines() if "no reward gave" in line or "no reward gives" in line]
+    notes = [line for line in sync_run.console.splitlines() if "no reward gave" in line]
     assert notes == [
-        "rlfabric: rewards.weights names 'corect', which no reward gives: did you mean 'correct'? (a name no reward "
-        "gives counts for nothing)",
-        "rlfabric: rewards.weights names 'corect', 'bonus': no reward gave such a component in this session's steps "
-        "(a penalty that never fired, or a name no reward gives, which counts for nothing; the rewards gave correct, "
-        "format, spread)",
+        "rlfabric: rewards.weights names 'corect' (did you mean 'correct'?): no reward gave such a component at the "
+        "first scored step",
+        "rlfabric: rewards.weights names 'corect', 'bonus': no reward gave such a component in the steps this "
+        "command ran (they gave correct, format, spread): a penalty that never fired, or a wrong name",
     ], sync_run.console
+
+
+def test_a_run_without_checkpointing_leaves_no_checkpoint(sync_run):
+    assert sync_run.summary["steps"] == 3 and not (sync_run.run_dir / "checkpoints").exists()  # checkpoint_every 0
 
 
 def test_dynamic_sampling_drops_groups_without_signal(sync_run):
@@ -829,6 +832,21 @@ def saved_run(tmp_path: Path, step: int, **sections: dict) -> Path:
     return run_dir
 
 
+def test_a_run_at_its_total_resumes_only_to_finish_and_a_finished_one_is_refused(tmp_path):
+    """A checkpoint at the last step and no summary: the run stopped in its last step or its final evaluation, and
+    --resume finishes it. With the summary of a finished run, --resume needs a larger total."""
+    run_dir = saved_run(tmp_path, step=3)  # BASE trains 3 steps
+    assert GRPOTrainer.from_run_dir(run_dir).resume_from.name == "step_000003"
+    (run_dir / "summary.json").write_text('{"algo": "grpo", "steps": 3}')
+    with pytest.raises(
+        ConfigError,
+        match=r"^--resume '.*run': the run finished at step 3 of 3 \(its latest checkpoint, step_000003\); pass "
+        r"training.total_steps=N with N > 3 to train longer$",
+    ):
+        GRPOTrainer.from_run_dir(run_dir)
+    assert GRPOTrainer.from_run_dir(run_dir, ["training.total_steps=4"]).cfg.training.total_steps == 4
+
+
 def test_a_run_saved_before_lr_schedules_resumes_at_the_constant_rate_it_trained_with(tmp_path):
     run_dir = saved_run(tmp_path, step=2, grpo={"lr_schedule": "linear"})
     assert GRPOTrainer.from_run_dir(run_dir).cfg.grpo.lr_schedule == "linear"  # saved: kept
@@ -843,7 +861,7 @@ def test_a_run_saved_before_lr_schedules_resumes_at_the_constant_rate_it_trained
     [
         (["model.builtin.hidden_size=64"], r"^model.builtin.hidden_size = 64 is not valid with --resume.* 32$"),
         (["data.train=task:countdown"], r"^data.train = 'task:countdown' is not valid with --resume"),
-        (["training.total_steps=2"], r"^training.total_steps = 2 is not valid with --resume: .* at step 2 already"),
+        (["training.total_steps=1"], r"^training.total_steps = 1 is not valid with --resume: .* at step 2 already"),
         (["grpo.kl_coef=0.1"], r"^grpo.kl_coef = 0.1 is not valid with --resume: this run saved no KL reference"),
     ],
 )

@@ -50,6 +50,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "rlfabric.text_env",  # the text env contract (multi-turn envs)
             "rlfabric.agent_loop",  # multi-turn episodes of text envs, built token by token
             "rlfabric.episode_rewards",  # reward functions on a text env's episodes: inputs, scores on the turns
+            "rlfabric.reward_names",  # the component names a reward config uses, against those its rewards give
             "rlfabric.tools",  # tools with JSON schemas, tool-call parsers, checked calls under a deadline
             "rlfabric.mcp_tools",  # tools served by MCP servers, one client session per episode
             "rlfabric.mcp_server_process",  # one HTTP MCP server process: started, pinged, stopped

@@ -91,7 +91,7 @@ def test_the_learners_batch_takes_its_advantages_from_the_combined_reward():
 
 def test_component_names_no_reward_gave_are_named_by_field_and_misspellings_get_the_name_they_resemble():
     from rlfabric.config import config_from_dict
-    from rlfabric.reward_config import by_field, misspelt_components, unknown_components
+    from rlfabric.reward_names import misspelling_note, names_by_field, unknown_components
 
     rewards = config_from_dict(
         {
@@ -99,6 +99,7 @@ def test_component_names_no_reward_gave_are_named_by_field_and_misspellings_get_
                 "weights": {"format": 0.0, "corect": 2.0, "length": 0.5, "penalty": -1.0},
                 "combine": {"clip": {"lenght": [-1, 0]}, "gates": {"length": "corect"}},
                 "efficiency": {"weight": 0.1, "counts": ["tool_calls"], "success": "correct"},
+                "shadow": {"functions": [{"name": "arithmetic"}], "train_component": "correct"},
             }
         }
     ).rewards
@@ -110,19 +111,20 @@ def test_component_names_no_reward_gave_are_named_by_field_and_misspellings_get_
         ("rewards.combine.clip", "lenght"),
         ("rewards.combine.gates", "corect"),
     ]
-    assert by_field(unknown) == (
+    assert names_by_field(unknown) == (
         "rewards.weights names 'corect', 'penalty'; rewards.combine.clip names 'lenght'; "
         "rewards.combine.gates names 'corect'"
     )
-    assert misspelt_components(rewards.component_references(), given) == (
-        "rewards.weights names 'corect', which no reward gives: did you mean 'correct'?; "
-        "rewards.combine.clip names 'lenght', which no reward gives: did you mean 'length'?; "
-        "rewards.combine.gates names 'corect', which no reward gives: did you mean 'correct'?"
+    assert misspelling_note(rewards.component_references(), given) == (
+        "rewards.weights names 'corect' (did you mean 'correct'?); rewards.combine.clip names 'lenght' (did you mean "
+        "'length'?); rewards.combine.gates names 'corect' (did you mean 'correct'?): no reward gave such a "
+        "component at the first scored step"
     )
     assert unknown_components(rewards.component_references(), given | {"corect", "lenght", "penalty"}) == []
-    assert misspelt_components([("rewards.weights", "penalty")], given) is None  # resembles no given name
-    # the default weights' format: 0 names a component only some rewards give; an efficiency penalty that is off
-    # names nothing
+    assert misspelling_note([("rewards.weights", "penalty")], given) is None  # resembles no given name
+    assert ("rewards.shadow.train_component", "correct") in rewards.component_references()
+    # the default weights' format: 0 names a component only some rewards give; an efficiency penalty that is off,
+    # and shadow verifiers that are off, name nothing
     assert config_from_dict({}).rewards.component_references() == []
     off = config_from_dict({"rewards": {"efficiency": {"counts": ["calls"], "success": "won"}}}).rewards
     assert off.component_references() == []

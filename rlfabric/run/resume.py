@@ -26,7 +26,7 @@ def refuse_run_over(run_dir: Path, has_checkpoint: bool) -> None:
     ``algo`` or ``env``), or left a checkpoint (``has_checkpoint``). A directory left by a run that stopped before
     its first row, or holding only a trained reward model, is reused."""
     trained = any(row.get("phase") not in REWARD_MODEL_PHASES for row in read_metrics(run_dir))
-    if not (has_checkpoint or trained or _finished_training(run_dir / SUMMARY_FILE)):
+    if not (has_checkpoint or trained or finished_training(run_dir)):
         return
     how = (
         f": continue it with --resume {str(run_dir)!r}, choose another directory, or delete it"
@@ -36,15 +36,25 @@ def refuse_run_over(run_dir: Path, has_checkpoint: bool) -> None:
     raise ConfigError(f"--run-dir {str(run_dir)!r} already holds a run{how}")
 
 
-def _finished_training(summary: Path) -> bool:
-    """Whether ``summary`` is a training run's (PPO's names its env, GRPO's its algo; train-rm's does neither)."""
+def finished_training(run_dir: Path) -> bool:
+    """Whether a training run finished in ``run_dir`` (see ``finished_summary``)."""
+    return finished_summary(run_dir) is not None
+
+
+def finished_summary(run_dir: Path) -> dict[str, Any] | None:
+    """The summary of the training run that finished in ``run_dir`` (PPO's names its env, GRPO's its algo;
+    train-rm's does neither), ``{}`` when it cannot be read; None when none finished there (a run stopped before
+    its end, by Ctrl-C or a crash in its final evaluation, wrote none)."""
+    summary = run_dir / SUMMARY_FILE
     if not summary.is_file():
-        return False
+        return None
     try:
         found = json.loads(summary.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError):
-        return True  # unreadable: assume the worst
-    return not isinstance(found, dict) or "algo" in found or "env" in found
+        return {}  # unreadable: assume the worst
+    if not isinstance(found, dict):
+        return {}
+    return found if "algo" in found or "env" in found else None
 
 
 def _get_path(cfg: Any, dotted: str) -> Any:
