@@ -248,8 +248,11 @@ def eval_config(config: str | None, overrides: list[str], policy: PolicySource) 
         check_model_source(cfg.model.path)  # a missing folder or unknown hub id: one line, before anything starts
     if policy.run_dir is not None:
         point_at_run_reward_model(cfg, policy.run_dir)
-    for i, spec in enumerate(cfg.rewards.functions):
-        rewards.resolve_reward(dataclasses.asdict(spec), f"rewards.functions[{i}]")
+    functions = {
+        f"rewards.functions[{i}]": rewards.resolve_reward(dataclasses.asdict(spec), f"rewards.functions[{i}]")
+        for i, spec in enumerate(cfg.rewards.functions)
+    }
+    cfg.rewards.weights = rewards.weights_with_defaults(cfg.rewards.weights, functions)
     return cfg, path or "the defaults"
 
 

@@ -92,9 +92,12 @@ class GRPOTrainer(GRPOSetup):
             refuse_run_over(self.run_dir, checkpoints.exists() and any(checkpoints.iterdir()))
         # A reward_model spec without a path serves the reward model this run trains first (reward_model.pairs).
         self.trained_reward_specs = point_at_run_reward_model(cfg, self.run_dir)
-        for i, spec in enumerate(cfg.rewards.functions):  # unknown reward names fail before any actor starts
-            if i not in self.trained_reward_specs:  # checked once the run has trained its reward model
-                rewards.resolve_reward(dataclasses.asdict(spec), f"rewards.functions[{i}]")
+        functions = {  # unknown reward names fail before any actor starts
+            f"rewards.functions[{i}]": rewards.resolve_reward(dataclasses.asdict(spec), f"rewards.functions[{i}]")
+            for i, spec in enumerate(cfg.rewards.functions)
+            if i not in self.trained_reward_specs  # checked once the run has trained its reward model
+        }
+        cfg.rewards.weights = rewards.weights_with_defaults(cfg.rewards.weights, functions)
         for i, spec in enumerate(cfg.rewards.shadow.functions):
             rewards.resolve_reward(dataclasses.asdict(spec), f"rewards.shadow.functions[{i}]")
         check_model_source(cfg.model.path)  # a missing folder or unknown hub id: one line, before anything starts

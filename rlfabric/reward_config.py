@@ -99,8 +99,9 @@ class ProcessConfig:
 @dataclass
 class RewardsConfig:
     functions: list[RewardFunctionConfig] = field(default_factory=lambda: [RewardFunctionConfig()])
-    # Weight of each named component in the scalar reward; components not listed count with weight 1.
-    weights: dict[str, float] = field(default_factory=lambda: {"format": 0.0})
+    # Weight of each named component in the scalar reward; a component not listed counts with the weight its
+    # reward function declares (@default_weights: the built-in verifiers' format weighs 0), else 1.
+    weights: dict[str, float] = field(default_factory=dict)
     num_workers: int = 1
     num_cpus: float = 0.5
     # GPUs per reward worker (a fraction shares one): a model the worker loads itself (a reward model, a process
@@ -129,9 +130,8 @@ class RewardsConfig:
     def component_references(self) -> list[tuple[str, str]]:
         """(field, component name) for every component these sections name (``rlfabric.reward_names`` checks
         them): ``weights``, ``combine.clip`` and ``combine.gates`` (gated and gate), with the efficiency penalty on
-        ``efficiency.counts`` and ``efficiency.success``, and with shadow verifiers ``shadow.train_component``. The
-        default ``weights`` entry (``format: 0``) is left out: it names a component only some rewards give."""
-        named = [("rewards.weights", name) for name, w in self.weights.items() if (name, w) != ("format", 0.0)]
+        ``efficiency.counts`` and ``efficiency.success``, and with shadow verifiers ``shadow.train_component``."""
+        named = [("rewards.weights", name) for name in self.weights]
         named += [("rewards.combine.clip", name) for name in self.combine.clip]
         named += [("rewards.combine.gates", name) for pair in self.combine.gates.items() for name in pair]
         if self.efficiency.weight:

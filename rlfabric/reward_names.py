@@ -1,14 +1,15 @@
 """The reward component names a config uses, against the components its rewards give.
 
-A name is only a name: a component misspelt in ``rewards.weights`` weighs nothing (the component meant keeps weight
-1), a misspelt gate never passes (its gated component counts nowhere), a misspelt clip clips nothing, a misspelt
-``efficiency.success`` never marks a success. Pure functions: the driver prints what they return
+A name is only a name: a component misspelt in ``rewards.weights`` weighs nothing (the component meant keeps its
+default weight), a misspelt gate never passes (its gated component counts nowhere), a misspelt clip clips nothing,
+a misspelt ``efficiency.success`` never marks a success. Pure functions: the driver prints what they return
 (``rlfabric.llm_driver``); ``RewardsConfig.component_references`` lists the names, as (field, name) pairs.
 """
 
 from __future__ import annotations
 
 import difflib
+from collections.abc import Callable
 
 # How close a name must be to a given component to be taken for its misspelling (difflib's ratio 2M / T).
 MISSPELLING_RATIO = 0.8
@@ -20,20 +21,26 @@ def unknown_components(references: list[tuple[str, str]], given: set[str]) -> li
     return list(dict.fromkeys((where, name) for where, name in references if name not in given))
 
 
-def names_by_field(pairs: list[tuple[str, str]]) -> str:
-    """``rewards.weights names 'a', 'b'; rewards.combine.clip names 'c'`` for (field, name) pairs."""
+def names_by_field(pairs: list[tuple[str, str]], label: Callable[[str], str] = repr) -> str:
+    """``rewards.weights names 'a', 'b'; rewards.combine.clip names 'c'`` for (field, name) pairs; ``label``
+    writes each name."""
     fields: dict[str, list[str]] = {}
     for where, name in pairs:
-        fields.setdefault(where, []).append(repr(name))
+        fields.setdefault(where, []).append(label(name))
     return "; ".join(f"{where} names {', '.join(names)}" for where, names in fields.items())
 
 
 def misspelling_note(references: list[tuple[str, str]], given: set[str]) -> str | None:
     """One line naming each unknown name (``unknown_components``) that resembles a given component (difflib's
     ratio at least ``MISSPELLING_RATIO``), with the component it resembles; None when none does."""
+    resembles: dict[str, str] = {}
     found = []
     for where, name in unknown_components(references, given):
         close = difflib.get_close_matches(name, sorted(given), n=1, cutoff=MISSPELLING_RATIO)
         if close:
-            found.append(f"{where} names {name!r} (did you mean {close[0]!r}?)")
-    return "; ".join(found) + ": no reward gave such a component at the first scored step" if found else None
+            resembles[name] = close[0]
+            found.append((where, name))
+    if not found:
+        return None
+    described = names_by_field(found, lambda name: f"{name!r} (did you mean {resembles[name]!r}?)")
+    return described + ": no reward gave such a component at the first scored step"

@@ -21,7 +21,8 @@ BASE: dict = {
     "sampling": {"max_new_tokens": 4, "temperature": 1.0, "top_p": 1.0, "top_k": 0},
     "generator": {"backend": "torch", "num_generators": 1, "num_cpus": 0.5, "timeout_s": 120},
     "learner": {"num_learners": 1, "num_cpus": 0.5},
-    "rewards": {"functions": [{"name": "arithmetic"}], "weights": {"format": 0.0}, "num_cpus": 0.25},
+    # no weights: correct counts 1, format 0 by the arithmetic reward's own default (a test relies on it)
+    "rewards": {"functions": [{"name": "arithmetic"}], "weights": {}, "num_cpus": 0.25},
     "grpo": {
         "prompts_per_step": 2,
         "group_size": 4,

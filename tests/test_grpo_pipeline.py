@@ -44,7 +44,7 @@ from rlfabric.models.hf import build_small_model_dir, load_causal_lm, load_token
 from rlfabric.models.packed_batch import pack_sequences
 from rlfabric.models.shared_weights import SHM_DIR
 from rlfabric.models.weights import as_state_dict
-from rlfabric.rewards import RewardInput, register_reward
+from rlfabric.rewards import RewardInput, default_weights, register_reward
 from rlfabric.run.log import read_metrics
 from rlfabric.run.progress import grpo_progress_line as progress_line
 
@@ -78,6 +78,13 @@ def spread(inputs: list[RewardInput], *, only_even_answers: bool = False) -> lis
     return [{"spread": (sum(map(ord, s.completion)) % 5) / 4} for s in inputs]
 
 
+@default_weights(chars=0.0)
+def completion_chars(inputs: list[RewardInput]) -> list[dict[str, float]]:
+    """A measurement, not a reward: it declares weight 0 for its one component."""
+    return [{"chars": float(len(s.completion))} for s in inputs]
+
+
+register_reward("test_completion_chars", completion_chars)
 register_reward("test_raises_on_7", raises_on_7)
 register_reward("test_hangs_on_one_prompt", hangs_on_one_prompt)
 register_reward("test_spread", spread)
@@ -127,13 +134,17 @@ def lagged_run(local_ray, tmp_path_factory) -> Run:
 @pytest.fixture(scope="module")
 def sync_run(local_ray, tmp_path_factory) -> Run:
     """Its weights name components no reward gives (``corect``, ``bonus``: weight 1 as for any unnamed one, no
-    effect)."""
+    effect) and leave out ``format`` and ``chars``, which their rewards weigh 0 by default."""
     return run_grpo(
         tmp_path_factory.mktemp("sync") / "run",
         quiet=False,
         rewards={
-            "functions": [{"name": "arithmetic"}, {"name": "test_spread", "kwargs": {"only_even_answers": True}}],
-            "weights": {"format": 0.0, "correct": 1.0, "corect": 1.0, "bonus": 1.0},
+            "functions": [
+                {"name": "arithmetic"},
+                {"name": "test_spread", "kwargs": {"only_even_answers": True}},
+                {"name": "test_completion_chars"},
+            ],
+            "weights": {"correct": 1.0, "corect": 1.0, "bonus": 1.0},
         },
         sft={"steps": 3, "lr": 1e-2},
         grpo={"kl_coef": 0.1, "reference": "actor", "lr": 1e-2, "dynamic_sampling": True},
@@ -524,8 +535,17 @@ def test_reward_weights_naming_components_no_reward_gives_are_noted(sync_run):
         "rlfabric: rewards.weights names 'corect' (did you mean 'correct'?): no reward gave such a component at the "
         "first scored step",
         "rlfabric: rewards.weights names 'corect', 'bonus': no reward gave such a component in the steps this "
-        "command ran (they gave correct, format, spread): a penalty that never fired, or a wrong name",
+        "command ran (they gave chars, correct, format, spread): a penalty that never fired, or a wrong name",
     ], sync_run.console
+
+
+def test_a_component_the_weights_leave_out_has_the_weight_its_reward_declares(sync_run):
+    """The weights name correct and leave out the rest: format and chars weigh 0 (the arithmetic reward and
+    test_completion_chars declare it), spread 1 (its reward declares nothing)."""
+    rows = sync_run.phase("grpo")
+    assert all(r["reward_chars"] > 0 for r in rows), rows  # else the declared weight would not show
+    for r in rows:
+        assert r["reward_mean"] == pytest.approx(r["reward_correct"] + r["reward_spread"], abs=1e-6), r
 
 
 def test_a_run_without_checkpointing_leaves_no_checkpoint(sync_run):

@@ -96,35 +96,37 @@ def test_component_names_no_reward_gave_are_named_by_field_and_misspellings_get_
     rewards = config_from_dict(
         {
             "rewards": {
-                "weights": {"format": 0.0, "corect": 2.0, "length": 0.5, "penalty": -1.0},
+                "weights": {"formt": 0.0, "corect": 2.0, "length": 0.5, "penalty": -1.0},
                 "combine": {"clip": {"lenght": [-1, 0]}, "gates": {"length": "corect"}},
                 "efficiency": {"weight": 0.1, "counts": ["tool_calls"], "success": "correct"},
                 "shadow": {"functions": [{"name": "arithmetic"}], "train_component": "correct"},
             }
         }
     ).rewards
-    given = {"correct", "length", "tool_calls"}
+    given = {"correct", "format", "length", "tool_calls"}
     unknown = unknown_components(rewards.component_references(), given)
     assert unknown == [
+        ("rewards.weights", "formt"),  # a zero weight too: misspelt, the component meant keeps its weight
         ("rewards.weights", "corect"),
         ("rewards.weights", "penalty"),
         ("rewards.combine.clip", "lenght"),
         ("rewards.combine.gates", "corect"),
     ]
     assert names_by_field(unknown) == (
-        "rewards.weights names 'corect', 'penalty'; rewards.combine.clip names 'lenght'; "
+        "rewards.weights names 'formt', 'corect', 'penalty'; rewards.combine.clip names 'lenght'; "
         "rewards.combine.gates names 'corect'"
     )
     assert misspelling_note(rewards.component_references(), given) == (
-        "rewards.weights names 'corect' (did you mean 'correct'?); rewards.combine.clip names 'lenght' (did you mean "
+        "rewards.weights names 'formt' (did you mean 'format'?), 'corect' (did you mean 'correct'?); "
+        "rewards.combine.clip names 'lenght' (did you mean "
         "'length'?); rewards.combine.gates names 'corect' (did you mean 'correct'?): no reward gave such a "
         "component at the first scored step"
     )
-    assert unknown_components(rewards.component_references(), given | {"corect", "lenght", "penalty"}) == []
+    assert unknown_components(rewards.component_references(), given | {"formt", "corect", "lenght", "penalty"}) == []
     assert misspelling_note([("rewards.weights", "penalty")], given) is None  # resembles no given name
     assert ("rewards.shadow.train_component", "correct") in rewards.component_references()
-    # the default weights' format: 0 names a component only some rewards give; an efficiency penalty that is off,
-    # and shadow verifiers that are off, name nothing
+    # the default weights name nothing; an efficiency penalty that is off, and shadow verifiers that are off, name
+    # nothing
     assert config_from_dict({}).rewards.component_references() == []
     off = config_from_dict({"rewards": {"efficiency": {"counts": ["calls"], "success": "won"}}}).rewards
     assert off.component_references() == []

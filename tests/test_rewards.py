@@ -201,3 +201,38 @@ def test_resolve_errors_name_the_field_and_what_is_registered():
         resolve_reward({"name": "length", "kwargs": {"max_tokens": 5}})
     with pytest.raises(ConfigError, match="unknown key.* weight; a reward spec has 'name' and 'kwargs'"):
         RewardSpec.parse({"name": "math", "weight": 2})
+
+
+@rewards.default_weights(steps=0.0, style=0.5)
+def styled(inputs: list[RewardInput], *, scale: float = 1.0) -> list[dict[str, float]]:
+    return [{"correct": scale, "steps": 3.0, "style": 1.0} for _ in inputs]
+
+
+def test_components_a_function_weighs_by_default_and_the_config_overrides():
+    # The built-in verifiers' format describes the answer, it is no reward: 0 unless rewards.weights names it.
+    verifiers = {f"rewards.functions[{i}]": resolve_reward(name) for i, name in enumerate(["arithmetic", "math"])}
+    assert rewards.weights_with_defaults({}, verifiers) == {"format": 0.0}
+    assert rewards.weights_with_defaults({"correct": 2.0}, verifiers) == {"correct": 2.0, "format": 0.0}
+    assert rewards.weights_with_defaults({"format": 0.1}, verifiers) == {"format": 0.1}
+    assert rewards.weights_with_defaults({"x": 1.0}, {"f": brevity}) == {"x": 1.0}  # declares nothing
+    # declared on a function of the user's, kept when kwargs are bound
+    register_reward("styled", styled)
+    bound = resolve_reward({"name": "styled", "kwargs": {"scale": 2.0}})
+    assert rewards.weights_with_defaults({"style": 1.0}, {"f": bound}) == {"style": 1.0, "steps": 0.0}
+
+
+def test_two_functions_that_weigh_a_component_differently_must_be_settled_by_the_config():
+    @rewards.default_weights(format=1.0)
+    def strict_format(inputs: list[RewardInput]) -> list[dict[str, float]]:
+        return [{"format": 1.0} for _ in inputs]
+
+    functions = {"rewards.functions[0]": resolve_reward("arithmetic"), "rewards.functions[1]": strict_format}
+    with pytest.raises(ConfigError) as info:
+        rewards.weights_with_defaults({}, functions)
+    assert str(info.value) == (
+        "rewards.functions[0] weighs component 'format' 0 by default and rewards.functions[1] weighs it 1: give "
+        "rewards.weights.format the weight it should have"
+    )
+    assert rewards.weights_with_defaults({"format": 0.5}, functions) == {"format": 0.5}
+    with pytest.raises(TypeError, match=r"default_weights\(format='0'\): a weight must be a number"):
+        rewards.default_weights(format="0")

@@ -375,7 +375,7 @@ def test_a_valid_config_reaches_the_learners_batch_spec_with_counts_weighing_zer
     }
     default = config_from_dict({"algo": "grpo"})
     assert default.grpo.step_credit == "none" and default.rewards.efficiency.weight == 0.0
-    assert batch_spec(default)["reward_weights"] == {"format": 0.0}
+    assert batch_spec(default)["reward_weights"] == {}  # format's 0 is the arithmetic reward's, merged by the driver
 
 
 def test_the_config_reference_lists_every_step_credit():

@@ -17,6 +17,7 @@ from rlfabric.rewards.registry import (
     RewardResult,
     RewardSpec,
     Unscored,
+    default_weights,
     is_pointwise,
     is_process_reward,
     list_rewards,
@@ -26,6 +27,7 @@ from rlfabric.rewards.registry import (
     register_reward,
     resolve_reward,
     snapshot,
+    weights_with_defaults,
 )
 
 __all__ = [
@@ -36,6 +38,7 @@ __all__ = [
     "RewardSpec",
     "Unscored",
     "answers_match",
+    "default_weights",
     "extract_answer",
     "list_rewards",
     "is_pointwise",
@@ -47,4 +50,5 @@ __all__ = [
     "register_reward",
     "resolve_reward",
     "snapshot",
+    "weights_with_defaults",
 ]

@@ -1,6 +1,8 @@
 """Built-in reward functions, registered under their names when ``rlfabric.rewards`` is imported.
 
-Each scores a group and returns, per completion, named components in [0, 1] (``length`` in [-scale, 0]):
+Each scores a group and returns, per completion, named components in [0, 1] (``length`` in [-scale, 0]). The
+verifiers' ``format`` weighs 0 unless ``rewards.weights`` names it (``@default_weights``): it is logged, not
+rewarded.
 
 * ``math``: ``correct`` (the extracted answer matches ``metadata["answer"]``), ``format`` (the answer was given in
   ``\\boxed{}`` or after an ``answer:`` / ``####`` marker, not just as the last number in the text).
@@ -31,7 +33,7 @@ from typing import Any
 
 from rlfabric.rewards.likelihood import likelihood_reward, teacher_logprob_reward
 from rlfabric.rewards.math_verify import answers_match, find_answer
-from rlfabric.rewards.registry import RewardInput, register_reward
+from rlfabric.rewards.registry import RewardInput, default_weights, register_reward
 from rlfabric.rewards.reward_model import reward_model_reward
 
 
@@ -47,6 +49,7 @@ def _first_line(text: str) -> str:
     return text.split("\n", 1)[0].strip()
 
 
+@default_weights(format=0.0)  # well formed is not correct: logged, not rewarded
 def math_reward(inputs: list[RewardInput], *, answer_key: str = "answer") -> list[dict[str, float]]:
     out = []
     for sample in inputs:
@@ -59,6 +62,7 @@ def math_reward(inputs: list[RewardInput], *, answer_key: str = "answer") -> lis
 _INTEGER_RE = re.compile(r"-?\d+")
 
 
+@default_weights(format=0.0)  # well formed is not correct: logged, not rewarded
 def arithmetic_reward(inputs: list[RewardInput], *, answer_key: str = "answer") -> list[dict[str, float]]:
     out = []
     for sample in inputs:
@@ -113,6 +117,7 @@ def evaluate_expression(tree: ast.expr) -> Fraction | None:
     return _BINARY_OPS[type(tree.op)](left, right)
 
 
+@default_weights(format=0.0)  # well formed is not correct: logged, not rewarded
 def countdown_reward(
     inputs: list[RewardInput], *, numbers_key: str = "numbers", target_key: str = "target"
 ) -> list[dict[str, float]]:

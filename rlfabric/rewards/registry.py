@@ -16,6 +16,9 @@ texts, which tile the completion) and gives one dict per step instead of one per
 (or ``Unscored`` for a sample). Process rewards and outcome rewards run side by side: each completion's result has
 its outcome components and its per-step components (``RewardResult.step_components``).
 
+A function marked ``@default_weights(format=0.0)`` gives the weight of a component ``rewards.weights`` leaves out
+(otherwise 1): a component that describes a sample rather than rewards it.
+
 A function marked ``@pointwise`` scores each sample on its own (a reward model's forward pass): the reward service
 hands it every sample of a call at once, across groups, so it can batch them. A function may carry
 ``check_kwargs(**kwargs)``, which ``resolve_reward`` calls on the driver, so a bad argument (a model path that
@@ -139,6 +142,49 @@ def is_pointwise(fn: Callable[..., Any]) -> bool:
     return bool(getattr(fn, "pointwise", False))
 
 
+def default_weights(**weights: float) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Declare the weights of ``fn``'s components that ``rewards.weights`` does not name, as
+    ``@default_weights(format=0.0)``: for a component that describes a sample rather than rewards it (the built-in
+    verifiers' ``format``: was the answer well formed), which would otherwise count with weight 1. A weight the
+    config gives wins; components declared nowhere keep weight 1."""
+    for name, weight in weights.items():
+        if isinstance(weight, bool) or not isinstance(weight, int | float):
+            raise TypeError(f"default_weights({name}={weight!r}): a weight must be a number")
+
+    def mark(fn: Callable[..., Any]) -> Callable[..., Any]:
+        fn.default_reward_weights = {name: float(w) for name, w in weights.items()}  # type: ignore[attr-defined]
+        return fn
+
+    return mark
+
+
+def declared_weights(fn: Callable[..., Any]) -> dict[str, float]:
+    """The component weights ``fn`` declares with ``@default_weights`` ({} if none)."""
+    return dict(getattr(fn, "default_reward_weights", None) or {})
+
+
+def weights_with_defaults(
+    weights: Mapping[str, float], functions: Mapping[str, Callable[..., Any]], field: str = "rewards.weights"
+) -> dict[str, float]:
+    """``weights`` (the config's ``rewards.weights``) and, for each component they leave out, the weight that one
+    of ``functions`` ({config field: function}) declares with ``@default_weights``. Two functions that declare
+    different weights for a component ``weights`` leaves out: ConfigError, since neither can be preferred."""
+    merged = dict(weights)
+    declared_by: dict[str, tuple[str, float]] = {}
+    for where, fn in functions.items():
+        for name, weight in declared_weights(fn).items():
+            if name in weights:
+                continue
+            first = declared_by.setdefault(name, (where, weight))
+            if first[1] != weight:
+                raise ConfigError(
+                    f"{first[0]} weighs component {name!r} {first[1]:g} by default and {where} weighs it "
+                    f"{weight:g}: give {field}.{name} the weight it should have"
+                )
+            merged[name] = weight
+    return merged
+
+
 def process_reward(fn: Callable[..., Any]) -> Callable[..., Any]:
     """Mark ``fn`` as a process reward: it reads each input's ``steps`` and returns, per input, a list of one
     component dict per step (or ``Unscored``). It may also be ``@pointwise``."""
@@ -214,6 +260,7 @@ def _bind(fn: Callable[..., Any], spec: RewardSpec, field: str) -> RewardFn:
     bound = functools.partial(fn, **spec.kwargs)
     bound.pointwise = is_pointwise(fn)  # type: ignore[attr-defined]
     bound.scores_steps = is_process_reward(fn)  # type: ignore[attr-defined]
+    bound.default_reward_weights = declared_weights(fn)  # type: ignore[attr-defined]
     return bound
 
 
