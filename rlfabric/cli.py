@@ -99,7 +99,7 @@ def cmd_train_llm(args: argparse.Namespace, cfg: object | None) -> int:
 
     if args.resume:
         trainer = GRPOTrainer.from_run_dir(args.resume, args.overrides, quiet=args.quiet)
-        where = f"from {trainer.resume_from.name}"  # type: ignore[union-attr]
+        where = f"resuming from {trainer.resume_from.name}"  # type: ignore[union-attr]
     else:
         run_dir = Path(args.run_dir) if args.run_dir else default_run_dir(cfg)
         trainer = GRPOTrainer(cfg, run_dir, quiet=args.quiet)  # type: ignore[arg-type]

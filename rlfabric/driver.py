@@ -31,7 +31,7 @@ from rlfabric.run.interrupts import stop_requests
 from rlfabric.run.log import CONFIG_FILE, RunLog, write_summary
 from rlfabric.run.plots import plot_learning_curve
 from rlfabric.run.progress import EtaClock, ppo_progress_line
-from rlfabric.run.resume import finished_summary, refuse_run_over, resumed_config
+from rlfabric.run.resume import finished_summary, no_checkpoint_error, refuse_run_over, resumed_config
 from rlfabric.runner_pool import Completed, RunAbortedError, RunnerPool, error_summary
 
 # How long setup waits for an actor to start before blaming the cluster's resources.
@@ -158,7 +158,7 @@ class Trainer:
         if not (run_dir / CONFIG_FILE).is_file():
             raise ConfigError(f"--resume {str(run_dir)!r}: not a run directory (no {CONFIG_FILE})")
         if latest_checkpoint(run_dir) is None:
-            raise ConfigError(f"--resume {str(run_dir)!r}: no checkpoint found under {CHECKPOINT_DIR}/")
+            raise no_checkpoint_error(run_dir, CHECKPOINT_DIR)
         cfg = resumed_config(run_dir, overrides, FIXED_ON_RESUME)
         # A run that finished has nothing left to do at its total (one stopped in its final evaluation finishes).
         done = (finished_summary(run_dir) or {}).get("env_steps")

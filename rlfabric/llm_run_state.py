@@ -14,7 +14,7 @@ from typing import Any
 from rlfabric.config import ConfigError
 from rlfabric.run.checkpoints import CHECKPOINT_DIR, CheckpointStore
 from rlfabric.run.log import CONFIG_FILE
-from rlfabric.run.resume import finished_training, resumed_config
+from rlfabric.run.resume import finished_training, no_checkpoint_error, resumed_config
 
 TRAINER_STATE_FILE = "trainer_state.json"  # written last: a checkpoint without it is incomplete
 REFERENCE_MODEL_DIR = "reference_model"  # the KL reference after an SFT warm-up, kept for --resume
@@ -108,10 +108,7 @@ def resume_point(run_dir: Path, overrides: list[str] | None) -> tuple[Any, Path]
         raise ConfigError(f"--resume {str(run_dir)!r}: not a run directory (no {CONFIG_FILE})")
     checkpoint = latest_checkpoint(run_dir)
     if checkpoint is None:
-        raise ConfigError(
-            f"--resume {str(run_dir)!r}: no checkpoint found under {CHECKPOINT_DIR}/ "
-            "(runs save them every training.checkpoint_every steps)"
-        )
+        raise no_checkpoint_error(run_dir, CHECKPOINT_DIR)
     cfg = resumed_config(run_dir, overrides, FIXED_ON_RESUME)
     state = read_trainer_state(checkpoint)
     needed = [run_dir / INITIAL_MODEL_DIR] if cfg.model.path == "builtin" else []

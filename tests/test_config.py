@@ -367,6 +367,13 @@ def test_resume_refuses_changes_the_checkpoint_depends_on(tmp_path):
     (finished / "summary.json").write_text('{"env": "gym:CartPole-v1"}')
     with pytest.raises(ConfigError, match=r"already holds a run \(it has no checkpoint to resume\)"):
         Trainer(Config(), finished)
+    (finished / "config.yaml").write_text(dump_config(Config()))
+    with pytest.raises(ConfigError) as info:
+        Trainer.from_run_dir(finished)
+    assert str(info.value) == (
+        f"--resume {str(finished)!r}: no checkpoint found under checkpoints/: the run stopped before its first "
+        "(training.checkpoint_every: 10)"
+    )
 
 
 @pytest.mark.parametrize(

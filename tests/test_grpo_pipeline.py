@@ -949,12 +949,22 @@ def test_a_new_run_never_writes_over_a_finished_run_without_checkpoints(tmp_path
 
 
 def test_cli_resume_without_a_checkpoint_says_so_in_one_line(tmp_path):
-    run_dir = saved_run(tmp_path, step=2)
+    run_dir = saved_run(tmp_path, step=2)  # BASE: checkpoint_every 0
     shutil.rmtree(run_dir / "checkpoints")
     proc = cli([sys.executable, "-m", "rlfabric.cli", "train", "--resume", str(run_dir)], tmp_path)
     assert proc.returncode == 2, proc.stderr
-    lines = error_lines(proc)
-    assert len(lines) == 1 and "no checkpoint found" in lines[0], proc.stderr
+    assert error_lines(proc) == [
+        f"rlfabric: config error: --resume {str(run_dir)!r}: no checkpoint found under checkpoints/: the run was "
+        "started with training.checkpoint_every: 0, which saves none"
+    ], proc.stderr
+    run_dir = saved_run(tmp_path / "every_2", step=2, training={"checkpoint_every": 2})
+    shutil.rmtree(run_dir / "checkpoints")
+    with pytest.raises(ConfigError) as info:
+        GRPOTrainer.from_run_dir(run_dir)
+    assert str(info.value) == (
+        f"--resume {str(run_dir)!r}: no checkpoint found under checkpoints/: the run stopped before its first "
+        "(training.checkpoint_every: 2)"
+    )
 
 
 def test_cli_resume_refuses_run_dir(tmp_path):

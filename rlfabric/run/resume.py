@@ -36,6 +36,24 @@ def refuse_run_over(run_dir: Path, has_checkpoint: bool) -> None:
     raise ConfigError(f"--run-dir {str(run_dir)!r} already holds a run{how}")
 
 
+def no_checkpoint_error(run_dir: Path, checkpoint_dir: str) -> ConfigError:
+    """The one line for ``--resume`` of a run that left no checkpoint, saying why from its saved config: it ran
+    with ``training.checkpoint_every: 0``, or it stopped before its first checkpoint."""
+    try:
+        saved = yaml.safe_load((run_dir / CONFIG_FILE).read_text()) or {}
+        every = (saved.get("training") or {}).get("checkpoint_every")
+    except (OSError, yaml.YAMLError, AttributeError):
+        every = None
+    why = (
+        "the run was started with training.checkpoint_every: 0, which saves none"
+        if every == 0
+        else f"the run stopped before its first (training.checkpoint_every: {every})"
+        if every is not None
+        else "the run stopped before its first"
+    )
+    return ConfigError(f"--resume {str(run_dir)!r}: no checkpoint found under {checkpoint_dir}/: {why}")
+
+
 def finished_training(run_dir: Path) -> bool:
     """Whether a training run finished in ``run_dir`` (see ``finished_summary``)."""
     return finished_summary(run_dir) is not None
