@@ -5,8 +5,11 @@ samples."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import random
+import re
 from pathlib import Path
 
 import pytest
@@ -122,7 +125,12 @@ def judge_dir(tmp_path_factory) -> Path:
         },
     }
     (root / "judge.yaml").write_text(yaml.safe_dump(config))
-    assert main(["train-rm", str(root / "judge.yaml"), "--run-dir", str(root / "run"), "--quiet"]) == 0
+    printed = io.StringIO()  # not --quiet: the progress lines are a judge's, not a classifier's
+    with contextlib.redirect_stdout(printed), contextlib.redirect_stderr(printed):
+        assert main(["train-rm", str(root / "judge.yaml"), "--run-dir", str(root / "run")]) == 0
+    lines = printed.getvalue().splitlines()
+    assert any(re.fullmatch(r"rm +\d+/200 \| loss \d+\.\d{3} \| +\d+s \| ETA .*", line) for line in lines), lines
+    assert any(re.fullmatch(r"rm eval +\d+ \| held-out verdict accuracy \d\.\d{3}", line) for line in lines), lines
     summary = json.loads((root / "run" / "summary.json").read_text())
     assert summary["rm_eval_accuracy_initial"] == 0.0 and summary["rm_eval_accuracy_final"] >= 0.9
     return root / "run" / "reward_model"

@@ -64,12 +64,12 @@ def grpo_progress_line(row: dict[str, Any], total: int | None = None, eta_s: flo
     if row.get("phase") == "rm_lm":
         return f"rm backbone {row['rm_lm_step']:>5}{of} | loss {row['rm_lm_loss']:.3f} | {row['time_s']:6.0f}s{eta}"
     if row.get("phase") == "rm":
-        return (
-            f"rm   {row['rm_step']:>5}{of} | loss {row['rm_loss']:.3f} | pair acc {row['rm_accuracy']:.3f} | "
-            f"{row['time_s']:6.0f}s{eta}"
-        )
+        # a classifier reward model's rows carry its batch's pair accuracy; a judge's (next-token loss) do not
+        accuracy = f" | pair acc {row['rm_accuracy']:.3f}" if "rm_accuracy" in row else ""
+        return f"rm   {row['rm_step']:>5}{of} | loss {row['rm_loss']:.3f}{accuracy} | {row['time_s']:6.0f}s{eta}"
     if row.get("phase") == "rm_eval":
-        return f"rm eval {row['rm_step']:>5} | held-out pair accuracy {row['rm_eval_accuracy']:.3f}"
+        what = "verdict" if "rm_eval_accuracy_pointwise" in row else "pair"  # a judge's, by mode
+        return f"rm eval {row['rm_step']:>5} | held-out {what} accuracy {row['rm_eval_accuracy']:.3f}"
     if row.get("phase") == "sft":
         return f"sft  {row['sft_step']:>5}{of} | loss {row['sft_loss']:.3f} | {row['time_s']:6.0f}s{eta}"
     if row.get("phase") == "eval":
