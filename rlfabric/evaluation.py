@@ -68,8 +68,9 @@ SELECTOR_KEYS = ("name", "kwargs", "weights", "label", "aggregate", "split")
 
 @dataclass(frozen=True)
 class Selector:
-    """What picks the best of N: a reward service (``spec``) whose components, weighted by ``weights`` (1 for a
-    component not named, as in ``rewards.weights``), sum to the score; or (``spec`` None) the training reward.
+    """What picks the best of N: a reward service (``spec``) whose components, weighted by ``weights`` (for a
+    component not named, the weight its function declares, else 1, as in ``rewards.weights``), sum to the score;
+    or (``spec`` None) the training reward.
     A process reward's weighted step scores become one score by ``aggregate`` (``step_aggregate``)."""
 
     label: str
@@ -161,11 +162,14 @@ def check_selectors(selectors: list[Selector], run_dir: Path | None, run_model_k
                     f"{run_model_kind} (reward_model.kind), served by {{name: {name}}}: give it kwargs.{own}"
                 )
             spec = RewardSpec(spec.name, {**spec.kwargs, key: str(run_dir / REWARD_MODEL_DIR)})
-        process = spec is not None and rewards.is_process_reward(rewards.resolve_reward(spec, field))
+        fn = None if spec is None else rewards.resolve_reward(spec, field)
+        process = fn is not None and rewards.is_process_reward(fn)
         if (sel.aggregate is not None or sel.split is not None) and not process:
             raise ConfigError(f"{field}: aggregate and split apply to a process reward's steps, not an outcome reward")
+        # the components it leaves out weigh what the function declares (the verifiers' format: 0), as in training
+        weights = sel.weights if fn is None else rewards.weights_with_defaults(sel.weights, {field: fn})
         # a process reward's steps rank by their weakest unless told otherwise
-        out.append(Selector(label, spec, sel.weights, (sel.aggregate or "min") if process else None, sel.split))
+        out.append(Selector(label, spec, weights, (sel.aggregate or "min") if process else None, sel.split))
     return out
 
 
@@ -494,7 +498,7 @@ class BestOfNEval:
             sc = scores[sel.label]
             selectors[sel.label] = {
                 "spec": TRAINING_REWARD if sel.spec is None else sel.spec.to_dict(),
-                "weights": sel.weights,
+                "weights": reward_weights(self.cfg) if sel.spec is None else sel.weights,
                 "failed_samples": int(np.isnan(sc).sum()),
                 "best_of_n": [
                     {

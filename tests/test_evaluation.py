@@ -151,7 +151,9 @@ def test_eval_of_a_run_writes_its_report_and_the_selectors_pick_as_they_should(t
     assert report["pass_at_n"][0]["accuracy"] == pytest.approx(correct.mean())
     assert report["pass_at_n"][2]["accuracy"] == pytest.approx(correct.any(axis=1).mean())
 
-    # the training reward is the verifier's `correct` (format has weight 0): best-of-N by it is pass@N
+    # the training reward is the verifier's `correct` (format has weight 0, the run's arithmetic reward's default,
+    # saved with its config): best-of-N by it is pass@N
+    assert report["selectors"]["train"]["weights"] == {"format": 0.0}
     train = report["selectors"]["train"]["best_of_n"]
     assert [r["accuracy"] for r in train] == pytest.approx([r["accuracy"] for r in report["pass_at_n"]])
 
@@ -234,6 +236,20 @@ def test_judge_generators_are_counted_in_what_an_eval_asks_ray_for():
     assert requests["judge generators (rewards.functions[1].kwargs.num_generators/num_cpus)"] == (3, {"CPU": 0.5})
     assert requests["judge generators (--selector 'jd' kwargs.num_generators/num_cpus)"] == (6, {"CPU": 1.5})
     assert len(requests) == 4
+
+
+def test_a_selector_weighs_a_component_it_leaves_out_as_its_function_declares():
+    """The verifiers' format weighs 0 (``@default_weights``) unless the selector's weights name it, as in training:
+    a well-formed wrong answer scores 0, not 1."""
+    [plain, weighted] = check_selectors(
+        [parse_selector("arithmetic"), parse_selector("{name: arithmetic, weights: {format: 0.5}, label: a}")],
+        None,
+        "classifier",
+    )
+    assert plain.weights == {"format": 0.0} and weighted.weights == {"format": 0.5}
+    assert plain.score_of({"correct": 0.0, "format": 1.0}) == 0.0
+    assert plain.score_of({"correct": 1.0, "format": 1.0}) == 1.0
+    assert weighted.score_of({"correct": 1.0, "format": 1.0}) == 1.5
 
 
 def test_a_selector_without_its_model_is_the_runs_own_model_of_its_kind(tmp_path):
