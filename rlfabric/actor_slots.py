@@ -77,6 +77,7 @@ class ActorSlots:
         self.handles = [make(i, 0) for i in range(count)]
         self.consecutive_failures = [0] * count
         self.restarts = 0
+        self.closed = False
 
     def __len__(self) -> int:
         return len(self.handles)
@@ -94,8 +95,9 @@ class ActorSlots:
         """Kill and restart ``slot`` if ``generation`` is still its current one; False when it already was
         replaced (the report is about an actor that is gone). Raises RunAbortedError past the failure limit, and
         PlacementError when no alive node can hold the replacement (see ``_wait_for_room``); ``failure=False``
-        replaces an actor that did its work but cannot be reused, which does not count."""
-        if generation != self.generations[slot]:
+        replaces an actor that did its work but cannot be reused, which does not count. After ``shutdown`` nothing
+        is replaced (the report is about an actor stopped on purpose)."""
+        if self.closed or generation != self.generations[slot]:
             return False
         self.consecutive_failures[slot] += int(failure)
         if self.consecutive_failures[slot] > self.max_consecutive_failures:
@@ -125,6 +127,7 @@ class ActorSlots:
             time.sleep(min(1.0, self.placement_wait_s))
 
     def shutdown(self) -> None:
+        self.closed = True
         for handle in self.handles:
             ray.kill(handle, no_restart=True)
         self.handles = []

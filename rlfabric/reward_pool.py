@@ -174,6 +174,8 @@ class RewardPool:
         except RayTaskError as exc:  # score() itself raised: the process is fine, this call's groups are not
             return _failed(call, f"reward worker {call.worker} failed: {error_summary(exc)}")
         except RayError as exc:  # the process died (or was replaced while this call waited)
+            if self.slots.closed:  # stopped on purpose (the run is closing): no replacement, no second try
+                return _failed(call, f"reward worker {call.worker} was stopped: the reward pool shut down")
             error = f"reward worker {call.worker} died: {exc.__class__.__name__}: {error_summary(exc)}"
             self._replace(call, error, failure=not call.retry)  # one failure per call, however many tries
             if isinstance(exc, RayActorError) and not call.retry:

@@ -154,6 +154,20 @@ def test_a_stuck_process_hits_the_driver_deadline(local_ray):
             _kill_if_alive(frozen)
 
 
+def test_groups_in_flight_when_the_pool_shuts_down_fail_without_a_replacement(local_ray):
+    """A run closing (Ctrl-C) shuts its pool down while a call is still scoring: that call's groups fail with the
+    reason, a call that had returned keeps its results, and nothing is restarted or tried again."""
+    pool = make_pool(timeout_s=30.0)
+    pool.pids()  # both workers are up
+    ticket = pool.submit([group("hang"), group("a")])  # one call each
+    time.sleep(1.0)  # "a" is scored, "hang" is not
+    pool.shutdown()
+    results = pool.collect(ticket)
+    assert [r.error for r in results[0]] == ["reward worker 0 was stopped: the reward pool shut down"] * 2
+    assert scored(results) == [False, True]
+    assert pool.worker_restarts == 0 and pool.workers == []
+
+
 def _kill_if_alive(pid: int) -> None:
     try:
         os.kill(pid, signal.SIGKILL)
