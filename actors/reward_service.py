@@ -13,7 +13,10 @@ or process. Failures stay as small as they can be:
   call are still scored;
 * a group that overruns ``group_timeout_s`` fails with "timed out after Xs" and the call goes on with the next
   group. The stuck thread cannot be killed, so the service then reports itself poisoned and the pool replaces
-  it once the call has returned; the groups it finished are kept.
+  it once the call has returned; the groups it finished are kept. After ``MAX_TIMEOUTS_IN_A_ROW`` groups in a
+  row time out, the call's remaining groups are not tried here (a reward that hangs on every call would cost a
+  deadline per group, minutes of silence for a large batch); the service reports them skipped, and the pool
+  scores them once more on the replacement.
 
 Pointwise functions (``rlfabric.rewards.pointwise``: reward models) run once per call on the samples of all its
 groups together, so their forward passes batch across groups, under a deadline of ``group_timeout_s`` per group;
@@ -42,6 +45,10 @@ from rlfabric.rewards import (
     is_pointwise,
     is_process_reward,
 )
+
+# Groups of one call that time out one after another before the service skips the call's remaining groups: a
+# reward that hangs now and then rarely hangs three times running, one that always hangs does at once.
+MAX_TIMEOUTS_IN_A_ROW = 3
 
 
 class GroupFailed(Exception):
@@ -147,21 +154,33 @@ class RewardServiceCore:
         ]
         self.group_timeout_s = group_timeout_s
         self.poisoned = False  # a group's thread is stuck: this process should be replaced
+        self.skipped: list[int] = []  # the last call's groups not tried after timeouts in a row
+        self._timeouts = 0  # groups timed out in this process
 
     def score(self, groups: list[list[RewardInput]]) -> list[list[RewardResult]]:
-        """Results per group, per completion; a failed group's samples carry its error and no components."""
+        """Results per group, per completion; a failed group's samples carry its error and no components. The
+        groups skipped after ``MAX_TIMEOUTS_IN_A_ROW`` timeouts fail too, and their indices are in ``skipped``."""
         per_sample = [(n, f) for n, f in self.functions if is_pointwise(f)]
         per_group = [(n, f) for n, f in self.functions if not is_pointwise(f)]
         across = self._score_across(groups, per_sample) if per_sample else [None] * len(groups)
         out = []
-        for group, first in zip(groups, across, strict=True):
+        self.skipped, in_a_row, last_timeout = [], 0, ""
+        for index, (group, first) in enumerate(zip(groups, across, strict=True)):
             if isinstance(first, str):  # the pointwise run failed: so does every group of the call
                 out.append(failed(group, first))
                 continue
+            if in_a_row >= MAX_TIMEOUTS_IN_A_ROW:
+                self.skipped.append(index)
+                out.append(failed(group, f"not scored: the {in_a_row} groups before it {last_timeout}"))
+                continue
+            timeouts_before = self._timeouts
             results = (
                 self._run(per_group, group, self.group_timeout_s) if per_group else [RewardResult({}) for _ in group]
             )
+            timed_out = self._timeouts > timeouts_before
+            in_a_row = in_a_row + 1 if timed_out else 0
             if isinstance(results, str):
+                last_timeout = results if timed_out else last_timeout
                 results = failed(group, results)
             out.append(merge_results(first, results) if first is not None else results)
         return out
@@ -194,6 +213,7 @@ class RewardServiceCore:
         run.thread.join(timeout_s)
         if run.thread.is_alive():
             self.poisoned = True
+            self._timeouts += 1
             return f"timed out after {timeout_s:g}s in reward {run.current!r}"
         if run.results is None:
             return run.error or "no result"
@@ -234,7 +254,8 @@ def merge_steps(a: list[dict[str, float]] | None, b: list[dict[str, float]] | No
 
 @ray.remote
 class RewardService:
-    """The Ray actor. ``score`` returns two objects: the results, and whether this process is now poisoned."""
+    """The Ray actor. ``score`` returns two objects: the results, and (whether this process is now poisoned, the
+    indices of the groups it skipped)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -244,5 +265,6 @@ class RewardService:
         return os.getpid()
 
     @ray.method(num_returns=2)
-    def score(self, groups: list[list[RewardInput]]) -> tuple[list[list[RewardResult]], bool]:
-        return self.core.score(groups), self.core.poisoned
+    def score(self, groups: list[list[RewardInput]]) -> tuple[list[list[RewardResult]], tuple[bool, list[int]]]:
+        results = self.core.score(groups)
+        return results, (self.core.poisoned, self.core.skipped)

@@ -4,7 +4,8 @@ One remote call per worker per batch of groups, never one per sample. Failures c
 
 * a reward function that raises or overruns its per-group deadline fails only that group; the service handles
   both itself and its call returns in time, so groups it finished are kept. A service with a timed-out group
-  says it is poisoned (a stuck thread cannot be killed) and is replaced once its call returns;
+  says it is poisoned (a stuck thread cannot be killed) and is replaced once its call returns; the groups it
+  skipped after several timeouts in a row are scored once more on the replacement;
 * a service whose process dies (killed, or its node lost) is replaced, and that call's groups are scored again on
   the replacement, once: the death was not their reward's fault. If the replacement dies on them too (a reward
   that crashes its process), they are recorded as failed;
@@ -42,7 +43,7 @@ class _Call:
     group_indices: list[int]
     groups: list[list[RewardInput]]  # kept to score again, once, if the worker dies on them
     results_ref: ray.ObjectRef
-    poisoned_ref: ray.ObjectRef
+    poisoned_ref: ray.ObjectRef  # (poisoned, skipped group indices)
     deadline: float
     budget_s: float
     retry: bool = False  # the second try of groups whose first worker died
@@ -170,7 +171,7 @@ class RewardPool:
             self._replace(call, error)
             return _failed(call, error)
         try:
-            results, poisoned = ray.get([call.results_ref, call.poisoned_ref], timeout=self.grace_s)
+            results, (poisoned, skipped) = ray.get([call.results_ref, call.poisoned_ref], timeout=self.grace_s)
         except RayTaskError as exc:  # score() itself raised: the process is fine, this call's groups are not
             return _failed(call, f"reward worker {call.worker} failed: {error_summary(exc)}")
         except RayError as exc:  # the process died (or was replaced while this call waited)
@@ -184,6 +185,11 @@ class RewardPool:
         self.slots.succeeded(call.worker, call.generation)  # it answered: whatever it scored is kept
         if poisoned:  # its results are complete; only the process is unusable (a stuck thread cannot be killed)
             self._replace(call, f"reward worker {call.worker} was poisoned by a timed-out group", failure=False)
+        if skipped and not call.retry and not self.slots.closed:  # not tried after timeouts in a row: once more
+            groups, indices = [call.groups[i] for i in skipped], [call.group_indices[i] for i in skipped]
+            again = self._call(call.worker, groups, indices, retry=True)
+            for i, group_results in zip(skipped, self._finish(again), strict=True):
+                results[i] = group_results
         return results
 
     def _replace(self, call: _Call, reason: str, failure: bool = True) -> None:

@@ -154,6 +154,26 @@ def test_a_stuck_process_hits_the_driver_deadline(local_ray):
             _kill_if_alive(frozen)
 
 
+def test_a_reward_that_hangs_on_every_group_costs_a_few_deadlines_per_call_not_one_per_group(local_ray):
+    """Three groups in a row time out: the call's other groups are not tried on that worker but once more on its
+    replacement, where three time out again and the rest fail unscored. Before, every group waited its deadline
+    (here 7 seconds per worker, at rewards.timeout_s = 30 an evaluation of 200 groups took 100 minutes)."""
+    pool = make_pool(timeout_s=1.0)
+    try:
+        pool.pids()
+        results = pool.score([group("hang") for _ in range(14)])  # 7 per worker
+        timed_out = "timed out after 1s in reward 'tagged'"
+        skipped = f"not scored: the 3 groups before it {timed_out}"
+        for first in (0, 7):  # each worker's share: 3 timed out, 4 skipped; on the replacement 3 + 1
+            errors = [g[0].error for g in results[first : first + 7]]
+            assert errors == [timed_out] * 3 + [timed_out] * 3 + [skipped], errors
+        assert pool.failed_samples == 28
+        assert pool.worker_restarts == 4  # each worker and its replacement, poisoned by their stuck threads
+        assert scored(pool.score([group("a"), group("b")])) == [True, True]
+    finally:
+        pool.shutdown()
+
+
 def test_groups_in_flight_when_the_pool_shuts_down_fail_without_a_replacement(local_ray):
     """A run closing (Ctrl-C) shuts its pool down while a call is still scoring: that call's groups fail with the
     reason, a call that had returned keeps its results, and nothing is restarted or tried again."""
