@@ -20,11 +20,12 @@ IMPORT_HELP = "module to import first, from the current directory or the Python 
 def import_user_modules(names: list[str] | None) -> None:
     """Import modules that call register_env or register_reward, so their names show up.
 
-    A module is looked up in the current directory first, as ``python -m`` does. What such a module registers
-    reaches the Ray workers by value (``rlfabric.shipping``), so they need not import it themselves.
+    A module is looked up in the current directory first, as ``python -m`` does, and so is the module of a
+    ``module:function`` spec in the config. What such a module registers reaches the Ray workers by value
+    (``rlfabric.shipping``), so they need not import it themselves.
     """
     cwd = os.getcwd()
-    if names and cwd not in sys.path:
+    if cwd not in sys.path:
         sys.path.insert(0, cwd)
     for name in names or []:
         if name.endswith(".py"):  # "x.py" would import x, then look for a submodule "py"

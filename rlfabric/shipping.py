@@ -8,6 +8,7 @@ and every not-installed module those reach, travel by value; installed modules (
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import sys
 import sysconfig
 from collections.abc import Iterable
@@ -38,6 +39,14 @@ def import_callable(spec: str) -> Any | None:
         if obj is None:
             return None
     return obj if callable(obj) else None
+
+
+def module_exists(module_name: str) -> bool:
+    """Whether ``module_name`` (dotted) can be found on the Python path, without importing it."""
+    try:
+        return importlib.util.find_spec(module_name) is not None
+    except (ImportError, ValueError):  # a parent package that is missing, or an empty name
+        return False
 
 
 def _installed_roots() -> list[Path]:

@@ -266,14 +266,21 @@ rewards.register_reward("always_raises", judge_everything)
 """
 
 
-def test_a_reward_that_raises_on_every_call_stops_the_run_with_its_name_and_error(tmp_path):
+@pytest.mark.parametrize(
+    ("spec", "imports"),
+    [("always_raises", ["--import", "flaky_rewards"]), ("flaky_rewards:judge_everything", [])],
+    ids=["registered_by_an_imported_module", "module_function_spec_from_the_current_directory"],
+)
+def test_a_reward_that_raises_on_every_call_stops_the_run_with_its_name_and_error(tmp_path, spec, imports):
+    """Registered by a module given to --import, or named ``module:function`` for a module in the current
+    directory (without --import: the function reaches the reward actors by value)."""
     (tmp_path / "flaky_rewards.py").write_text(ALWAYS_RAISES)
-    args = ["--run-dir", str(tmp_path / "run"), "--quiet", "--import", "flaky_rewards"]
+    args = ["--run-dir", str(tmp_path / "run"), "--quiet", *imports]
     overrides = [
         "model.builtin={num_layers: 1, hidden_size: 32, num_heads: 2, max_positions: 64}",
         "sft.steps=0",
         "data.num_eval=4",
-        "rewards.functions=[{name: always_raises}]",
+        f"rewards.functions=[{{name: {spec!r}}}]",
     ]
     started = time.monotonic()
     done = subprocess.run(
@@ -286,7 +293,7 @@ def test_a_reward_that_raises_on_every_call_stops_the_run_with_its_name_and_erro
     )
     assert done.returncode == 1, done.stderr[-2000:]
     errors = [line for line in done.stderr.splitlines() if line.startswith("rlfabric:")]
-    assert any("always_raises: RuntimeError: the judge is down" in line for line in errors), errors
+    assert any(f"{spec}: RuntimeError: the judge is down" in line for line in errors), errors
     assert any(line.startswith("rlfabric: run stopped") for line in errors), errors
     assert time.monotonic() - started < 200  # stopped at the first evaluation, not after the whole run
     assert not [r for r in read_metrics(tmp_path / "run") if r.get("phase") == "grpo"]

@@ -236,3 +236,31 @@ def test_two_functions_that_weigh_a_component_differently_must_be_settled_by_the
     assert rewards.weights_with_defaults({"format": 0.5}, functions) == {"format": 0.5}
     with pytest.raises(TypeError, match=r"default_weights\(format='0'\): a weight must be a number"):
         rewards.default_weights(format="0")
+
+
+def test_a_reward_spec_that_names_nothing_says_why(tmp_path, monkeypatch):
+    with pytest.raises(RewardNotFoundError) as info:
+        resolve_reward("arithmetc", "rewards.functions[0]")
+    assert str(info.value).startswith(
+        "rewards.functions[0] = 'arithmetc' is not valid (did you mean 'arithmetic'?): not a registered reward ("
+    )
+    with pytest.raises(RewardNotFoundError) as info:
+        resolve_reward("no_such_module_here:score", "rewards.functions[0]")
+    assert str(info.value) == (
+        "rewards.functions[0] = 'no_such_module_here:score' is not valid: no module 'no_such_module_here' in the "
+        "current directory or on the Python path"
+    )
+    with pytest.raises(RewardNotFoundError) as info:
+        resolve_reward("json:no_such_function", "rewards.functions[0]")
+    assert str(info.value) == (
+        "rewards.functions[0] = 'json:no_such_function' is not valid: module 'json' has no function "
+        "'no_such_function'"
+    )
+    (tmp_path / "broken_rewards_module.py").write_text("x = 1\nraise RuntimeError('no scoring today')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ConfigError) as info:
+        resolve_reward("broken_rewards_module:score", "rewards.functions[0]")
+    assert str(info.value) == (
+        "rewards.functions[0] = 'broken_rewards_module:score': importing 'broken_rewards_module' raised "
+        "RuntimeError: no scoring today (at broken_rewards_module.py:2)"
+    )

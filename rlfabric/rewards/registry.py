@@ -34,6 +34,7 @@ Reward actors get the driver's registrations through ``snapshot()``, exactly lik
 
 from __future__ import annotations
 
+import difflib
 import functools
 import importlib.metadata
 import inspect
@@ -43,6 +44,7 @@ from typing import Any
 
 from rlfabric import shipping
 from rlfabric.config import ConfigError
+from rlfabric.config_base import raised_by_user_code
 
 
 @dataclass
@@ -224,12 +226,30 @@ def _lookup(name: str, field: str) -> Callable[..., Any]:
     eps = _entry_points()
     if name in eps:
         return eps[name].load()
-    fn = shipping.import_callable(name)
+    try:
+        fn = shipping.import_callable(name)
+    except Exception as exc:  # noqa: BLE001 - the module's own code raised while it was imported
+        raise ConfigError(
+            f"{field} = {name!r}: importing {name.partition(':')[0]!r} raised {raised_by_user_code(exc)}"
+        ) from None
     if fn is not None:
+        # Registered under its spec, so the registry snapshot carries it to the reward actors, by value when its
+        # module is not installed (a module in the current directory): they resolve the spec by this name.
+        _REGISTRY.setdefault(name, fn)
         return fn
     known = sorted(_REGISTRY) + sorted(eps)
+    if ":" in name:
+        module = name.partition(":")[0]
+        why = (
+            f"module {module!r} has no function {name.partition(':')[2]!r}"
+            if shipping.module_exists(module)
+            else f"no module {module!r} in the current directory or on the Python path"
+        )
+        raise RewardNotFoundError(f"{field} = {name!r} is not valid: {why}")
+    close = difflib.get_close_matches(name, known, n=1)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
     raise RewardNotFoundError(
-        f"{field} = {name!r} is not valid: not a registered reward ({', '.join(known) or 'none registered'}) "
+        f"{field} = {name!r} is not valid{hint}: not a registered reward ({', '.join(known) or 'none registered'}) "
         "and not an importable 'package.module:function'"
     )
 
