@@ -253,8 +253,7 @@ def test_a_reward_spec_that_names_nothing_says_why(tmp_path, monkeypatch):
     with pytest.raises(RewardNotFoundError) as info:
         resolve_reward("json:no_such_function", "rewards.functions[0]")
     assert str(info.value) == (
-        "rewards.functions[0] = 'json:no_such_function' is not valid: module 'json' has no function "
-        "'no_such_function'"
+        "rewards.functions[0] = 'json:no_such_function' is not valid: module 'json' has no function 'no_such_function'"
     )
     (tmp_path / "broken_rewards_module.py").write_text("x = 1\nraise RuntimeError('no scoring today')\n")
     monkeypatch.syspath_prepend(str(tmp_path))
