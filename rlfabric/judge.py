@@ -24,6 +24,7 @@ prompt too long for the judge's context fails its samples at once (``NoRoom``).
 
 from __future__ import annotations
 
+import json
 import os
 import threading
 import time
@@ -293,6 +294,15 @@ def component_name(prefix: str, criterion: str) -> str:
     return f"{prefix}_{criterion}" if prefix else criterion
 
 
+def model_architectures(folder: str) -> list[str]:
+    """The ``architectures`` a Hugging Face folder's config.json names ([] when it names none or is unreadable)."""
+    try:
+        found = json.loads(Path(folder, "config.json").read_text()).get("architectures")
+    except (OSError, ValueError, AttributeError):
+        return []
+    return [str(a) for a in found] if isinstance(found, list) else []
+
+
 def check_judge_kwargs(**kwargs: Any) -> None:
     """ValueError naming the first bad argument of ``judge_reward`` (the registry turns it into a ConfigError
     naming the spec); arguments left out take the function's defaults."""
@@ -300,6 +310,11 @@ def check_judge_kwargs(**kwargs: Any) -> None:
     model = a["model"]
     if not model or not os.path.isfile(os.path.join(model, "config.json")):
         raise ValueError(f"model = {model!r}: must be a Hugging Face causal-LM folder (with config.json)")
+    if any(arch.endswith("ForSequenceClassification") for arch in model_architectures(model)):
+        raise ValueError(
+            f"model = {model!r}: a sequence-classification model (a classifier reward model), which cannot write "
+            "verdicts: serve it with {name: reward_model, kwargs: {path: ...}}, or give the judge a causal LM"
+        )
     if a["mode"] not in MODES:
         raise ValueError(f"mode = {a['mode']!r}: must be one of {', '.join(MODES)}")
     make_rubric(a["criteria"], a["scale"])

@@ -206,8 +206,12 @@ def test_a_judge_prompt_longer_than_the_judges_context_fails_its_sample_at_once(
 
 
 def test_bad_judge_kwargs_are_one_config_error_naming_the_spec(judge_dir, tmp_path):
+    classifier = tmp_path / "classifier"  # what train-rm leaves for reward_model.kind: classifier
+    classifier.mkdir()
+    (classifier / "config.json").write_text(json.dumps({"architectures": ["Qwen2ForSequenceClassification"]}))
     cases = [
         ({"model": str(tmp_path)}, "must be a Hugging Face causal-LM folder"),
+        ({"model": str(classifier)}, "a sequence-classification model (a classifier reward model), which cannot"),
         ({"model": str(judge_dir), "mode": "ranked"}, "mode = 'ranked': must be one of pointwise, pairwise, listwise"),
         ({"model": str(judge_dir), "criteria": ["a_b"]}, "letters and digits"),
         ({"model": str(judge_dir), "retries": -1}, "retries = -1: must be an integer >= 0"),
