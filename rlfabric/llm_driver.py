@@ -51,6 +51,8 @@ from rlfabric.llm_run_state import (
     reference_entry,
     reference_path,
     resume_point,
+    saved_reward_weights,
+    weights_saved_before_declarations,
 )
 from rlfabric.llm_setup import GRPOSetup
 from rlfabric.llm_sft import DemonstrationPool, sft_batch
@@ -97,6 +99,15 @@ class GRPOTrainer(GRPOSetup):
             for i, spec in enumerate(cfg.rewards.functions)
             if i not in self.trained_reward_specs  # checked once the run has trained its reward model
         }
+        if resume_from is not None and cfg.rewards.weights == saved_reward_weights(self.run_dir):
+            cfg.rewards.weights = weights_saved_before_declarations(
+                cfg.rewards.weights,
+                {n: w for fn in functions.values() for n, w in rewards.declared_weights(fn).items()},
+            )
+        # The components the reward config names, as the user wrote them (the defaults the functions declare, and
+        # those an env adds, left out), checked against those the rewards give: at the first scored step for
+        # misspellings, at the end for names never given
+        self._component_references = cfg.rewards.component_references()
         cfg.rewards.weights = rewards.weights_with_defaults(cfg.rewards.weights, functions)
         for i, spec in enumerate(cfg.rewards.shadow.functions):
             rewards.resolve_reward(dataclasses.asdict(spec), f"rewards.shadow.functions[{i}]")
@@ -141,9 +152,6 @@ class GRPOTrainer(GRPOSetup):
         # The likelihood scorer (a policy likelihood reward): a named actor the reward services find by name.
         self.scorers = LikelihoodScorers(cfg, self.weights, self._note)
         self._steps_without_scores = 0
-        # The components the reward config names (before an env adds its own weights), checked against those the
-        # rewards give: at the first scored step for misspellings, at the end for names never given
-        self._component_references = cfg.rewards.component_references()
         self._components_given: set[str] = set()
         # a generator lost with its node during a step's weight load that could not be replaced: raised once that
         # step (which the learners did train) is counted and logged

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from rlfabric.config import ConfigError
 from rlfabric.run.checkpoints import CHECKPOINT_DIR, CheckpointStore
 from rlfabric.run.log import CONFIG_FILE
@@ -97,6 +99,25 @@ def read_trainer_state(checkpoint: Path) -> dict[str, Any]:
             f"its weights with model.path={checkpoint}"
         )
     return state
+
+
+def saved_reward_weights(run_dir: Path) -> dict[str, float] | None:
+    """``rewards.weights`` as the run in ``run_dir`` saved them (None when its config cannot be read)."""
+    try:
+        saved = yaml.safe_load((run_dir / CONFIG_FILE).read_text()) or {}
+        weights = (saved.get("rewards") or {}).get("weights") or {}
+        return {str(k): float(v) for k, v in weights.items()}
+    except (OSError, yaml.YAMLError, AttributeError, TypeError, ValueError):
+        return None
+
+
+def weights_saved_before_declarations(saved: dict[str, float], declared: dict[str, float]) -> dict[str, float]:
+    """The weights a resumed run trained with, from its saved ``rewards.weights`` and the weights its reward
+    functions declare (``@default_weights``). A run saves every declared weight since functions declare them; one
+    saved before weighed a component its config left out 1, and keeps that weight. Its ``format: 0.0`` that no
+    function declares was the config's former default, naming a component no reward gave: dropped."""
+    kept = {k: v for k, v in saved.items() if not (k == "format" and v == 0.0 and "format" not in declared)}
+    return {**{name: 1.0 for name in declared}, **kept}
 
 
 def resume_point(run_dir: Path, overrides: list[str] | None) -> tuple[Any, Path]:

@@ -948,6 +948,22 @@ def test_a_new_run_never_writes_over_a_finished_run_without_checkpoints(tmp_path
     GRPOTrainer(config_from_dict(BASE), run_dir)
 
 
+def test_a_resumed_run_keeps_the_reward_weights_it_trained_with(tmp_path):
+    """Runs save the weights their reward functions declare (format: 0 for arithmetic). A run saved before
+    functions declared them weighed a component its config left out 1, and keeps it; its former default format: 0
+    where no reward gives format is dropped. A mapping given on resume takes the declared defaults, as a new run."""
+    cases = [
+        ({"correct": 1.0, "format": 0.0}, [{"name": "arithmetic"}], {"correct": 1.0, "format": 0.0}),  # saved since
+        ({"correct": 1.0}, [{"name": "arithmetic"}], {"correct": 1.0, "format": 1.0}),  # saved before: as trained
+        ({"format": 0.0}, [{"name": "test_spread"}], {}),  # the former default, for a reward without format
+    ]
+    for k, (saved, functions, resumed) in enumerate(cases):
+        run_dir = saved_run(tmp_path / str(k), step=2, rewards={"functions": functions, "weights": saved})
+        assert GRPOTrainer.from_run_dir(run_dir).cfg.rewards.weights == resumed, (saved, functions)
+    given = GRPOTrainer.from_run_dir(tmp_path / "1" / "run", ["rewards.weights={correct: 2.0}"])  # saved before
+    assert given.cfg.rewards.weights == {"correct": 2.0, "format": 0.0}
+
+
 def test_cli_resume_without_a_checkpoint_says_so_in_one_line(tmp_path):
     run_dir = saved_run(tmp_path, step=2)  # BASE: checkpoint_every 0
     shutil.rmtree(run_dir / "checkpoints")
