@@ -14,6 +14,7 @@ a node to join, then stops the run with a ``PlacementError`` naming the resource
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -78,6 +79,7 @@ class ActorSlots:
         self.consecutive_failures = [0] * count
         self.restarts = 0
         self.closed = False
+        self._lock = threading.Lock()  # between replace and shutdown, which may run on different threads
 
     def __len__(self) -> int:
         return len(self.handles)
@@ -105,10 +107,13 @@ class ActorSlots:
                 f"{self.role} {slot} failed {self.consecutive_failures[slot]} times in a row; last: {reason}"
             )
         self._wait_for_room(slot, reason)
-        ray.kill(self.handles[slot], no_restart=True)
-        self.generations[slot] += 1
-        self.handles[slot] = self.make(slot, self.generations[slot])
-        self.restarts += 1
+        with self._lock:  # a shutdown from another thread (a threaded actor closing) may have come meanwhile
+            if self.closed:
+                return False
+            ray.kill(self.handles[slot], no_restart=True)
+            self.generations[slot] += 1
+            self.handles[slot] = self.make(slot, self.generations[slot])
+            self.restarts += 1
         return True
 
     def _wait_for_room(self, slot: int, reason: str) -> None:
@@ -127,7 +132,8 @@ class ActorSlots:
             time.sleep(min(1.0, self.placement_wait_s))
 
     def shutdown(self) -> None:
-        self.closed = True
-        for handle in self.handles:
+        with self._lock:
+            self.closed = True
+            handles, self.handles = self.handles, []
+        for handle in handles:
             ray.kill(handle, no_restart=True)
-        self.handles = []

@@ -49,6 +49,10 @@ class _Call:
     retry: bool = False  # the second try of groups whose first worker died
 
 
+class RewardPoolClosed(Exception):
+    """A call asked of a pool that was shut down (by another thread of a closing rollout worker)."""
+
+
 @dataclass
 class RewardTicket:
     """Groups submitted for scoring; ``RewardPool.collect`` turns it into results."""
@@ -139,7 +143,10 @@ class RewardPool:
         return ticket
 
     def _call(self, worker: int, groups: list[list[RewardInput]], indices: list[int], retry: bool = False) -> _Call:
-        results_ref, poisoned_ref = self.workers[worker].score.remote(groups)
+        handles = self.workers  # shut down by another thread meanwhile: the call fails as a stopped worker's
+        if worker >= len(handles):
+            raise RewardPoolClosed(f"reward worker {worker} was stopped: the reward pool shut down")
+        results_ref, poisoned_ref = handles[worker].score.remote(groups)
         budget = self.timeout_s * len(groups) + self.grace_s
         # A call queued behind others on the same worker can start only when they are done.
         deadline = max(time.monotonic(), self.busy_until[worker]) + budget
@@ -180,14 +187,20 @@ class RewardPool:
             error = f"reward worker {call.worker} died: {exc.__class__.__name__}: {error_summary(exc)}"
             self._replace(call, error, failure=not call.retry)  # one failure per call, however many tries
             if isinstance(exc, RayActorError) and not call.retry:
-                return self._finish(self._call(call.worker, call.groups, call.group_indices, retry=True))
+                try:
+                    return self._finish(self._call(call.worker, call.groups, call.group_indices, retry=True))
+                except RewardPoolClosed as closed:
+                    return _failed(call, str(closed))
             return _failed(call, error + (" (the second worker to die on these groups)" if call.retry else ""))
         self.slots.succeeded(call.worker, call.generation)  # it answered: whatever it scored is kept
         if poisoned:  # its results are complete; only the process is unusable (a stuck thread cannot be killed)
             self._replace(call, f"reward worker {call.worker} was poisoned by a timed-out group", failure=False)
         if skipped and not call.retry and not self.slots.closed:  # not tried after timeouts in a row: once more
             groups, indices = [call.groups[i] for i in skipped], [call.group_indices[i] for i in skipped]
-            again = self._call(call.worker, groups, indices, retry=True)
+            try:
+                again = self._call(call.worker, groups, indices, retry=True)
+            except RewardPoolClosed:  # they keep their "not scored" error
+                return results
             for i, group_results in zip(skipped, self._finish(again), strict=True):
                 results[i] = group_results
         return results

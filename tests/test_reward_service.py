@@ -174,6 +174,19 @@ def test_a_reward_that_hangs_on_every_group_costs_a_few_deadlines_per_call_not_o
         pool.shutdown()
 
 
+def test_groups_skipped_after_timeouts_in_a_row_are_scored_on_the_replacement(local_ray):
+    """A reward that hung on three groups in a row: the call's other groups, skipped there, are scored on the
+    fresh worker, each in its own place."""
+    pool = RewardPool(["tagged"], num_workers=1, timeout_s=1.0, num_cpus_per_worker=0.5, grace_s=10.0)
+    try:
+        results = pool.score([group("hang"), group("hang"), group("hang"), group("a", 3), group("b")])
+        assert [r.error for g in results[:3] for r in g] == ["timed out after 1s in reward 'tagged'"] * 6
+        assert scored(results) == [False, False, False, True, True] and [len(g) for g in results[3:]] == [3, 2]
+        assert pool.worker_restarts == 1 and pool.failed_samples == 6  # the replacement was not poisoned
+    finally:
+        pool.shutdown()
+
+
 def test_groups_in_flight_when_the_pool_shuts_down_fail_without_a_replacement(local_ray):
     """A run closing (Ctrl-C) shuts its pool down while a call is still scoring: that call's groups fail with the
     reason, a call that had returned keeps its results, and nothing is restarted or tried again."""
