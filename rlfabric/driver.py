@@ -158,7 +158,7 @@ class Trainer:
         if not (run_dir / CONFIG_FILE).is_file():
             raise ConfigError(f"--resume {str(run_dir)!r}: not a run directory (no {CONFIG_FILE})")
         if latest_checkpoint(run_dir) is None:
-            raise no_checkpoint_error(run_dir, CHECKPOINT_DIR)
+            raise no_checkpoint_error(run_dir, CHECKPOINT_DIR, zero_saves_at_end=True)
         cfg = resumed_config(run_dir, overrides, FIXED_ON_RESUME)
         # A run that finished has nothing left to do at its total (one stopped in its final evaluation finishes).
         done = (finished_summary(run_dir) or {}).get("env_steps")

@@ -374,6 +374,15 @@ def test_resume_refuses_changes_the_checkpoint_depends_on(tmp_path):
         f"--resume {str(finished)!r}: no checkpoint found under checkpoints/: the run stopped before its first "
         "(training.checkpoint_every: 10)"
     )
+    saves_at_end = Config()
+    saves_at_end.training.checkpoint_every = 0  # PPO then saves only when it ends
+    (finished / "config.yaml").write_text(dump_config(saves_at_end))
+    with pytest.raises(ConfigError) as info:
+        Trainer.from_run_dir(finished)
+    assert str(info.value) == (
+        f"--resume {str(finished)!r}: no checkpoint found under checkpoints/: the run stopped before its end, the "
+        "only checkpoint training.checkpoint_every: 0 saves"
+    )
 
 
 @pytest.mark.parametrize(

@@ -36,16 +36,19 @@ def refuse_run_over(run_dir: Path, has_checkpoint: bool) -> None:
     raise ConfigError(f"--run-dir {str(run_dir)!r} already holds a run{how}")
 
 
-def no_checkpoint_error(run_dir: Path, checkpoint_dir: str) -> ConfigError:
+def no_checkpoint_error(run_dir: Path, checkpoint_dir: str, zero_saves_at_end: bool = False) -> ConfigError:
     """The one line for ``--resume`` of a run that left no checkpoint, saying why from its saved config: it ran
-    with ``training.checkpoint_every: 0``, or it stopped before its first checkpoint."""
+    with ``training.checkpoint_every: 0`` (which saves none, or with ``zero_saves_at_end`` only the last, as PPO
+    does), or it stopped before its first checkpoint."""
     try:
         saved = yaml.safe_load((run_dir / CONFIG_FILE).read_text()) or {}
         every = (saved.get("training") or {}).get("checkpoint_every")
     except (OSError, yaml.YAMLError, AttributeError):
         every = None
     why = (
-        "the run was started with training.checkpoint_every: 0, which saves none"
+        "the run stopped before its end, the only checkpoint training.checkpoint_every: 0 saves"
+        if every == 0 and zero_saves_at_end
+        else "the run was started with training.checkpoint_every: 0, which saves none"
         if every == 0
         else f"the run stopped before its first (training.checkpoint_every: {every})"
         if every is not None
