@@ -30,7 +30,7 @@ def import_callable(spec: str) -> Any | None:
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
-        if exc.name is not None and module_name.startswith(exc.name):
+        if exc.name is not None and (exc.name == module_name or module_name.startswith(exc.name + ".")):
             return None  # no such module: the spec is not a module path
         raise
     obj: Any = module

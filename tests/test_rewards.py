@@ -234,8 +234,10 @@ def test_two_functions_that_weigh_a_component_differently_must_be_settled_by_the
         "rewards.weights.format the weight it should have"
     )
     assert rewards.weights_with_defaults({"format": 0.5}, functions) == {"format": 0.5}
-    with pytest.raises(TypeError, match=r"default_weights\(format='0'\): a weight must be a number"):
+    with pytest.raises(TypeError, match=r"default_weights\(format='0'\): a weight must be a finite number"):
         rewards.default_weights(format="0")
+    with pytest.raises(TypeError, match=r"default_weights\(format=nan\): a weight must be a finite number"):
+        rewards.default_weights(format=float("nan"))
 
 
 def test_a_reward_spec_that_names_nothing_says_why(tmp_path, monkeypatch):

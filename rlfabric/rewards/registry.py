@@ -38,6 +38,7 @@ import difflib
 import functools
 import importlib.metadata
 import inspect
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -150,8 +151,8 @@ def default_weights(**weights: float) -> Callable[[Callable[..., Any]], Callable
     verifiers' ``format``: was the answer well formed), which would otherwise count with weight 1. A weight the
     config gives wins; components declared nowhere keep weight 1."""
     for name, weight in weights.items():
-        if isinstance(weight, bool) or not isinstance(weight, int | float):
-            raise TypeError(f"default_weights({name}={weight!r}): a weight must be a number")
+        if isinstance(weight, bool) or not isinstance(weight, int | float) or not math.isfinite(weight):
+            raise TypeError(f"default_weights({name}={weight!r}): a weight must be a finite number")
 
     def mark(fn: Callable[..., Any]) -> Callable[..., Any]:
         fn.default_reward_weights = {name: float(w) for name, w in weights.items()}  # type: ignore[attr-defined]
@@ -237,7 +238,7 @@ def _lookup(name: str, field: str) -> Callable[..., Any]:
         # module is not installed (a module in the current directory): they resolve the spec by this name.
         _REGISTRY.setdefault(name, fn)
         return fn
-    known = sorted(_REGISTRY) + sorted(eps)
+    known = sorted(n for n in _REGISTRY if ":" not in n) + sorted(eps)  # not the specs resolved by path
     if ":" in name:
         module = name.partition(":")[0]
         why = (
@@ -291,8 +292,8 @@ def resolve_reward(spec: str | Mapping[str, Any] | RewardSpec, field: str = "rew
 
 
 def list_rewards() -> dict[str, str]:
-    """Name -> where it comes from."""
-    return shipping.describe_sources(_REGISTRY, _entry_points())
+    """Name -> where it comes from (not the ``module:function`` specs kept for the reward actors)."""
+    return shipping.describe_sources({n: f for n, f in _REGISTRY.items() if ":" not in n}, _entry_points())
 
 
 def snapshot() -> bytes:
