@@ -51,6 +51,10 @@ from rlfabric.rewards import (
 MAX_TIMEOUTS_IN_A_ROW = 3
 
 
+class TimedOut(str):
+    """The error of a run that overran its deadline (its thread is still stuck): a str, told apart by its type."""
+
+
 class GroupFailed(Exception):
     """Scoring one group failed; the message is the one-line error its samples carry."""
 
@@ -155,7 +159,6 @@ class RewardServiceCore:
         self.group_timeout_s = group_timeout_s
         self.poisoned = False  # a group's thread is stuck: this process should be replaced
         self.skipped: list[int] = []  # the last call's groups not tried after timeouts in a row
-        self._timeouts = 0  # groups timed out in this process
 
     def score(self, groups: list[list[RewardInput]]) -> list[list[RewardResult]]:
         """Results per group, per completion; a failed group's samples carry its error and no components. The
@@ -173,15 +176,13 @@ class RewardServiceCore:
                 self.skipped.append(index)
                 out.append(failed(group, f"not scored: the {in_a_row} groups before it {last_timeout}"))
                 continue
-            timeouts_before = self._timeouts
             results = (
                 self._run(per_group, group, self.group_timeout_s) if per_group else [RewardResult({}) for _ in group]
             )
-            timed_out = self._timeouts > timeouts_before
-            in_a_row = in_a_row + 1 if timed_out else 0
+            in_a_row = in_a_row + 1 if isinstance(results, TimedOut) else 0
             if isinstance(results, str):
-                last_timeout = results if timed_out else last_timeout
-                results = failed(group, results)
+                last_timeout = results if isinstance(results, TimedOut) else last_timeout
+                results = failed(group, str(results))
             out.append(merge_results(first, results) if first is not None else results)
         return out
 
@@ -205,7 +206,7 @@ class RewardServiceCore:
         self, functions: list[tuple[str, RewardFn]], group: list[RewardInput], timeout_s: float
     ) -> list[RewardResult] | str:
         """Each sample's result, or the one-line error of a run that failed as a whole (raised, malformed,
-        overran its deadline)."""
+        overran its deadline: a ``TimedOut``)."""
         if not group:
             return []
         run = _GroupRun(functions, group)
@@ -213,8 +214,7 @@ class RewardServiceCore:
         run.thread.join(timeout_s)
         if run.thread.is_alive():
             self.poisoned = True
-            self._timeouts += 1
-            return f"timed out after {timeout_s:g}s in reward {run.current!r}"
+            return TimedOut(f"timed out after {timeout_s:g}s in reward {run.current!r}")
         if run.results is None:
             return run.error or "no result"
         return run.results

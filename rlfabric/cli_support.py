@@ -25,8 +25,11 @@ def import_user_modules(names: list[str] | None) -> None:
     (``rlfabric.shipping``), so they need not import it themselves.
     """
     cwd = os.getcwd()
-    if cwd not in sys.path:  # first for --import (as python -m), last otherwise: it shadows no installed package
-        sys.path.insert(0, cwd) if names else sys.path.append(cwd)
+    if cwd not in sys.path:
+        if names:  # first, as python -m does
+            sys.path.insert(0, cwd)
+        else:  # last: for a module:function spec, shadowing no installed package
+            sys.path.append(cwd)
     for name in names or []:
         if name.endswith(".py"):  # "x.py" would import x, then look for a submodule "py"
             raise ConfigError(

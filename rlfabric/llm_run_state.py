@@ -11,12 +11,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from rlfabric.config import ConfigError
 from rlfabric.run.checkpoints import CHECKPOINT_DIR, CheckpointStore
 from rlfabric.run.log import CONFIG_FILE
-from rlfabric.run.resume import finished_training, no_checkpoint_error, resumed_config
+from rlfabric.run.resume import finished_training, no_checkpoint_error, resumed_config, saved_config
 
 TRAINER_STATE_FILE = "trainer_state.json"  # written last: a checkpoint without it is incomplete
 REFERENCE_MODEL_DIR = "reference_model"  # the KL reference after an SFT warm-up, kept for --resume
@@ -104,10 +102,9 @@ def read_trainer_state(checkpoint: Path) -> dict[str, Any]:
 def saved_reward_weights(run_dir: Path) -> dict[str, float] | None:
     """``rewards.weights`` as the run in ``run_dir`` saved them (None when its config cannot be read)."""
     try:
-        saved = yaml.safe_load((run_dir / CONFIG_FILE).read_text()) or {}
-        weights = (saved.get("rewards") or {}).get("weights") or {}
+        weights = ((saved_config(run_dir) or {}).get("rewards") or {}).get("weights") or {}
         return {str(k): float(v) for k, v in weights.items()}
-    except (OSError, yaml.YAMLError, AttributeError, TypeError, ValueError):
+    except (AttributeError, TypeError, ValueError):  # not mappings of numbers: loading the config names it
         return None
 
 

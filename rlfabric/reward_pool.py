@@ -43,7 +43,7 @@ class _Call:
     group_indices: list[int]
     groups: list[list[RewardInput]]  # kept to score again, once, if the worker dies on them
     results_ref: ray.ObjectRef
-    poisoned_ref: ray.ObjectRef  # (poisoned, skipped group indices)
+    status_ref: ray.ObjectRef  # (poisoned, the indices of the groups it skipped)
     deadline: float
     budget_s: float
     retry: bool = False  # the second try of groups whose first worker died
@@ -145,14 +145,14 @@ class RewardPool:
     def _call(self, worker: int, groups: list[list[RewardInput]], indices: list[int], retry: bool = False) -> _Call:
         handles = self.workers  # shut down by another thread meanwhile: the call fails as a stopped worker's
         if worker >= len(handles):
-            raise RewardPoolClosed(f"reward worker {worker} was stopped: the reward pool shut down")
-        results_ref, poisoned_ref = handles[worker].score.remote(groups)
+            raise RewardPoolClosed(stopped(worker))
+        results_ref, status_ref = handles[worker].score.remote(groups)
         budget = self.timeout_s * len(groups) + self.grace_s
         # A call queued behind others on the same worker can start only when they are done.
         deadline = max(time.monotonic(), self.busy_until[worker]) + budget
         self.busy_until[worker] = deadline
         generation = self.slots.generations[worker]
-        return _Call(worker, generation, indices, groups, results_ref, poisoned_ref, deadline, budget, retry)
+        return _Call(worker, generation, indices, groups, results_ref, status_ref, deadline, budget, retry)
 
     def collect(self, ticket: RewardTicket) -> list[list[RewardResult]]:
         """Results for every group of the ticket, in submission order; waits until the calls' deadlines at most."""
@@ -178,12 +178,12 @@ class RewardPool:
             self._replace(call, error)
             return _failed(call, error)
         try:
-            results, (poisoned, skipped) = ray.get([call.results_ref, call.poisoned_ref], timeout=self.grace_s)
+            results, (poisoned, skipped) = ray.get([call.results_ref, call.status_ref], timeout=self.grace_s)
         except RayTaskError as exc:  # score() itself raised: the process is fine, this call's groups are not
             return _failed(call, f"reward worker {call.worker} failed: {error_summary(exc)}")
         except RayError as exc:  # the process died (or was replaced while this call waited)
             if self.slots.closed:  # stopped on purpose (the run is closing): no replacement, no second try
-                return _failed(call, f"reward worker {call.worker} was stopped: the reward pool shut down")
+                return _failed(call, stopped(call.worker))
             error = f"reward worker {call.worker} died: {exc.__class__.__name__}: {error_summary(exc)}"
             self._replace(call, error, failure=not call.retry)  # one failure per call, however many tries
             if isinstance(exc, RayActorError) and not call.retry:
@@ -223,6 +223,11 @@ class RewardPool:
 
     def shutdown(self) -> None:
         self.slots.shutdown()
+
+
+def stopped(worker: int) -> str:
+    """The error of groups whose worker the pool's shutdown stopped."""
+    return f"reward worker {worker} was stopped: the reward pool shut down"
 
 
 def _failed(call: _Call, error: str) -> list[list[RewardResult]]:

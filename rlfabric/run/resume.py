@@ -36,15 +36,22 @@ def refuse_run_over(run_dir: Path, has_checkpoint: bool) -> None:
     raise ConfigError(f"--run-dir {str(run_dir)!r} already holds a run{how}")
 
 
+def saved_config(run_dir: Path) -> dict[str, Any] | None:
+    """The run's config file as saved, a raw mapping, for the few keys read before the config is loaded and
+    checked; None when it cannot be read or is not a mapping (loading it then names the problem)."""
+    try:
+        saved = yaml.safe_load((run_dir / CONFIG_FILE).read_text()) or {}
+    except (OSError, UnicodeDecodeError, yaml.YAMLError):
+        return None
+    return saved if isinstance(saved, dict) else None
+
+
 def no_checkpoint_error(run_dir: Path, checkpoint_dir: str, zero_saves_at_end: bool = False) -> ConfigError:
     """The one line for ``--resume`` of a run that left no checkpoint, saying why from its saved config: it ran
     with ``training.checkpoint_every: 0`` (which saves none, or with ``zero_saves_at_end`` only the last, as PPO
     does), or it stopped before its first checkpoint."""
-    try:
-        saved = yaml.safe_load((run_dir / CONFIG_FILE).read_text()) or {}
-        every = (saved.get("training") or {}).get("checkpoint_every")
-    except (OSError, yaml.YAMLError, AttributeError):
-        every = None
+    training = (saved_config(run_dir) or {}).get("training")
+    every = training.get("checkpoint_every") if isinstance(training, dict) else None
     why = (
         "the run stopped before its end, the only checkpoint training.checkpoint_every: 0 saves"
         if every == 0 and zero_saves_at_end
@@ -88,7 +95,7 @@ def _get_path(cfg: Any, dotted: str) -> Any:
 def resumed_config(run_dir: Path, overrides: list[str] | None, fixed: tuple[str, ...]) -> Any:
     """The config saved in ``run_dir`` with ``overrides`` applied, refusing changes to the ``fixed`` paths (what
     the checkpoint's weights depend on); the error names the changed field, e.g. ``model.hidden_sizes``."""
-    former = former_defaults(run_dir / CONFIG_FILE)
+    former = former_defaults(run_dir)
     saved = load_config(run_dir / CONFIG_FILE, former)
     cfg = load_config(run_dir / CONFIG_FILE, [*former, *(overrides or [])])
     for path in fixed:
@@ -105,14 +112,11 @@ def resumed_config(run_dir: Path, overrides: list[str] | None, fixed: tuple[str,
     return cfg
 
 
-def former_defaults(config_file: Path) -> list[str]:
+def former_defaults(run_dir: Path) -> list[str]:
     """Overrides that give a saved GRPO config the former default of each key in ``FORMER_GRPO_DEFAULTS`` it does
     not hold (a run saved before the key existed)."""
-    try:
-        saved = yaml.safe_load(config_file.read_text()) or {}
-    except (OSError, yaml.YAMLError):
-        return []  # load_config names the file's problem
-    if not isinstance(saved, dict) or saved.get("algo", "grpo") != "grpo":
+    saved = saved_config(run_dir)
+    if saved is None or saved.get("algo", "grpo") != "grpo":  # unreadable: load_config names the file's problem
         return []
     return [
         f"{section}.{key}={value}"
