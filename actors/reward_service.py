@@ -42,6 +42,7 @@ from rlfabric.rewards import (
     RewardResult,
     RewardSpec,
     Unscored,
+    declared_components,
     is_pointwise,
     is_process_reward,
 )
@@ -94,7 +95,7 @@ class _GroupRun:
         stepped = None  # the group with its steps filled in, for process rewards
         for name, fn in self.functions:
             self.current = name
-            process = is_process_reward(fn)
+            process, declared = is_process_reward(fn), declared_components(fn)
             if process and stepped is None:
                 stepped = [dataclasses.replace(s, steps=s.step_texts()) for s in self.group]
             out = fn(stepped if process else self.group)
@@ -115,21 +116,34 @@ class _GroupRun:
                         )
                     steps[i] = steps[i] or [{} for _ in texts]
                     for k, components in enumerate(result):
-                        _merge(name, f"sample {i} step {k}", components, steps[i][k], source)
+                        _merge(name, f"sample {i} step {k}", components, steps[i][k], source, declared)
                 else:
-                    _merge(name, f"sample {i}", result, outcome[i], source)
+                    _merge(name, f"sample {i}", result, outcome[i], source, declared)
         return [
             RewardResult({}, error) if error is not None else RewardResult(components, None, per_step)
             for components, per_step, error in zip(outcome, steps, unscored, strict=True)
         ]
 
 
-def _merge(name: str, where: str, components: Any, into: dict[str, float], source: dict[str, str]) -> None:
+def _merge(
+    name: str,
+    where: str,
+    components: Any,
+    into: dict[str, float],
+    source: dict[str, str],
+    declared: frozenset[str] | None = None,
+) -> None:
     """Add function ``name``'s ``components`` for one sample (or step) to ``into``; GroupFailed when they are not
-    a dict of finite numbers or name a component another function produces."""
+    a dict of finite numbers, name a component another function produces, or one the function does not declare
+    (``declared``: its ``@gives``; None: any)."""
     if not isinstance(components, Mapping):
         raise GroupFailed(f"{name}: {where} got a {type(components).__name__}, expected a dict")
     for key, value in components.items():
+        if declared is not None and key not in declared:
+            raise GroupFailed(
+                f"{name}: {where} gave component {key!r}, which it does not declare (@gives: "
+                f"{', '.join(sorted(declared))})"
+            )
         if source.setdefault(key, name) != name:
             raise GroupFailed(f"component {key!r} comes from both {source[key]!r} and {name!r}")
         if not isinstance(value, numbers.Real) or not math.isfinite(value):

@@ -143,6 +143,17 @@ def parse_selector(text: str, field: str = "--selector") -> Selector:
     return Selector(value, RewardSpec(value))
 
 
+def resolve_selector(spec: RewardSpec, field: str, label: str) -> rewards.RewardFn:
+    """The selector's reward function; a name that is not found and is its own label is named once ("--selector =
+    'x' is not valid", not "--selector 'x' = 'x' is not valid")."""
+    try:
+        return rewards.resolve_reward(spec, field)
+    except rewards.RewardNotFoundError as exc:
+        if label != spec.name:
+            raise
+        raise rewards.RewardNotFoundError(str(exc).replace(f"{field} = ", "--selector = ", 1)) from None
+
+
 def check_selectors(selectors: list[Selector], run_dir: Path | None, run_model_kind: str) -> list[Selector]:
     """Unique labels; with a run, a spec that means the run's own model (``reward_model`` without a path,
     ``judge`` without a model) pointed at its ``reward_model/``, which is a ``run_model_kind``
@@ -162,10 +173,13 @@ def check_selectors(selectors: list[Selector], run_dir: Path | None, run_model_k
                     f"{run_model_kind} (reward_model.kind), served by {{name: {name}}}: give it kwargs.{own}"
                 )
             spec = RewardSpec(spec.name, {**spec.kwargs, key: str(run_dir / REWARD_MODEL_DIR)})
-        fn = None if spec is None else rewards.resolve_reward(spec, field)
+        fn = None if spec is None else resolve_selector(spec, field, sel.label)
         process = fn is not None and rewards.is_process_reward(fn)
         if (sel.aggregate is not None or sel.split is not None) and not process:
             raise ConfigError(f"{field}: aggregate and split apply to a process reward's steps, not an outcome reward")
+        declared = None if fn is None else rewards.declared_components(fn)
+        if declared is not None:
+            rewards.check_names_given(sel.weights, declared, f"{field} weights", f"reward {spec.name!r}")
         # the components it leaves out weigh what the function declares (the verifiers' format: 0), as in training
         weights = sel.weights if fn is None else rewards.weights_with_defaults(sel.weights, {field: fn})
         # a process reward's steps rank by their weakest unless told otherwise
@@ -235,6 +249,11 @@ def find_policy(run_dir: str | None, checkpoint: str | None) -> PolicySource:
     return PolicySource(str(folder), f"{folder.relative_to(run)} of run {run_dir} (step {step})", run)
 
 
+def verifier_functions(cfg: LLMConfig) -> dict[str, rewards.RewardFn]:
+    """{``rewards.functions[i]``: its function}: the verifier every completion is scored with."""
+    return rewards.resolve_rewards([dataclasses.asdict(spec) for spec in cfg.rewards.functions], "rewards.functions")
+
+
 def eval_config(config: str | None, overrides: list[str], policy: PolicySource) -> tuple[LLMConfig, str]:
     """(``config``, else the policy's run's saved config, else the defaults, with ``overrides``; where it came
     from): a GRPO config of single-turn completions."""
@@ -252,10 +271,8 @@ def eval_config(config: str | None, overrides: list[str], policy: PolicySource) 
         check_model_source(cfg.model.path)  # a missing folder or unknown hub id: one line, before anything starts
     if policy.run_dir is not None:
         point_at_run_reward_model(cfg, policy.run_dir)
-    functions = {
-        f"rewards.functions[{i}]": rewards.resolve_reward(dataclasses.asdict(spec), f"rewards.functions[{i}]")
-        for i, spec in enumerate(cfg.rewards.functions)
-    }
+    functions = verifier_functions(cfg)
+    rewards.components_of(functions)  # two functions declaring one component: one line now
     cfg.rewards.weights = rewards.weights_with_defaults(cfg.rewards.weights, functions)
     return cfg, path or "the defaults"
 
@@ -293,6 +310,9 @@ class BestOfNEval:
         self.selectors = check_selectors(selectors, policy.run_dir, cfg.reward_model.kind)
         self.num_prompts = num_prompts or cfg.data.num_eval
         self.correct, self.seed = correct, cfg.training.seed if seed is None else seed
+        given = rewards.components_of(verifier_functions(cfg))
+        if given is not None:  # every verifier function declares its components (@gives): know it before sampling
+            rewards.check_names_given([correct], given, "--correct", "the verifier (rewards.functions)")
         self.config_source = config_source
         self.progress = progress or (lambda line: print(line, file=sys.stderr, flush=True))
         self.generators: list[Any] = []

@@ -99,6 +99,7 @@ class GRPOTrainer(GRPOSetup):
             for i, spec in enumerate(cfg.rewards.functions)
             if i not in self.trained_reward_specs  # checked once the run has trained its reward model
         }
+        rewards.components_of(functions)  # two functions declaring one component: one line now, not every group
         if resume_from is not None and cfg.rewards.weights == saved_reward_weights(self.run_dir):
             cfg.rewards.weights = weights_saved_before_declarations(
                 cfg.rewards.weights,
@@ -109,8 +110,8 @@ class GRPOTrainer(GRPOSetup):
         # misspellings, at the end for names never given
         self._component_references = cfg.rewards.component_references()
         cfg.rewards.weights = rewards.weights_with_defaults(cfg.rewards.weights, functions)
-        for i, spec in enumerate(cfg.rewards.shadow.functions):
-            rewards.resolve_reward(dataclasses.asdict(spec), f"rewards.shadow.functions[{i}]")
+        shadow = [dataclasses.asdict(spec) for spec in cfg.rewards.shadow.functions]
+        rewards.components_of(rewards.resolve_rewards(shadow, "rewards.shadow.functions"))  # one pool, as above
         check_model_source(cfg.model.path)  # a missing folder or unknown hub id: one line, before anything starts
         self.counters = Counters()
         self.version = 0

@@ -272,6 +272,12 @@ CLI_CASES = {
     "unknown-env-name": ("{}\n", ["algo=ppo", "env.id=not_a_registered_name"], ["env.id = 'not_a_registered_name'"]),
     "non-string-key": ("2048: 1\n", [], ["2048"]),
     "ppo-section-without-algo": ("ppo:\n  lr: 0.001\n", [], ["'ppo'", "algo: ppo"]),
+    # both verifiers declare correct (@gives): every group would fail at the reward service
+    "two-functions-give-one-component": (
+        None,
+        ["rewards.functions=[{name: arithmetic}, {name: math}]"],
+        ["rewards.functions[0] and rewards.functions[1] both give component 'correct'"],
+    ),
 }
 
 

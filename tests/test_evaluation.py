@@ -278,7 +278,14 @@ def test_a_selector_of_the_other_kind_than_the_runs_model_is_one_line(trained_ru
     [
         (["--n", "1,0,4"], ["--n '1,0,4'", "positive integers"]),
         (["--n", "1,x"], ["--n '1,x'"]),
-        (["--selector", "no_such_reward"], ["no_such_reward", "not a registered reward"]),
+        (["--selector", "no_such_reward"], ["--selector = 'no_such_reward' is not valid", "not a registered reward"]),
+        # the verifier and a selector's reward declare their components (@gives): names checked before sampling
+        (["--correct", "corect"], ["--correct names 'corect' (did you mean 'correct'?)", "gives only correct, format"]),
+        (
+            ["--selector", "{name: arithmetic, weights: {corect: 1}}"],
+            ["--selector 'arithmetic' weights names 'corect' (did you mean 'correct'?)"],
+        ),
+        (["rewards.functions=[{name: arithmetic}, {name: math}]"], ["both give component 'correct'"]),
         (["--selector", "{name: shortness, oops: 1}"], ["--selector", "oops"]),
         (["--selector", "{name: reward_model, kwargs: {path: no/such/folder}}"], ["--selector 'reward_model'"]),
         (["--selector", "{name: shortness, aggregate: min}"], ["--selector 'shortness'", "aggregate", "outcome"]),

@@ -14,7 +14,7 @@ import pytest
 
 from rlfabric.actors.reward_service import RewardServiceCore
 from rlfabric.reward_pool import RewardPool
-from rlfabric.rewards import RewardInput, Unscored, pointwise, register_reward
+from rlfabric.rewards import RewardInput, Unscored, gives, pointwise, register_reward
 
 
 def tagged(inputs: list[RewardInput]) -> list[dict[str, float]]:
@@ -217,6 +217,12 @@ def test_malformed_results_and_component_clashes_fail_the_group_in_process():
     results = service.score([group("a", 3)])
     assert results[0][0].error == "short_by_one: returned 2 results for a group of 3; expected a list of dicts"
     assert not service.poisoned
+    # a component the function does not declare fails the group: a declaration cannot drift from the code
+    register_reward("declares_too_little", gives("ok")(lambda inputs: tagged(inputs)))  # tagged also gives pid
+    results = RewardServiceCore(["declares_too_little"], group_timeout_s=5.0).score([group("a", 2)])
+    assert [r.error for r in results[0]] == [
+        "declares_too_little: sample 0 gave component 'pid', which it does not declare (@gives: ok)"
+    ] * 2
 
 
 def test_pool_validates_specs_before_starting_actors():

@@ -240,6 +240,43 @@ def test_two_functions_that_weigh_a_component_differently_must_be_settled_by_the
         rewards.default_weights(format=float("nan"))
 
 
+@rewards.gives("helpful", "harmless")
+def rated(inputs: list[RewardInput], *, helpful: float = 1.0) -> list[dict[str, float]]:
+    return [{"helpful": helpful, "harmless": 1.0} for _ in inputs]
+
+
+def test_declared_components_are_known_before_scoring_and_belong_to_one_function():
+    register_reward("rated", rated)
+    bound = resolve_reward({"name": "rated", "kwargs": {"helpful": 0.5}})  # kept when kwargs are bound
+    assert rewards.declared_components(bound) == {"helpful", "harmless"}
+    assert rewards.declared_components(resolve_reward("arithmetic")) == {"correct", "format"}
+    assert rewards.declared_components(brevity) is None
+    functions = {"rewards.functions[0]": resolve_reward("arithmetic"), "rewards.functions[1]": bound}
+    assert rewards.components_of(functions) == {
+        "correct": "rewards.functions[0]",
+        "format": "rewards.functions[0]",
+        "helpful": "rewards.functions[1]",
+        "harmless": "rewards.functions[1]",
+    }
+    assert rewards.components_of({**functions, "rewards.functions[2]": brevity}) is None  # brevity's are unknown
+    with pytest.raises(ConfigError) as info:
+        rewards.components_of(
+            {"rewards.functions[0]": resolve_reward("math"), "rewards.functions[1]": functions["rewards.functions[0]"]}
+        )
+    assert str(info.value) == (
+        "rewards.functions[0] and rewards.functions[1] both give component 'correct': a component comes from one "
+        "function (wrap one of them to rename it)"
+    )
+    with pytest.raises(ConfigError) as info:
+        rewards.check_names_given(["helpfull", "harmless"], {"helpful", "harmless"}, "--correct", "reward 'rated'")
+    assert str(info.value) == (
+        "--correct names 'helpfull' (did you mean 'helpful'?): reward 'rated' gives only harmless, helpful"
+    )
+    rewards.check_names_given(["helpful"], {"helpful", "harmless"}, "--correct", "reward 'rated'")  # no error
+    with pytest.raises(TypeError, match=r"gives\(\): name one or more components"):
+        rewards.gives()
+
+
 def test_a_reward_spec_that_names_nothing_says_why(tmp_path, monkeypatch):
     with pytest.raises(RewardNotFoundError) as info:
         resolve_reward("arithmetc", "rewards.functions[0]")

@@ -33,7 +33,7 @@ from typing import Any
 
 from rlfabric.rewards.likelihood import likelihood_reward, teacher_logprob_reward
 from rlfabric.rewards.math_verify import answers_match, find_answer
-from rlfabric.rewards.registry import RewardInput, default_weights, register_reward
+from rlfabric.rewards.registry import RewardInput, default_weights, gives, register_reward
 from rlfabric.rewards.reward_model import reward_model_reward
 
 
@@ -50,6 +50,7 @@ def _first_line(text: str) -> str:
 
 
 @default_weights(format=0.0)  # well formed is not correct: logged, not rewarded
+@gives("correct", "format")
 def math_reward(inputs: list[RewardInput], *, answer_key: str = "answer") -> list[dict[str, float]]:
     out = []
     for sample in inputs:
@@ -63,6 +64,7 @@ _INTEGER_RE = re.compile(r"-?\d+")
 
 
 @default_weights(format=0.0)  # well formed is not correct: logged, not rewarded
+@gives("correct", "format")
 def arithmetic_reward(inputs: list[RewardInput], *, answer_key: str = "answer") -> list[dict[str, float]]:
     out = []
     for sample in inputs:
@@ -118,6 +120,7 @@ def evaluate_expression(tree: ast.expr) -> Fraction | None:
 
 
 @default_weights(format=0.0)  # well formed is not correct: logged, not rewarded
+@gives("correct", "format")
 def countdown_reward(
     inputs: list[RewardInput], *, numbers_key: str = "numbers", target_key: str = "target"
 ) -> list[dict[str, float]]:
@@ -134,6 +137,7 @@ def countdown_reward(
     return out
 
 
+@gives("length_penalty")
 def length_reward(
     inputs: list[RewardInput], *, max_tokens: int, cache_tokens: int, scale: float = 1.0
 ) -> list[dict[str, float]]:

@@ -37,7 +37,7 @@ import numpy as np
 from rlfabric.reward_config import parse_split
 from rlfabric.rewards.builtin import evaluate_expression, parse_expression
 from rlfabric.rewards.prefix_scores import in_chunks, score_step_prefixes
-from rlfabric.rewards.registry import RewardInput, pointwise, process_reward, register_reward
+from rlfabric.rewards.registry import RewardInput, gives, pointwise, process_reward, register_reward
 from rlfabric.rewards.reward_model import (
     check_reward_model_kwargs,
     ensemble_components,
@@ -187,6 +187,7 @@ process_reward_model.check_kwargs = check_process_reward_model_kwargs  # type: i
 
 @pointwise
 @process_reward
+@gives("step_correct")
 def arithmetic_steps(inputs: list[RewardInput]) -> list[list[dict[str, float]]]:
     """A function process reward: per step, ``step_correct`` = 1 when the step is ``expression=value`` (markers
     and surrounding whitespace aside; the expression of non-negative integers, + - * / and parentheses, the value

@@ -19,6 +19,10 @@ its outcome components and its per-step components (``RewardResult.step_componen
 A function marked ``@default_weights(format=0.0)`` gives the weight of a component ``rewards.weights`` leaves out
 (otherwise 1): a component that describes a sample rather than rewards it.
 
+A function marked ``@gives("correct", "format")`` declares every component it gives: names a config takes from it
+are then checked before any actor starts (two functions giving one component, ``rlfabric eval --correct``, a
+selector's ``weights``), and the reward service fails a group whose result names a component not declared.
+
 A function marked ``@pointwise`` scores each sample on its own (a reward model's forward pass): the reward service
 hands it every sample of a call at once, across groups, so it can batch them. A function may carry
 ``check_kwargs(**kwargs)``, which ``resolve_reward`` calls on the driver, so a bad argument (a model path that
@@ -39,7 +43,7 @@ import functools
 import importlib.metadata
 import inspect
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -119,6 +123,8 @@ class RewardSpec:
 
 ENTRY_POINT_GROUP = "rlfabric.rewards"
 
+# The attributes the decorators below set on a function (pointwise, process_reward, default_weights, gives)
+MARKS = ("pointwise", "scores_steps", "default_reward_weights", "reward_components")
 _REGISTRY: dict[str, RewardFn | str] = {}  # a name -> its function, or the path to import it from
 
 
@@ -159,6 +165,58 @@ def default_weights(**weights: float) -> Callable[[Callable[..., Any]], Callable
         return fn
 
     return mark
+
+
+def gives(*names: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Declare every component ``fn`` gives (per sample, or per step for a process reward), as
+    ``@gives("correct", "format")``. Undeclared functions may give any names, found only once they score."""
+    if not names or not all(isinstance(n, str) and n for n in names):
+        raise TypeError(f"gives{names!r}: name one or more components, each a non-empty string")
+
+    def mark(fn: Callable[..., Any]) -> Callable[..., Any]:
+        fn.reward_components = frozenset(names)  # type: ignore[attr-defined]
+        return fn
+
+    return mark
+
+
+def declared_components(fn: Callable[..., Any]) -> frozenset[str] | None:
+    """The components ``fn`` declares with ``@gives``; None when it declares none."""
+    return getattr(fn, "reward_components", None)
+
+
+def components_of(functions: Mapping[str, Callable[..., Any]]) -> dict[str, str] | None:
+    """{component: the config field of the function that declares it} for ``functions`` ({field: function});
+    None when any of them declares nothing (its names are unknown until it scores). ConfigError when two
+    functions declare one component: the reward service would fail every group (a name belongs to one function)."""
+    owners: dict[str, str] = {}
+    complete = True
+    for where, fn in functions.items():
+        names = declared_components(fn)
+        if names is None:
+            complete = False
+            continue
+        for name in sorted(names):
+            first = owners.setdefault(name, where)
+            if first != where:
+                raise ConfigError(
+                    f"{first} and {where} both give component {name!r}: a component comes from one function (wrap "
+                    "one of them to rename it)"
+                )
+    return owners if complete else None
+
+
+def check_names_given(names: Iterable[str], given: Collection[str], field: str, source: str) -> None:
+    """ConfigError naming ``field`` when one of ``names`` is not in ``given`` (the components ``source``
+    declares), with the given component it resembles."""
+    unknown = [name for name in names if name not in given]
+    if not unknown:
+        return
+    close = difflib.get_close_matches(unknown[0], sorted(given), n=1)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    raise ConfigError(
+        f"{field} names {', '.join(map(repr, unknown))}{hint}: {source} gives only {', '.join(sorted(given))}"
+    )
 
 
 def declared_weights(fn: Callable[..., Any]) -> dict[str, float]:
@@ -279,10 +337,15 @@ def _bind(fn: Callable[..., Any], spec: RewardSpec, field: str) -> RewardFn:
     if not spec.kwargs:
         return fn
     bound = functools.partial(fn, **spec.kwargs)
-    bound.pointwise = is_pointwise(fn)  # type: ignore[attr-defined]
-    bound.scores_steps = is_process_reward(fn)  # type: ignore[attr-defined]
-    bound.default_reward_weights = declared_weights(fn)  # type: ignore[attr-defined]
+    for mark in MARKS:  # what the decorators above declared about fn holds for it with its kwargs bound
+        if hasattr(fn, mark):
+            setattr(bound, mark, getattr(fn, mark))
     return bound
+
+
+def resolve_rewards(specs: Sequence[str | Mapping[str, Any] | RewardSpec], field: str) -> dict[str, RewardFn]:
+    """{``field[i]``: the function ``specs[i]`` names} (``resolve_reward`` of each)."""
+    return {f"{field}[{i}]": resolve_reward(spec, f"{field}[{i}]") for i, spec in enumerate(specs)}
 
 
 def resolve_reward(spec: str | Mapping[str, Any] | RewardSpec, field: str = "rewards.functions") -> RewardFn:
