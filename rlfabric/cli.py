@@ -191,7 +191,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
     """Best-of-N accuracy per selector and reward by response length for a run's newest model, a model folder, or
     the config's initial model (``rlfabric.evaluation``)."""
     from rlfabric.eval_report import format_report
-    from rlfabric.evaluation import TRAIN_SELECTOR, BestOfNEval, eval_config, find_policy, parse_n_list, parse_selector
+    from rlfabric.eval_selectors import TRAIN_SELECTOR, parse_selector
+    from rlfabric.evaluation import BestOfNEval, eval_config, find_policy, parse_n_list
 
     import_user_modules(args.import_modules)
     if args.config and "=" in args.config and not os.path.exists(args.config):  # an override, not a file

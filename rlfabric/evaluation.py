@@ -27,16 +27,16 @@ from typing import Any
 
 import numpy as np
 import ray
-import yaml
 
 from rlfabric import rewards
 from rlfabric.actor_slots import RunAbortedError
-from rlfabric.algorithms.best_of_n import STEP_AGGREGATES, best_of_n, length_bins, pass_at_n, step_aggregate
+from rlfabric.algorithms.best_of_n import best_of_n, length_bins, pass_at_n, step_aggregate
 from rlfabric.algorithms.reward_combination import combine_rewards
 from rlfabric.algorithms.step_credit import efficiency_penalty
 from rlfabric.config import ConfigError, load_config
 from rlfabric.data import check_prompt_lengths, load_heldout, load_prompts, row_metadata
 from rlfabric.driver import ensure_ray
+from rlfabric.eval_selectors import VERIFIER, Selector, check_selectors
 from rlfabric.grpo_config import LLMConfig
 from rlfabric.llm_actors import judge_request, reward_resources, reward_weights, start_generator
 from rlfabric.llm_resources import SETUP_TIMEOUT_S, openmp_env
@@ -46,46 +46,18 @@ from rlfabric.placement import ActorRequest, check_fits
 from rlfabric.policies.served import GeneratorsFailed, ServedLLMPolicy
 from rlfabric.reward_config import RewardFunctionConfig, parse_split
 from rlfabric.reward_model_stage import (
-    REWARD_MODEL_DIR,
-    RUN_MODEL_SPECS,
     point_at_run_reward_model,
-    run_reward_model_specs,
 )
 from rlfabric.reward_pool import RewardPool
-from rlfabric.rewards import RewardInput, RewardResult, RewardSpec
+from rlfabric.rewards import RewardInput, RewardResult
 from rlfabric.rewards.likelihood import POLICY
 from rlfabric.rewards.process import split_completion
 from rlfabric.run.log import CONFIG_FILE, SUMMARY_FILE
 from rlfabric.run.progress import format_eta
 
-TRAIN_SELECTOR = "train"  # the selector that is the config's training reward
-VERIFIER = "verifier"  # the reward pool of rewards.functions (no selector takes its label)
 TRAINING_REWARD = "the training reward: rewards.functions combined by rewards.weights and rewards.combine"
 EVAL_FILE, SAMPLES_FILE = "eval.json", "samples.jsonl"
 N_PLOT, LENGTH_PLOT = "best_of_n.png", "reward_vs_length.png"
-SELECTOR_KEYS = ("name", "kwargs", "weights", "label", "aggregate", "split")
-
-
-@dataclass(frozen=True)
-class Selector:
-    """What picks the best of N: a reward service (``spec``) whose components, weighted by ``weights`` (for a
-    component not named, the weight its function declares, else 1, as in ``rewards.weights``), sum to the score;
-    or (``spec`` None) the training reward.
-    A process reward's weighted step scores become one score by ``aggregate`` (``step_aggregate``)."""
-
-    label: str
-    spec: RewardSpec | None = None
-    weights: dict[str, float] = dataclasses.field(default_factory=dict)
-    aggregate: str | None = None
-    split: str | None = None  # a process reward's steps (``rewards.process.split``'s values); None: the config's
-
-    def score_of(self, components: dict[str, float]) -> float:
-        """sum_c w_c * components[c], w_c = ``weights``[c] (1 for a component not named)."""
-        return sum(self.weights.get(c, 1.0) * v for c, v in components.items())
-
-    def step_scores(self, result: RewardResult) -> list[float]:
-        """Each step's weighted components (``score_of``), for a process reward's result."""
-        return [self.score_of(step) for step in result.step_components or []]
 
 
 @dataclass(frozen=True)
@@ -107,84 +79,6 @@ def parse_n_list(text: str) -> list[int]:
     if not values or min(values) < 1:
         raise ConfigError(f"--n {text!r} is not valid: expected comma-separated positive integers, e.g. 1,2,4,8,16")
     return sorted(set(values))
-
-
-def parse_selector(text: str, field: str = "--selector") -> Selector:
-    """A selector from ``train``, a reward name, or YAML/JSON ``{name, kwargs, weights, label}``."""
-    try:
-        value = yaml.safe_load(text)
-    except yaml.YAMLError:
-        value = None
-    if isinstance(value, str) and value == TRAIN_SELECTOR:
-        return Selector(TRAIN_SELECTOR)
-    if isinstance(value, dict):
-        unknown = sorted(set(value) - set(SELECTOR_KEYS))
-        if unknown:
-            raise ConfigError(f"{field} {text!r}: unknown key(s) {', '.join(unknown)}; allowed: {SELECTOR_KEYS}")
-        weights = value.get("weights") or {}
-        if not isinstance(weights, dict) or not all(isinstance(w, (int, float)) for w in weights.values()):
-            raise ConfigError(f"{field} {text!r}: weights must map component names to numbers")
-        aggregate, split = value.get("aggregate"), value.get("split")
-        if aggregate is not None and aggregate not in STEP_AGGREGATES:
-            raise ConfigError(f"{field} {text!r}: aggregate must be one of {', '.join(STEP_AGGREGATES)}")
-        if split is not None:
-            try:
-                parse_split(str(split))
-            except ValueError as exc:
-                raise ConfigError(f"{field} {text!r}: split: {exc}") from None
-        spec = RewardSpec.parse({k: value[k] for k in ("name", "kwargs") if k in value}, field)
-        label, weights = str(value.get("label") or spec.name), {str(k): float(w) for k, w in weights.items()}
-        return Selector(label, spec, weights, aggregate, None if split is None else str(split))
-    if not isinstance(value, str) or not value:
-        raise ConfigError(
-            f"{field} {text!r} is not valid: expected '{TRAIN_SELECTOR}', a reward name, or "
-            "'{name: reward_model, kwargs: {path: DIR}, weights: {...}, label: ...}'"
-        )
-    return Selector(value, RewardSpec(value))
-
-
-def resolve_selector(spec: RewardSpec, field: str, label: str) -> rewards.RewardFn:
-    """The selector's reward function; a name that is not found and is its own label is named once ("--selector =
-    'x' is not valid", not "--selector 'x' = 'x' is not valid")."""
-    try:
-        return rewards.resolve_reward(spec, field)
-    except rewards.RewardNotFoundError as exc:
-        if label != spec.name:
-            raise
-        raise rewards.RewardNotFoundError(str(exc).replace(f"{field} = ", "--selector = ", 1)) from None
-
-
-def check_selectors(selectors: list[Selector], run_dir: Path | None, run_model_kind: str) -> list[Selector]:
-    """Unique labels; with a run, a spec that means the run's own model (``reward_model`` without a path,
-    ``judge`` without a model) pointed at its ``reward_model/``, which is a ``run_model_kind``
-    (``reward_model.kind``: ``RUN_MODEL_SPECS`` says which spec serves it); every reward resolvable on this
-    process and an outcome reward (one ConfigError naming the selector, before any actor starts)."""
-    out: list[Selector] = []
-    for i, sel in enumerate(selectors):
-        taken = {VERIFIER, *(s.label for s in out)}
-        label = sel.label if sel.label not in taken else f"{sel.label}#{i}"
-        spec, field = sel.spec, f"--selector {sel.label!r}"
-        if spec is not None and run_dir is not None and run_reward_model_specs([spec]):
-            name, key = RUN_MODEL_SPECS[run_model_kind]
-            if spec.name != name:
-                own = next(k for n, k in RUN_MODEL_SPECS.values() if n == spec.name)
-                raise ConfigError(
-                    f"{field}: {spec.name!r} without its model means the run's own model, which is a "
-                    f"{run_model_kind} (reward_model.kind), served by {{name: {name}}}: give it kwargs.{own}"
-                )
-            spec = RewardSpec(spec.name, {**spec.kwargs, key: str(run_dir / REWARD_MODEL_DIR)})
-        fn = None if spec is None else resolve_selector(spec, field, sel.label)
-        process = fn is not None and rewards.is_process_reward(fn)
-        if (sel.aggregate is not None or sel.split is not None) and not process:
-            raise ConfigError(f"{field}: aggregate and split apply to a process reward's steps, not an outcome reward")
-        declared = None if fn is None else rewards.declared_components(fn)
-        if declared is not None:
-            rewards.check_names_given(sel.weights, declared, f"{field} weights", f"reward {spec.name!r}")
-        # the components it leaves out weigh what the function declares (the verifiers' format: 0), as in training
-        weights = sel.weights if fn is None else rewards.weights_with_defaults(sel.weights, {field: fn})
-        # a process reward's steps rank by their weakest unless told otherwise
-        out.append(Selector(label, spec, weights, (sel.aggregate or "min") if process else None, sel.split))
-    return out
 
 
 def with_evaluated_policy(spec: dict[str, Any], model_dir: str) -> dict[str, Any]:

@@ -17,7 +17,8 @@ from grpo_runs import run_grpo
 from rlfabric.algorithms.best_of_n import best_of_n, length_bins, pass_at_n, pick_probabilities, step_aggregate
 from rlfabric.cli import main
 from rlfabric.config import ConfigError, config_from_dict
-from rlfabric.evaluation import VERIFIER, check_selectors, eval_actor_requests, parse_selector
+from rlfabric.eval_selectors import VERIFIER, check_selectors, parse_selector
+from rlfabric.evaluation import eval_actor_requests
 from rlfabric.rewards import RewardInput, process_reward, register_reward
 from rlfabric.rewards.process import step_starts
 

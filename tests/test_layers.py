@@ -102,6 +102,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "rlfabric.reward_model_training",  # a Bradley-Terry reward model from preference pairs
             "rlfabric.judge_training",  # a generative judge from preference pairs, on the judge service's prompts
             "rlfabric.reward_model_stage",  # train-rm, and a run's first stage: its reward model or judge
+            "rlfabric.eval_selectors",  # rlfabric eval's selectors: parsed from --selector, checked before actors
             "rlfabric.evaluation",  # rlfabric eval: best-of-N with any reward as the selector, reward by length
             "rlfabric.eval_report",  # the eval's table and plots
             "rlfabric.rollout_scheduler",  # which prompts go out, which groups come back to train on
