@@ -46,6 +46,8 @@ def resolve_agent(spec: str, field_name: str = "env.agent") -> Agent:
     ``field_name`` otherwise, or when it is not a coroutine function."""
     target = _AGENTS.get(spec, spec)
     fn = target if callable(target) else shipping.import_callable(target) if ":" in target else None
+    if fn is None and ":" in target:
+        raise ConfigError(f"{field_name} = {spec!r} is not valid: {shipping.why_not_importable(target)}")
     if fn is None:
         known = ", ".join(sorted(_AGENTS)) or "none registered"
         raise ConfigError(

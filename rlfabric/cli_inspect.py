@@ -206,6 +206,22 @@ def _global_state_line(env: Any) -> str:
     return f"global state: state() gives {int(np.asarray(state).size)} values{space} (a centralized critic's input)"
 
 
+def not_a_server(server: str, task_servers: list[str]) -> str | None:
+    """Why ``server`` (a ``tools list`` argument that is no task server's name) names nothing: a single word that
+    is no command on the PATH, with the task server it resembles; None when it may name a server."""
+    import difflib
+    import shutil
+
+    if " " in server.strip() or "://" in server or shutil.which(server) is not None:
+        return None
+    close = difflib.get_close_matches(server, task_servers, n=1)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    return (
+        f"{server!r} is not a task server{hint} nor a command on the PATH: give a task server's name "
+        f"({', '.join(task_servers)}), a server's command line, or an http(s) URL"
+    )
+
+
 def cmd_tools_list(args: argparse.Namespace) -> int:
     """List an MCP server's tools with their arguments: one started from its command line (then stopped), or
     one running at a URL."""
@@ -215,6 +231,10 @@ def cmd_tools_list(args: argparse.Namespace) -> int:
     from rlfabric.mcp_tools import McpSession, McpStartError
 
     server = TASK_SERVERS[args.server].command if args.server in TASK_SERVERS else args.server
+    unknown = not_a_server(server, list(TASK_SERVERS))
+    if unknown:
+        print(f"rlfabric: tools list: {unknown}", file=sys.stderr)
+        return 1
 
     async def listed() -> list:
         session = await McpSession.open(server, args.timeout)

@@ -37,7 +37,7 @@ from rlfabric.config import ConfigError, load_config
 from rlfabric.data import check_prompt_lengths, load_heldout, load_prompts, row_metadata
 from rlfabric.driver import ensure_ray
 from rlfabric.eval_selectors import VERIFIER, Selector, check_selectors
-from rlfabric.grpo_config import LLMConfig
+from rlfabric.grpo_config import LLMConfig, episode_source, episode_source_fields
 from rlfabric.llm_actors import judge_request, reward_resources, reward_weights, start_generator
 from rlfabric.llm_resources import SETUP_TIMEOUT_S, openmp_env
 from rlfabric.llm_run_state import FINAL_MODEL_DIR, INITIAL_MODEL_DIR, latest_checkpoint, read_trainer_state
@@ -159,8 +159,13 @@ def eval_config(config: str | None, overrides: list[str], policy: PolicySource) 
     cfg = load_config(path, overrides)
     if cfg.algo != "grpo":
         raise ConfigError(f"algo = {cfg.algo!r}: rlfabric eval evaluates language-model policies (algo: grpo)")
-    if cfg.env.id:
-        raise ConfigError(f"env.id = {cfg.env.id!r}: rlfabric eval samples single-turn completions; not text envs")
+    source = episode_source(cfg)
+    if source:
+        value = dict(episode_source_fields(cfg))[source]
+        raise ConfigError(
+            f"{source} = {value!r}: rlfabric eval samples single-turn completions scored by rewards.functions; not "
+            "episodes of a text env, an agent, a verifiers environment or an OpenEnv server"
+        )
     if policy.model_dir is None:
         check_model_source(cfg.model.path)  # a missing folder or unknown hub id: one line, before anything starts
     if policy.run_dir is not None:
@@ -468,7 +473,6 @@ class BestOfNEval:
         from rlfabric.eval_report import plot_best_of_n, plot_reward_vs_length
 
         started = time.monotonic()
-        self.out_dir.mkdir(parents=True, exist_ok=True)
         model_dir = self._model_dir()
         rows, ids = self._prompts(model_dir)
         self.progress(f"rlfabric eval: {self.policy.description}: {len(rows)} prompts x {self.m} completions")
@@ -477,6 +481,7 @@ class BestOfNEval:
         self._start(model_dir)
         report = self._report(self._sample_and_score(rows, ids), model_dir, time.monotonic() - started)
         samples = report.pop("samples")
+        self.out_dir.mkdir(parents=True, exist_ok=True)  # only now: an evaluation that failed leaves no folder
         with open(self.out_dir / SAMPLES_FILE, "w") as f:
             f.writelines(json.dumps(row) + "\n" for row in samples)
         report["files"] = {

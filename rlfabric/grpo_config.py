@@ -451,15 +451,19 @@ def validate_llm(cfg: LLMConfig) -> LLMConfig:
 def episode_source(cfg: LLMConfig) -> str:
     """The field that names where the run's episodes come from (``env.id``, ``env.agent``, ``env.verifiers.id``,
     ``env.openenv.command`` or ``env.openenv.url``), or "" when it completes prompts scored by reward functions."""
+    return next((field_name for field_name, value in episode_source_fields(cfg) if value), "")
+
+
+def episode_source_fields(cfg: LLMConfig) -> list[tuple[str, str]]:
+    """(field, value) of each field that can name where a run's episodes come from (``episode_source``)."""
     e = cfg.env
-    named = (
+    return [
         ("env.id", e.id),
         ("env.agent", e.agent),
         ("env.verifiers.id", e.verifiers.id),
         ("env.openenv.command", e.openenv.command),
         ("env.openenv.url", e.openenv.url),
-    )
-    return next((field_name for field_name, value in named if value), "")
+    ]
 
 
 def plays_episodes(cfg: LLMConfig) -> bool:
@@ -540,5 +544,10 @@ def _validate_step_credit(cfg: LLMConfig) -> None:
         g.step_credit not in STATE_KEYED_STEP_CREDITS or bool(cfg.env.id),
         "grpo.step_credit",
         g.step_credit,
-        "needs a multi-turn text env (env.id) whose state_key() keys the steps; single-turn completions have none",
+        "needs a multi-turn text env (env.id) whose state_key() keys the steps; "
+        + (
+            f"{episode_source(cfg)}'s episodes have no env states to key"
+            if episode_source(cfg)
+            else "single-turn completions have none"
+        ),
     )

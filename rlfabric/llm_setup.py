@@ -165,10 +165,10 @@ class GRPOSetup:
 
     def setup(self) -> None:
         self._read_rows()
-        # the outermost folder this run creates, removed again if setup stops on bad input before Ray starts
+        # the outermost folder this run creates, removed again if setup stops on bad input (nothing trained yet)
         created = next((p for p in reversed([self.run_dir, *self.run_dir.parents]) if not p.exists()), None)
         try:
-            state = self._setup_before_ray()
+            self._start_actors(self._setup_before_ray())
         except ConfigError:
             if self.log is not None:
                 self.log.close()
@@ -176,6 +176,10 @@ class GRPOSetup:
             if created is not None and not (self.run_dir / REWARD_MODEL_DIR / "config.json").is_file():
                 shutil.rmtree(created, ignore_errors=True)  # kept where a reward model was trained: it is reused
             raise
+
+    def _start_actors(self, state: dict[str, Any] | None) -> None:
+        """Ray, then every actor of the run (an env, agent or server found bad on the way is a ConfigError);
+        ``state``: the checkpoint's trainer state when resuming."""
         ensure_ray(self.cfg.ray, wanted_cpus(self.cfg), openmp_env())
         check_fits(actor_requests(self.cfg), [n["Resources"] for n in ray.nodes() if n.get("Alive")])
         groups = self.role_groups = RoleGroups(actor_requests(self.cfg), self.cfg.ray.placement, SETUP_TIMEOUT_S)

@@ -41,6 +41,15 @@ def import_callable(spec: str) -> Any | None:
     return obj if callable(obj) else None
 
 
+def why_not_importable(spec: str) -> str:
+    """Why a ``package.module:function`` spec that ``import_callable`` did not resolve names nothing: the function
+    its module lacks, or the module that is missing."""
+    module, _, attr = spec.partition(":")
+    if module_exists(module):
+        return f"module {module!r} has no function {attr!r}"
+    return f"no module {module!r} in the current directory or on the Python path"
+
+
 def module_exists(module_name: str) -> bool:
     """Whether ``module_name`` (dotted) can be found on the Python path, without importing it."""
     try:

@@ -448,3 +448,21 @@ def test_env_of_an_imported_cwd_module_runs_on_the_joined_cluster(cluster, cwd_e
     assert summary["env_steps"] >= 512 and summary["env"] == name
     worker_pids = {int(p.name) for p in marks.iterdir()} - {os.getpid()}
     assert len(worker_pids) >= 2  # the two runners built it in their own processes
+
+
+def test_a_config_error_after_ray_started_leaves_no_new_run_directory(tmp_path, capsys):
+    """A tool server that cannot start is found once Ray runs (its supervisor is an actor): the run stops with one
+    line, exit 2, and the new run's folder (config snapshot, initial model, empty metrics) is removed, as for bad
+    input found before Ray."""
+    run_dir = tmp_path / "runs" / "mcp"
+    exiting = f"{sys.executable} -c 'import sys; sys.exit(4)'"
+    argv = [
+        "train",
+        str(ROOT / "examples/agent_mcp_grpo.yaml"),
+        "sft.steps=0",
+        f"env.tool_servers={{notes: {exiting!r}, files: {exiting!r}}}",
+    ]
+    code, _, err = run_cli([*argv, "--run-dir", str(run_dir)], capsys)
+    assert code == 2, err
+    assert err[-1].startswith("rlfabric: config error: env.tool_servers: ") and "did not start" in err[-1], err
+    assert not (tmp_path / "runs").exists()

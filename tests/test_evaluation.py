@@ -287,6 +287,7 @@ def test_a_selector_of_the_other_kind_than_the_runs_model_is_one_line(trained_ru
             ["--selector 'arithmetic' weights names 'corect' (did you mean 'correct'?)"],
         ),
         (["rewards.functions=[{name: arithmetic}, {name: math}]"], ["both give component 'correct'"]),
+        (["env.agent=my_agent", "sft.steps=0"], ["env.agent = 'my_agent'", "not episodes of a text env, an agent"]),
         (["--selector", "{name: shortness, oops: 1}"], ["--selector", "oops"]),
         (["--selector", "{name: reward_model, kwargs: {path: no/such/folder}}"], ["--selector 'reward_model'"]),
         (["--selector", "{name: shortness, aggregate: min}"], ["--selector 'shortness'", "aggregate", "outcome"]),

@@ -165,6 +165,10 @@ def test_tools_list_shows_a_servers_tools_and_a_bad_command_is_one_line(capsys):
     out = capsys.readouterr().out
     assert out.startswith("4 tools from MCP server")
     assert "put(key: string, value: string)  Store value under key" in out and "keys()" in out
-    assert main(["tools", "list", "no-such-mcp-server"]) == 1
+    assert main(["tools", "list", "no-such-mcp-server --flag"]) == 1  # a command line that does not run
     err = capsys.readouterr().err.strip()
-    assert err.startswith("rlfabric: tools list: MCP server 'no-such-mcp-server'") and "\n" not in err
+    assert err.startswith("rlfabric: tools list: MCP server 'no-such-mcp-server --flag'") and "\n" not in err
+    assert main(["tools", "list", "notez"]) == 1  # one word: a task server's name, misspelt
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("rlfabric: tools list: 'notez' is not a task server (did you mean 'notes'?) nor a command")
+    assert "\n" not in err

@@ -82,11 +82,23 @@ def trainer(tmp_path, **changes):
     return GRPOTrainer(config_from_dict(merged(merged(BASE, AGENT_RUN), changes)), tmp_path / "run", quiet=True)
 
 
-def test_an_agent_that_names_nothing_stops_setup_before_ray(tmp_path):
-    t = trainer(tmp_path, env={"agent": "no_such_module:run"})
-    with pytest.raises(ConfigError, match="env.agent = 'no_such_module:run': not a registered agent"):
+@pytest.mark.parametrize(
+    "agent, says",
+    [
+        (
+            "no_such_module:run",
+            "'no_such_module:run' is not valid: no module 'no_such_module' in the current directory",
+        ),
+        ("json:no_such_agent", "'json:no_such_agent' is not valid: module 'json' has no function 'no_such_agent'"),
+        ("no_such_agent", "'no_such_agent': not a registered agent"),
+    ],
+)
+def test_an_agent_that_names_nothing_stops_setup_before_ray_saying_why(tmp_path, agent, says):
+    t = trainer(tmp_path, env={"agent": agent})
+    with pytest.raises(ConfigError) as info:
         t.setup()
-    assert t.generators is None
+    assert str(info.value).startswith(f"env.agent = {says}"), info.value
+    assert t.generators is None and not (tmp_path / "run").exists()
 
 
 @pytest.mark.parametrize(

@@ -329,6 +329,11 @@ def config_error(data) -> str:
     [
         ({"grpo": {"step_credit": "gigpo_v2"}}, "grpo.step_credit", "must be one of none, gigpo, step_mix"),
         ({"grpo": {"step_credit": "gigpo"}}, "grpo.step_credit", "needs a multi-turn text env (env.id)"),
+        (
+            {"grpo": {"step_credit": "gigpo"}, "env": {"agent": "a"}, "sft": {"steps": 0}},
+            "grpo.step_credit",
+            "env.agent's",
+        ),
         ({**ENV, "grpo": {"step_credit": "step_mix", "advantage": "rloo"}}, "grpo.step_credit", "'grpo'"),
         ({"grpo": {"step_gamma": 1.5}}, "grpo.step_gamma", "must be in [0, 1]"),
         ({"grpo": {"step_credit_weight": -1}}, "grpo.step_credit_weight", "must be >= 0"),

@@ -298,13 +298,7 @@ def _lookup(name: str, field: str) -> Callable[..., Any]:
         return fn
     known = sorted(n for n in _REGISTRY if ":" not in n) + sorted(eps)  # not the specs resolved by path
     if ":" in name:
-        module = name.partition(":")[0]
-        why = (
-            f"module {module!r} has no function {name.partition(':')[2]!r}"
-            if shipping.module_exists(module)
-            else f"no module {module!r} in the current directory or on the Python path"
-        )
-        raise RewardNotFoundError(f"{field} = {name!r} is not valid: {why}")
+        raise RewardNotFoundError(f"{field} = {name!r} is not valid: {shipping.why_not_importable(name)}")
     close = difflib.get_close_matches(name, known, n=1)
     hint = f" (did you mean {close[0]!r}?)" if close else ""
     raise RewardNotFoundError(
