@@ -27,6 +27,18 @@ from rlfabric.tools import ERROR_KINDS
 from rlfabric.trajectory import Trajectories
 
 
+def episode_transcript(episode: Episode, separator: str = " | ") -> str:
+    """A text env's episode as the policy saw it, on one line, for the samples a run shows: the env's opening
+    (``env: ...``), then each turn (``policy: ...``) and the env's reply to it (none after the last)."""
+    lines = [f"env: {episode.opening}"] if episode.opening else []
+    for turn, text in enumerate(episode.texts):
+        lines.append(f"policy: {text}")
+        reply = episode.observations[turn] if turn < len(episode.observations) else ""
+        if reply:
+            lines.append(f"env: {reply}")
+    return separator.join(lines)
+
+
 class EpisodeRollouts:
     """``rollout`` on a text env (``_play``) or an outside agent (``_play_agents``); see the module docstring."""
 
@@ -94,7 +106,7 @@ class EpisodeRollouts:
                 "reward_time_s": reward_time_s,
             }
         )
-        outcomes = [(" | ".join(e.texts), e.rewards, e.error) for e in episodes]
+        outcomes = [(episode_transcript(e), e.rewards, e.error) for e in episodes]
         return self._episodes_outcome(meta, request, tasks, outcomes, scalar, trajectories)
 
     def _score_and_number(

@@ -203,6 +203,10 @@ def test_grpo_on_a_text_env_trains_with_outcome_and_process_reward_functions(loc
         assert row["failed_samples"] == 0
     shown = [json.loads(line) for line in (run.run_dir / "samples.jsonl").read_text().splitlines()]
     assert shown and all({"turn_cost", "numeric"} <= set(s["components"]) for s in shown)
+    for sample in shown:  # the episode as the policy saw it: the env's opening, each turn and the env's reply
+        parts = sample["completion"].split(" | ")
+        assert parts[0].startswith("env: ") and parts[1].startswith("policy: "), sample["completion"]
+        assert 1 <= sum(part.startswith("policy: ") for part in parts) <= 3, sample["completion"]  # env.max_turns
 
 
 async def two_calls(task, client):
