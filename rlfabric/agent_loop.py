@@ -27,7 +27,7 @@ from typing import Any, Literal
 
 from rlfabric import shipping
 from rlfabric.config import ConfigError
-from rlfabric.models.chat_tokens import ChatTokens
+from rlfabric.models.chat_tokens import ChatTokens, UnspellableText
 from rlfabric.policies.batching import ActBatcher
 from rlfabric.text_env import TextEnv, TextStep, call_env
 from rlfabric.trajectory import NO_VERSION, Trajectories, TurnTokens, from_turns
@@ -78,6 +78,9 @@ class Episode:
     state_key_errors: int = 0  # state_key calls that raised, hung or returned an unhashable key (in env_errors too)
     tool_calls: int = 0  # tool calls the env ran or refused (TextStep.info["tool_calls"])
     invalid_tool_calls: dict[str, int] = field(default_factory=dict)  # by kind (TextStep.info, rlfabric.tools)
+    # the first error text the agent was shown for each kind of invalid call (TextStep.info["tool_errors"]), so a
+    # warm-up whose tool calls all fail can say why
+    tool_errors: dict[str, str] = field(default_factory=dict)
 
     @property
     def rewards(self) -> dict[str, float]:
@@ -146,7 +149,10 @@ class ScriptedTurns:
 
     async def next_turn(self, context: list[int], messages: list[dict[str, str]], task: dict[str, Any]) -> Turn:
         text = str(self.player(task, messages))
-        ids = self.chat.text_ids(text) + self.chat.turn_close[:1]
+        try:
+            ids = self.chat.text_ids(text) + self.chat.turn_close[:1]
+        except UnspellableText as exc:  # the player's doing, the same on every task like it: one line, not a trace
+            raise ConfigError(f"sft.player: a demonstration turn cannot be tokenized: {exc}") from None
         return Turn(ids, [0.0] * len(ids), NO_VERSION, text)
 
 
@@ -176,7 +182,8 @@ async def _state_key(env: TextEnv, episode: Episode, limits: EpisodeLimits) -> H
         return None
 
 
-def _opening(env: TextEnv, observation: str) -> list[dict[str, str]]:
+def opening_messages(env: TextEnv, observation: str) -> list[dict[str, str]]:
+    """An episode's first messages: the env's ``system_prompt`` (when it has one), then its first observation."""
     system = getattr(env, "system_prompt", None)
     return ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": observation}]
 
@@ -195,8 +202,12 @@ async def play(
         observation = await _env_call(limits, env.reset, task)
     except Exception as exc:  # noqa: BLE001 - any env failure is the episode's, recorded
         return Episode(task_index, [], error=f"reset {_describe(exc, limits.step_timeout_s)}")
-    messages = _opening(env, str(observation))
-    episode = Episode(task_index, chat.prompt(messages), opening=str(observation))
+    messages = opening_messages(env, str(observation))
+    try:
+        prompt = chat.prompt(messages)
+    except UnspellableText as exc:  # this task's text, not the run's: the episode fails, counted and named
+        return Episode(task_index, [], opening=str(observation), error=f"the opening could not be tokenized: {exc}")
+    episode = Episode(task_index, prompt, opening=str(observation))
     context = list(episode.prompt)
     for _ in range(limits.max_turns):
         if len(context) + limits.turn_tokens > limits.max_episode_tokens:
@@ -219,6 +230,8 @@ async def play(
         episode.tool_calls += int(step.info.get("tool_calls", 0))
         for kind, count in step.info.get("invalid_tool_calls", {}).items():
             episode.invalid_tool_calls[kind] = episode.invalid_tool_calls.get(kind, 0) + int(count)
+        for kind, text in step.info.get("tool_errors", {}).items():
+            episode.tool_errors.setdefault(kind, str(text))
         done = step.terminated or step.truncated
         try:
             reply = [] if done else chat.reply(sampled, str(step.observation))

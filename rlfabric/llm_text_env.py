@@ -4,6 +4,10 @@ given to play episodes, the warm-up's demonstration batches, and each step's epi
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import inspect
+import sys
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -12,20 +16,82 @@ from rlfabric import registry
 from rlfabric.actors.llm_rollout import TextEnvSource
 from rlfabric.actors.rollout_meta import AGENT_COUNTS, EPISODE_COUNTS
 from rlfabric.agent_loop import (
+    Episode,
     EpisodeLimits,
     ScriptedTurns,
     close_env,
     episode_token_limit,
     episodes_to_trajectories,
+    opening_messages,
     run_episodes,
     scripted_player,
 )
 from rlfabric.config import ConfigError
-from rlfabric.grpo_config import LLMConfig
-from rlfabric.models.chat_tokens import ChatTokens
+from rlfabric.grpo_config import LLMConfig, LLMEnvConfig
+from rlfabric.models.chat_tokens import ChatTokens, UnspellableText
 from rlfabric.models.packed_batch import pack_trajectories
 from rlfabric.text_env import call_env, make_text_env, text_env_factory
+from rlfabric.tools import tool_call_parser
 from rlfabric.trajectory import Trajectories
+
+
+def remote_cause(exc: BaseException) -> str:
+    """``Type: message`` of what failed, on one line: for an error raised in an actor (a ``RayTaskError``), the
+    actor's own exception, not Ray's text around it (the remote traceback, many lines long)."""
+    from ray.exceptions import RayError, RayTaskError
+
+    while isinstance(exc, RayTaskError) and exc.cause is not None and exc.cause is not exc:
+        exc = exc.cause
+    if isinstance(exc, RayError):  # Ray's own failure (an actor that died): its text ends with what happened
+        lines = str(exc).strip().splitlines()
+        return lines[-1].strip() if lines else type(exc).__name__
+    text = " ".join(str(exc).split())
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+def check_tool_parser(e: LLMEnvConfig) -> None:
+    """``env.tool_parser`` names a parser, and is not set where nothing reads it: a text env (``env.id``) parses
+    its own calls (a ``ToolEnv``'s ``parser``, set through ``env.kwargs``), so a value other than the default there
+    would be silently ignored."""
+    try:
+        tool_call_parser(e.tool_parser, "env.tool_parser")
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    default = next(f.default for f in dataclasses.fields(LLMEnvConfig) if f.name == "tool_parser")
+    if e.id and e.tool_parser != default:
+        raise ConfigError(
+            f"env.tool_parser = {e.tool_parser!r} is not valid with env.id: a text env parses its own tool calls "
+            "(ToolEnv's parser: set it through env.kwargs, e.g. {parser: hermes}); env.tool_parser is for env.agent, "
+            "env.verifiers and env.openenv.tools"
+        )
+
+
+def check_takes_tool_servers(spec: str) -> None:
+    """With ``env.tool_servers`` the env's factory is called with ``tool_servers={name: actor}`` in every rollout
+    worker: one that cannot take that keyword is one line here, not a crash loop of the workers."""
+    factory = registry.resolve(spec, "env.id")
+    try:
+        parameters = inspect.signature(factory).parameters.values()
+    except (TypeError, ValueError):  # no signature to read (a builtin): the build itself will tell
+        return
+    if not any(p.name == "tool_servers" or p.kind is p.VAR_KEYWORD for p in parameters):
+        name = getattr(factory, "__qualname__", type(factory).__name__)
+        raise ConfigError(
+            f"env.id = {spec!r}: its factory {name} takes no tool_servers keyword, and env.tool_servers hands it "
+            "the servers as tool_servers={name: actor}: give it one, e.g. def make_env(tool_servers=None, ...)"
+        )
+
+
+def spelling_error(cfg: LLMConfig, what: str, exc: UnspellableText) -> ConfigError:
+    """A ``ConfigError`` for text the model's tokenizer cannot spell, naming the setting that decides it."""
+    m = cfg.model
+    chars = ", ".join(map(repr, exc.characters))
+    if m.path == "builtin":
+        return ConfigError(
+            f"model.builtin.alphabet = {m.builtin.alphabet!r} has no {chars}, which {what} uses: set it to an "
+            "alphabet that does ('tool' adds {}[]\"'_\\ for JSON tool calls) or to a string of every character needed"
+        )
+    return ConfigError(f"model.path = {m.path!r}: its tokenizer has no token for {chars}, which {what} uses")
 
 
 def text_env_source(
@@ -45,22 +111,26 @@ def text_env_source(
     e = cfg.env
     spec, kwargs = (spec, kwargs or {}) if spec else (e.id, e.kwargs)
     what = "env.openenv" if e.openenv.command or e.openenv.url else "env.id"
+    named = f"env.id = {e.id!r}" if what == "env.id" else f"env.openenv ({e.openenv.command or e.openenv.url})"
+    if what == "env.id":
+        check_tool_parser(e)
+        if e.tool_servers:
+            check_takes_tool_servers(spec)
 
-    async def reset_once(env: Any) -> None:
+    async def reset_once(env: Any) -> str:
         try:
-            await call_env(env.reset, first_task)
+            return str(await call_env(env.reset, first_task))
         finally:
             await close_env(env, e.step_timeout_s)  # an env holding a tool server session lets it go
 
     try:
         env = make_text_env(spec, kwargs)
-        asyncio.run(reset_once(env))
+        observation = asyncio.run(reset_once(env))
     except ConfigError:
         raise
     except Exception as exc:  # noqa: BLE001 - the user's env code: its error, named
-        named = f"env.id = {e.id!r}" if what == "env.id" else f"env.openenv ({e.openenv.command or e.openenv.url})"
         raise ConfigError(
-            f"{named}: building it and resetting it on the first task failed: {type(exc).__name__}: {exc}"
+            f"{named}: building it and resetting it on the first task failed: {remote_cause(exc)}"
         ) from None
     if cfg.grpo.step_credit == "gigpo" and not callable(getattr(env, "state_key", None)):
         raise ConfigError(
@@ -71,9 +141,13 @@ def text_env_source(
     for name, weight in (getattr(env, "default_reward_weights", None) or {}).items():
         cfg.rewards.weights.setdefault(name, float(weight))
     try:
-        ChatTokens(tokenizer)
+        chat = ChatTokens(tokenizer)
     except ValueError as exc:
         raise ConfigError(f"model.path = {cfg.model.path!r} cannot play text envs: {exc}") from None
+    try:  # every episode's first prompt is like this one: text the model cannot spell fails here, not in a worker
+        chat.prompt(opening_messages(env, observation))
+    except UnspellableText as exc:
+        raise spelling_error(cfg, f"the first task's opening ({named}: system prompt and observation)", exc) from None
     limit = episode_token_limit(e.max_episode_tokens, context)
     limits = EpisodeLimits(
         max_turns=e.max_turns,
@@ -85,9 +159,70 @@ def text_env_source(
     return TextEnvSource(spec, dict(kwargs), limits, registry.snapshot(), model_dir)
 
 
+def stderr_note(message: str) -> None:
+    """A note line as the run log prints one: the warm-up's batches are built where the log is not at hand."""
+    print(f"rlfabric: {message}", file=sys.stderr, flush=True)
+
+
+class DemonstrationReport:
+    """What went wrong in the warm-up's demonstration episodes, told as it happens: the first failed episode and
+    the first failed tool call of each kind, with the counts so far (later ones are counted, not printed), and once,
+    when every tool call so far failed (a broken tool server: the demonstrations teach error replies). A failed
+    episode is left out of the batch and a failed call is an observation like any other, so without this a warm-up
+    on a broken server runs to its end without a word."""
+
+    def __init__(self, note: Callable[[str], None] = stderr_note) -> None:
+        self.note = note
+        self.episodes = self.failed = self.calls = 0
+        self.bad_calls: dict[str, int] = {}
+        self.seen: set[str] = set()
+        self.told_all_failed = False
+
+    def add(self, episodes: list[Episode]) -> None:
+        """Count a batch's episodes and note what is new in them."""
+        new: list[tuple[str, str]] = []
+        for episode in episodes:
+            self.episodes += 1
+            self.calls += episode.tool_calls
+            for kind, count in episode.invalid_tool_calls.items():
+                self.bad_calls[kind] = self.bad_calls.get(kind, 0) + count
+            if episode.error is not None:
+                self.failed += 1
+                new += self._first(f"episode: {episode.error}", "", episode.error)
+            for kind, text in episode.tool_errors.items():
+                new += self._first(f"call: {kind}", kind, text)
+        for kind, text in new:
+            self.note(self._line(kind, text))
+        failed_calls = sum(n for kind, n in self.bad_calls.items() if kind != "malformed")
+        if self.calls and failed_calls == self.calls and not self.told_all_failed:
+            self.told_all_failed = True
+            self.note(
+                f"sft.player: every tool call of the {self.episodes} demonstration episodes so far failed "
+                f"({self.calls} calls): the warm-up is training on error replies"
+            )
+
+    def _first(self, key: str, kind: str, text: str) -> list[tuple[str, str]]:
+        if key in self.seen:
+            return []
+        self.seen.add(key)
+        return [(kind, text)]
+
+    def _line(self, kind: str, text: str) -> str:
+        later = "the first of its kind: later ones are counted, not printed"
+        if not kind:
+            return (
+                f"sft.player: a demonstration episode failed: {text} ({self.failed} of {self.episodes} so far; {later})"
+            )
+        return (
+            f"sft.player: a demonstration's tool call failed ({kind}): {text} ({self.bad_calls.get(kind, 0)} of "
+            f"{self.calls} calls so far; {later})"
+        )
+
+
 class Demonstrations:
     """The scripted player's episodes on a text env, as SFT batches (``sft.player``). Built once before the
-    warm-up: the player and the env are resolved and the template's delimiters read here, not every step."""
+    warm-up: the player and the env are resolved and the template's delimiters read here, not every step.
+    ``report`` tells of failed episodes and tool calls as the batches are played."""
 
     def __init__(self, source: TextEnvSource, player_spec: str, tokenizer: Any) -> None:
         self.player = scripted_player(player_spec)
@@ -95,12 +230,14 @@ class Demonstrations:
         self.make_env = text_env_factory(source.spec, source.kwargs)
         self.limits = source.limits
         self.pad_id = tokenizer.pad_token_id
+        self.report = DemonstrationReport()
 
     def trajectories(self, tasks: list[dict[str, Any]]) -> Trajectories:
         """The player's episodes on ``tasks``, loss on its turns only. An episode that fails (its env raised) is
-        left out; none left is an error naming the player."""
+        left out (and reported); none left is an error naming the player."""
         turns = ScriptedTurns(self.player, self.chat)
         episodes = asyncio.run(run_episodes(self.make_env, tasks, turns, self.chat, self.limits))
+        self.report.add(episodes)
         trajectories = episodes_to_trajectories(episodes, list(range(len(tasks))), list(range(len(tasks))))
         if trajectories.num_rows == 0:
             raise ConfigError(f"sft.player: every demonstration episode failed; the first: {episodes[0].error}")

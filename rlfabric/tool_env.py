@@ -5,7 +5,8 @@ with ``answer(text) -> TextStep``. Each turn, the agent's text is parsed for too
 by default): calls are checked against their schemas and run under ``tool_timeout_s``, and their results (or
 errors) come back as the next observation, wrapped in ``<tool_response>`` tags the way Qwen's chat template
 renders tool messages; a turn without a call is the answer. Every bad call becomes an error observation and is
-counted in ``TextStep.info["invalid_tool_calls"]`` by kind (``rlfabric.tools.ERROR_KINDS``); none ends the episode.
+counted in ``TextStep.info["invalid_tool_calls"]`` by kind (``rlfabric.tools.ERROR_KINDS``), the first text of each
+kind in ``TextStep.info["tool_errors"]``; none ends the episode.
 ``McpToolEnv`` takes its tools from an MCP server instead, one session per episode.
 """
 
@@ -13,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
-from rlfabric.mcp_tools import McpSession, is_url, server_command
+from rlfabric.mcp_tools import McpSession, McpToolSet, is_url, server_command
 from rlfabric.text_env import TextStep, call_env
 from rlfabric.tools import ToolSet, tool_call_parser
 
@@ -40,21 +41,25 @@ class ToolEnv:
 
     async def step(self, action: str) -> TextStep:
         parsed = self.parse(action)
+        malformed = f"error: malformed tool call: {parsed.malformed}"
         if parsed.malformed is not None and not parsed.calls:
             return TextStep(
-                _responses([f"error: malformed tool call: {parsed.malformed}"]),
-                info={"invalid_tool_calls": {"malformed": 1}},
+                _responses([malformed]),
+                info={"invalid_tool_calls": {"malformed": 1}, "tool_errors": {"malformed": malformed}},
             )
         if not parsed.calls:
             return await call_env(self.task_env.answer, action)
         invalid: dict[str, int] = {"malformed": 1} if parsed.malformed else {}
+        errors: dict[str, str] = {"malformed": malformed} if parsed.malformed else {}
         texts = []
         for call in parsed.calls:
             outcome = await self.tools.call(call, self.tool_timeout_s)
             texts.append(outcome.text)
             if outcome.error:
                 invalid[outcome.error] = invalid.get(outcome.error, 0) + 1
-        return TextStep(_responses(texts), info={"tool_calls": len(parsed.calls), "invalid_tool_calls": invalid})
+                errors.setdefault(outcome.error, outcome.text)
+        info = {"tool_calls": len(parsed.calls), "invalid_tool_calls": invalid, "tool_errors": errors}
+        return TextStep(_responses(texts), info=info)
 
 
 class McpToolEnv(ToolEnv):
@@ -80,7 +85,7 @@ class McpToolEnv(ToolEnv):
     async def reset(self, task: dict[str, Any]) -> str:
         await self.close()
         self.session = await McpSession.open(await resolve_server(self.server), self.start_timeout_s)
-        self.tools = ToolSet(self.session.tools())
+        self.tools = McpToolSet(self.session.tools())
         self.system_prompt = tools_prompt(self.tools)
         return await super().reset(task)
 

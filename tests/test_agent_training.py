@@ -146,3 +146,99 @@ def test_a_player_that_names_nothing_stops_setup_before_ray(tmp_path):
     with pytest.raises(ConfigError, match="sft.player = 'rlfabric.envs.guess_number:no_such_player' is not valid"):
         t.setup()
     assert t.generators is None
+
+
+def guess_number_alone():
+    """A text env factory that takes no tool_servers keyword."""
+    from rlfabric.envs.guess_number import GuessNumber
+
+    return GuessNumber()
+
+
+def test_tool_servers_for_a_factory_that_cannot_take_them_stop_setup_before_ray(tmp_path):
+    register_env("guess-alone", guess_number_alone)
+    t = trainer(tmp_path, env={"id": "guess-alone", "tool_servers": ["notes"]})
+    with pytest.raises(ConfigError) as info:
+        t.setup()
+    message = str(info.value)
+    assert message.startswith("env.id = 'guess-alone': its factory guess_number_alone takes no tool_servers keyword")
+    assert "tool_servers=None" in message and "\n" not in message
+    assert t.generators is None and t.tool_servers == {}  # no actor, no tool server started
+
+
+def test_a_tool_task_the_builtin_alphabet_cannot_spell_stops_setup_before_ray(tmp_path):
+    t = trainer(
+        tmp_path, data={"train": "task:key_lookup", "num_train": 8, "num_eval": 2}, env={"id": "rlfabric/KeyLookup-v0"}
+    )
+    with pytest.raises(ConfigError) as info:
+        t.setup()
+    message = str(info.value)
+    assert message.startswith("model.builtin.alphabet = 'default' has no '_', '{', '\"', '}', which the first task"), (
+        message
+    )
+    assert "'tool'" in message and "first task's opening" in message and "\n" not in message
+    assert t.generators is None
+
+
+@pytest.mark.parametrize(
+    ("parser", "says"),
+    [
+        ("qwen3", "env.tool_parser = 'qwen3' is not valid: expected one of hermes"),  # as with env.agent
+        ("hermes2", "env.tool_parser = 'hermes2' is not valid: expected one of hermes"),
+    ],
+)
+def test_a_tool_parser_a_text_env_would_ignore_stops_setup_before_ray(tmp_path, parser, says):
+    t = trainer(tmp_path, env={"id": "rlfabric/GuessNumber-v0", "tool_parser": parser})
+    with pytest.raises(ConfigError, match=says):
+        t.setup()
+    assert t.generators is None
+
+
+def at_sign_player(task: dict, messages: list[dict[str, str]]) -> str:
+    return "5@"  # '@' is not in the builtin default alphabet
+
+
+def test_a_player_whose_text_the_model_cannot_spell_is_one_config_error(local_ray, tmp_path):
+    sft = {"steps": 2, "batch_size": 4, "player": "test_agent_training:at_sign_player"}
+    with pytest.raises(ConfigError) as info:
+        run_grpo(tmp_path / "run", sft=sft, training={"total_steps": 1, "eval_every": 0}, **GAME)
+    message = str(info.value)
+    assert message.startswith(
+        "sft.player: a demonstration turn cannot be tokenized: the tokenizer has no token for '@'"
+    )
+    assert "model.builtin.alphabet" in message and "\n" not in message
+
+
+class Echo:
+    """Shows the task's prompt; any reply ends the episode."""
+
+    def reset(self, task):
+        return task["prompt"]
+
+    def step(self, action):
+        return TextStep("", {"correct": 0.0}, terminated=True)
+
+
+def test_a_task_the_model_cannot_spell_fails_its_episodes_not_the_rollout_worker(local_ray, tmp_path):
+    import json
+
+    register_env("echo-prompt", Echo)
+    rows = [{"prompt": "say hi"}] + [{"prompt": f"mail me{i}@example"} for i in range(11)]
+    data, held_out = tmp_path / "tasks.jsonl", tmp_path / "held_out.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))  # in order: the first task, checked before Ray, spells
+    held_out.write_text(json.dumps({"prompt": "say bye"}) + "\n")
+    run = run_grpo(
+        tmp_path / "run",
+        quiet=False,
+        model=GAME["model"],
+        data={"train": str(data), "eval": str(held_out), "num_train": 12, "num_eval": 1},
+        env={"id": "echo-prompt", "max_turns": 1},
+        rewards={"functions": []},
+        sampling={"max_new_tokens": 4},
+        grpo={"prompts_per_step": 4},
+        training={"total_steps": 2, "eval_every": 0, "show_samples": 0},
+    )
+    assert "replaced" not in run.console, run.console  # no rollout worker crashed
+    failed = [line for line in run.console.splitlines() if "episode failed: the opening could not be tokenized" in line]
+    assert len(failed) == 1 and "no token for '@'" in failed[0] and "model.builtin.alphabet" in failed[0], run.console
+    assert run.summary["failed_samples"] > 0 and run.summary["steps"] == 2

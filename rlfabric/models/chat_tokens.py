@@ -10,6 +10,9 @@ The delimiters are read off the template once, by rendering a probe conversation
 at the markers: what closes an assistant turn (e.g. ``<|im_end|>\\n``), what opens and closes a user turn, and the
 generation prompt that opens the next assistant turn. When the sample already ends with the token that closes the
 turn (the model stopped on it), only the rest of the closing text is added.
+
+Text the tokenizer cannot spell (a character the builtin character tokenizer has no token for: it has no unknown
+token) raises ``UnspellableText`` naming the characters, instead of the tokenizer's own error.
 """
 
 from __future__ import annotations
@@ -18,6 +21,27 @@ from collections.abc import Sequence
 from typing import Any
 
 _USER, _ASSISTANT, _NEXT = "\x01USER\x01", "\x01ASSISTANT\x01", "\x01NEXT\x01"
+
+
+class UnspellableText(ValueError):
+    """Text with characters the tokenizer has no token for. The builtin model's character tokenizer spells only
+    ``model.builtin.alphabet`` and has no unknown token, so its own error ("Missing [UNK] token") names neither the
+    characters nor the setting; this does. ``characters``: the ones it lacks, in order of first use."""
+
+    def __init__(self, characters: str, text: str) -> None:
+        self.characters, self.text = characters, text
+        # the message leaves the text out: the same characters in many tasks are one error, printed once
+        super().__init__(
+            f"the tokenizer has no token for {', '.join(map(repr, characters))}; the builtin model spells only the "
+            "characters of model.builtin.alphabet ('tool' adds {}[]\"'_\\ for JSON tool calls)"
+        )
+
+
+def unspellable(tokenizer: Any, text: str) -> str:
+    """The characters of ``text`` that are not tokens of ``tokenizer``'s vocabulary (a character tokenizer's: for
+    a subword tokenizer, characters that only occur inside longer tokens count too, so ask only after it failed)."""
+    vocab = tokenizer.get_vocab()
+    return "".join(dict.fromkeys(c for c in text if c not in vocab))
 
 
 class ChatTokens:
@@ -53,7 +77,15 @@ class ChatTokens:
         )
 
     def _ids(self, text: str) -> list[int]:
-        return list(self.tokenizer(text, add_special_tokens=False).input_ids) if text else []
+        if not text:
+            return []
+        try:
+            return list(self.tokenizer(text, add_special_tokens=False).input_ids)
+        except Exception:
+            missing = unspellable(self.tokenizer, text)
+            if not missing:
+                raise  # some other failure: the tokenizer's own error
+            raise UnspellableText(missing, text) from None
 
     def text_ids(self, text: str) -> list[int]:
         """``text`` alone as token ids (no special tokens added): a scripted turn's action."""
