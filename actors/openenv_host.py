@@ -88,6 +88,9 @@ class OpenEnvHost:
         self.last_error: str | None = None  # why it was last restarted
         self.restarting: asyncio.Lock | None = None
         self.monitor: asyncio.Task[None] | None = None
+        # Why the server did not start, told by start(): an actor whose constructor raises dies, and its process
+        # prints the traceback and a native stack into the run's output beside the driver's one line.
+        self.start_error: str | None = None
         if command:
             host = "127.0.0.1"
             port = free_port(host)
@@ -95,7 +98,10 @@ class OpenEnvHost:
             # the server's output, kept for its errors, outside the working folder (a run's may be a repository)
             self.log = tempfile.NamedTemporaryFile("w+", prefix=f"openenv-server-{port}-", suffix=".log")  # noqa: SIM115
             url = f"http://{host}:{port}"
-            self._launch(url)
+            try:
+                self._launch(url)
+            except Exception as exc:  # noqa: BLE001 - told by start()
+                self.start_error = str(exc)
         self.url = url.rstrip("/")
 
     def _launch(self, url: str) -> None:
@@ -118,7 +124,15 @@ class OpenEnvHost:
             raise
 
     async def start(self) -> str:
-        """The server's URL, its health checks started (a server this actor started)."""
+        """The server's URL, its health checks started (a server this actor started); a server that did not start,
+        or one at a URL whose ``/health`` does not answer within ``ping_timeout_s``, raises why."""
+        if self.start_error is not None:
+            raise RuntimeError(self.start_error)
+        if not self.line:
+            try:
+                await asyncio.to_thread(self._get_health, self.ping_timeout_s)
+            except OSError as exc:
+                raise RuntimeError(f"the OpenEnv server at {self.url} did not answer /health: {exc}") from None
         if self.line and self.monitor is None:
             self.monitor = asyncio.create_task(self._watch())
         return self.url

@@ -65,6 +65,14 @@ def _build(spec: str, args: dict[str, Any]) -> Any:
     return vf.load_environment(spec, **args)
 
 
+def _failure(exc: BaseException) -> str:
+    """``Type: message`` of a failed load, with what caused it (the library wraps an import error in a ValueError
+    that does not say which module was missing)."""
+    text = f"{type(exc).__name__}: {exc}"
+    cause = exc.__cause__ or exc.__context__
+    return f"{text} ({type(cause).__name__}: {cause})" if cause is not None else text
+
+
 def _plain(value: Any) -> Any:
     """A dataset value as plain JSON data (rows travel to the driver and back into the rollout)."""
     return json.loads(json.dumps(value, default=str))
@@ -75,10 +83,18 @@ def _plain(value: Any) -> Any:
 # a run can have in flight, so none waits in Ray's queue while its deadline runs.
 @ray.remote(num_cpus=0, max_restarts=3)
 class VerifiersHost:
-    """See the module docstring. ``spec``: ``env.verifiers.id``; ``args``: its keyword arguments."""
+    """See the module docstring. ``spec``: ``env.verifiers.id``; ``args``: its keyword arguments. An environment
+    that does not load is kept as ``load_error`` and reported by ``describe``: an actor whose constructor raises
+    dies, and its process prints the traceback, a native stack and "Fatal Python error: Aborted" into the run's
+    output beside the one line the driver prints."""
 
     def __init__(self, spec: str, args: dict[str, Any]) -> None:
-        self.env = _load(spec, args)
+        self.load_error: str | None = None
+        try:
+            self.env = _load(spec, args)
+        except Exception as exc:  # noqa: BLE001 - the environment's or its packages' failure: told by describe
+            self.load_error = _failure(exc)
+            return
         logging.getLogger("verifiers").setLevel(logging.ERROR)  # each aborted rollout is reported to the run anyway
         # One event loop runs every rollout (as the library's own generate does), on a thread of its own; their
         # clients share one connection pool, whose TLS context is made once (a new one costs ~20 ms).
@@ -89,7 +105,10 @@ class VerifiersHost:
     def describe(self, num_train: int | None, num_eval: int) -> dict[str, Any]:
         """The environment's rows and rubric: ``train`` (at most ``num_train`` rows of its dataset), ``eval`` (its
         eval dataset's first ``num_eval`` rows; without one, the ``num_eval`` dataset rows after ``train``), and
-        ``weights``: each rubric function's weight by name (monitors weigh 0)."""
+        ``weights``: each rubric function's weight by name (monitors weigh 0); or ``error`` alone, why the
+        environment did not load."""
+        if self.load_error is not None:
+            return {"error": self.load_error}
         train = [_plain(dict(r)) for r in self.env.get_dataset()]
         has_eval = getattr(self.env, "eval_dataset", None) is not None or callable(
             getattr(self.env, "eval_dataset_builder", None)
@@ -108,6 +127,8 @@ class VerifiersHost:
 
     def close(self) -> None:
         """Run the environment's teardown handlers (what its signal handlers would have run)."""
+        if self.load_error is not None:
+            return
         teardown = getattr(self.env, "_teardown", None)
         if callable(teardown):
             asyncio.run(teardown())

@@ -9,11 +9,12 @@ from typing import Any
 
 import ray
 
-from rlfabric.actor_slots import error_summary
 from rlfabric.actors.openenv_host import HOST_NAME_PREFIX, OpenEnvHost
 from rlfabric.config import ConfigError
 from rlfabric.grpo_config import LLMConfig
 from rlfabric.llm_resources import SETUP_TIMEOUT_S
+from rlfabric.llm_text_env import remote_cause
+from rlfabric.tools import tool_call_parser
 
 TEXT_ENV_SPEC = "rlfabric.openenv_env:OpenEnvTextEnv"
 TOOL_ENV_SPEC = "rlfabric.openenv_env:OpenEnvToolEnv"  # with env.openenv.tools
@@ -23,6 +24,11 @@ def start_openenv(cfg: LLMConfig) -> tuple[Any, str, dict[str, Any]]:
     """Start the host actor with ``env.openenv.pip`` as its runtime env and wait until its server answers (one
     error naming ``env.openenv`` when it cannot): (the actor, the text env spec for the episodes, its kwargs)."""
     o = cfg.env.openenv
+    if o.tools:  # the episodes' ToolEnv parses the calls with it: a bad name is one line naming the field
+        try:
+            tool_call_parser(cfg.env.tool_parser, "env.tool_parser")
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
     name = f"{HOST_NAME_PREFIX}{uuid.uuid4().hex[:8]}"
     runtime_env = {"pip": list(o.pip)} if o.pip else None
     host = OpenEnvHost.options(name=name, runtime_env=runtime_env).remote(
@@ -34,7 +40,7 @@ def start_openenv(cfg: LLMConfig) -> tuple[Any, str, dict[str, Any]]:
     except Exception as exc:  # noqa: BLE001 - the server's or its packages' failure: named, one line
         ray.kill(host, no_restart=True)
         raise ConfigError(
-            f"{what}: starting it (with env.openenv.pip = {list(o.pip)}) failed: {error_summary(exc)}"
+            f"{what}: starting it (with env.openenv.pip = {list(o.pip)}) failed: {remote_cause(exc)}"
         ) from None
     kwargs = {
         "host_name": name,

@@ -11,12 +11,13 @@ from typing import Any
 
 import ray
 
-from rlfabric.actor_slots import RunAbortedError, error_summary
+from rlfabric.actor_slots import RunAbortedError
 from rlfabric.actors.verifiers_host import HOST_NAME_PREFIX, VerifiersHost, verifiers_agent
 from rlfabric.agents import Agent
 from rlfabric.config import ConfigError
 from rlfabric.grpo_config import LLMConfig
 from rlfabric.llm_resources import SETUP_TIMEOUT_S
+from rlfabric.llm_text_env import remote_cause
 
 
 @dataclass
@@ -65,11 +66,13 @@ def start_verifiers_env(cfg: LLMConfig) -> VerifiersRun:
             f"(installing env.verifiers.pip = {list(v.pip)} included)"
         ) from None
     except Exception as exc:  # noqa: BLE001 - the environment's or its packages' failure: named, one line
+        described = {"error": remote_cause(exc)}
+    if "error" in described:
         ray.kill(host, no_restart=True)
         raise ConfigError(
             f"env.verifiers.id = {v.id!r}: loading it (with env.verifiers.pip = {list(v.pip)}) failed: "
-            f"{error_summary(exc)}"
-        ) from None
+            f"{described['error']}"
+        )
     try:
         weights = described["weights"]
         accuracy = accuracy_function(weights, v.accuracy)

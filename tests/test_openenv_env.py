@@ -7,9 +7,12 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import ray
@@ -191,3 +194,45 @@ def test_an_observation_without_the_named_field_is_one_line(local_ray, tmp_path)
 def test_openenv_settings_that_cannot_work_are_one_line_config_errors(changes, message):
     with pytest.raises(ConfigError, match=message):
         config_from_dict(merged(merged(BASE, GAME), changes))
+
+
+def test_a_url_nothing_answers_at_is_one_line_naming_it(local_ray, tmp_path):
+    with socket.socket() as probe:  # a port nothing listens on
+        probe.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{probe.getsockname()[1]}"
+    t = trainer(tmp_path, env={"openenv": {"command": "", "url": url}})
+    with pytest.raises(ConfigError) as info:
+        t.setup()
+    message = str(info.value)
+    assert message.startswith(f"env.openenv.url = {url!r}: starting it"), message
+    assert f"the OpenEnv server at {url} did not answer /health" in message and "\n" not in message, message
+    assert "Traceback" not in message and "ray::" not in message
+    assert t.generators is None
+    assert not [name for name in ray.util.list_named_actors() if name.startswith("rlfabric-openenv-")]
+
+
+def test_a_server_that_does_not_start_prints_no_actor_traceback_through_the_cli(tmp_path):
+    """Through `rlfabric train` (the host's output reaches the console): the config error line, and no traceback of
+    the host actor's constructor beside it."""
+    example = Path(__file__).resolve().parent.parent / "examples" / "openenv_grpo.yaml"
+    command = "env.openenv.command=\"{python} -c 'import sys; sys.exit(3)'\""  # YAML-quoted: it starts with {
+    done = subprocess.run(
+        [sys.executable, "-m", "rlfabric.cli", "train", str(example), command, "--run-dir", str(tmp_path / "run")],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=400,
+        env={**os.environ, "RAY_ADDRESS": ""},
+    )
+    assert done.returncode == 2, done.stderr[-3000:]
+    errors = [line for line in done.stderr.splitlines() if line.startswith("rlfabric: config error:")]
+    assert len(errors) == 1 and "exited with 3" in errors[0], done.stderr[-3000:]
+    for noise in ("Traceback", "creation task", "Fatal Python error"):
+        assert noise not in done.stderr, done.stderr[-3000:]
+
+
+def test_a_tool_parser_that_does_not_exist_is_one_line_naming_the_field(local_ray, tmp_path):
+    t = trainer(tmp_path, env={"tool_parser": "qwen3", "openenv": {"tools": True}})
+    with pytest.raises(ConfigError, match="^env.tool_parser = 'qwen3' is not valid: expected one of hermes$"):
+        t.setup()
+    assert not [name for name in ray.util.list_named_actors() if name.startswith("rlfabric-openenv-")]
