@@ -12,7 +12,7 @@ from pathlib import Path
 from ray.exceptions import RayError
 
 from rlfabric.actor_slots import RunAbortedError, error_summary
-from rlfabric.cli_inspect import cmd_envs_check, cmd_envs_list, cmd_tools_check, cmd_tools_list
+from rlfabric.cli_inspect import cmd_envs_check, cmd_envs_list, cmd_rewards_list, cmd_tools_check, cmd_tools_list
 from rlfabric.cli_support import IMPORT_HELP, default_run_dir, import_user_modules, saved_algo
 from rlfabric.config import ConfigError, load_config
 from rlfabric.submit import add_submit_parser, cmd_submit
@@ -345,6 +345,15 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--task", help="text envs: the JSON task row to reset on (default {})")
     check.add_argument("--import", dest="import_modules", action="append", help=IMPORT_HELP)
     check.set_defaults(func=cmd_envs_check)
+
+    reward_commands = sub.add_parser("rewards", help="list reward functions").add_subparsers(
+        dest="rewards_command", required=True, metavar="{list}"
+    )
+    reward_list = reward_commands.add_parser(
+        "list", help="show the reward functions a config can name, the components each gives and its kwargs"
+    )
+    reward_list.add_argument("--import", dest="import_modules", action="append", help=IMPORT_HELP)
+    reward_list.set_defaults(func=cmd_rewards_list)
 
     tools = sub.add_parser("tools", help="MCP tool servers").add_subparsers(
         dest="tools_command", required=True, metavar="{list,check}"

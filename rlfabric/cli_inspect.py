@@ -1,5 +1,6 @@
-"""``rlfabric envs`` and ``rlfabric tools``: list and check environments (Gymnasium, PettingZoo, text envs) and
-MCP tool servers, each check one line of verdict before anything trains."""
+"""``rlfabric envs``, ``rlfabric tools`` and ``rlfabric rewards``: list and check environments (Gymnasium,
+PettingZoo, text envs) and MCP tool servers, each check one line of verdict before anything trains, and list reward
+functions with the components they give."""
 
 from __future__ import annotations
 
@@ -48,6 +49,25 @@ def cmd_envs_list(args: argparse.Namespace) -> int:
     )
     for name, spec in TASK_SERVERS.items():
         print(f"  {name:<10} {spec.min_calls}-{spec.max_calls} calls  {spec.description}")
+    return 0
+
+
+def cmd_rewards_list(args: argparse.Namespace) -> int:
+    """Every reward function a config can name, with what it gives and takes and where it comes from."""
+    from rlfabric import rewards
+
+    import_user_modules(args.import_modules)
+    print(
+        "rlfabric reward functions (rewards.functions: [{name: NAME, kwargs: {...}}]; a component weighs 1 unless "
+        "rewards.weights or its function says otherwise):"
+    )
+    for name, source in sorted(rewards.list_rewards().items()):
+        try:
+            described = rewards.describe_reward(name)
+        except ConfigError as exc:  # a registration whose module cannot be imported here: say so, list the rest
+            described = f"cannot be imported: {exc}"
+        print(f"  {name:<20} {described}\n  {'':<20} {source}")
+    print("Any importable function works as package.module:function (a module in the current directory too).")
     return 0
 
 

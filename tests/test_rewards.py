@@ -302,3 +302,27 @@ def test_a_reward_spec_that_names_nothing_says_why(tmp_path, monkeypatch):
         "rewards.functions[0] = 'broken_rewards_module:score': importing 'broken_rewards_module' raised "
         "RuntimeError: no scoring today (at broken_rewards_module.py:2)"
     )
+
+
+def test_rewards_list_shows_what_each_function_gives_and_takes(tmp_path, monkeypatch, capsys):
+    from rlfabric.cli import main
+
+    (tmp_path / "my_graders.py").write_text(
+        "import rlfabric.rewards as rewards\n\n\n"
+        "@rewards.default_weights(style=0.5)\n"
+        "@rewards.gives('correct', 'style')\n"
+        "def graded(inputs, *, strict=True):\n"
+        "    return [{'correct': 1.0, 'style': 0.0} for _ in inputs]\n\n\n"
+        "rewards.register_reward('graded', graded)\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert main(["rewards", "list", "--import", "my_graders"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    described = {line.split()[0]: line.split(None, 1)[1] for line in lines if line.startswith("  ") and line[2] != " "}
+    assert described["arithmetic"] == "gives correct, format (weighs 0); kwargs: answer_key='answer'"
+    assert described["length"] == "gives length_penalty; kwargs: max_tokens, cache_tokens, scale=1.0"
+    assert described["arithmetic_steps"] == "gives step_correct; kwargs: none; process reward; pointwise"
+    assert described["reward_model"].startswith("components not declared (named once it scores); kwargs: path=''")
+    assert described["graded"] == "gives correct, style (weighs 0.5); kwargs: strict=True"
+    assert "registered (my_graders)" in lines[lines.index(next(x for x in lines if x.startswith("  graded "))) + 1]

@@ -348,6 +348,29 @@ def resolve_reward(spec: str | Mapping[str, Any] | RewardSpec, field: str = "rew
     return _bind(_lookup(parsed.name, field), parsed, field)
 
 
+def describe_reward(name: str) -> str:
+    """What ``name``'s function gives and takes, on one line, for ``rlfabric rewards list``: its declared
+    components (``@gives``) with the weights it declares (``@default_weights``), its keyword arguments, and
+    whether it is a process reward or pointwise."""
+    fn = _lookup(name, "rlfabric rewards list")
+    components = declared_components(fn)
+    weights = declared_weights(fn)
+    gives_text = (
+        "gives " + ", ".join(f"{c} (weighs {weights[c]:g})" if c in weights else c for c in sorted(components))
+        if components is not None
+        else "components not declared (named once it scores)"
+    )
+    try:
+        params = list(inspect.signature(fn).parameters.values())[1:]
+    except (TypeError, ValueError):
+        params = []
+    kwargs = ", ".join(p.name if p.default is inspect.Parameter.empty else f"{p.name}={p.default!r}" for p in params)
+    kinds = [
+        kind for kind, marked in (("process reward", is_process_reward(fn)), ("pointwise", is_pointwise(fn))) if marked
+    ]
+    return "; ".join([gives_text, f"kwargs: {kwargs or 'none'}", *kinds])
+
+
 def list_rewards() -> dict[str, str]:
     """Name -> where it comes from (not the ``module:function`` specs kept for the reward actors)."""
     return shipping.describe_sources({n: f for n, f in _REGISTRY.items() if ":" not in n}, _entry_points())
