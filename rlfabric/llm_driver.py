@@ -56,7 +56,7 @@ from rlfabric.llm_run_state import (
 )
 from rlfabric.llm_setup import GRPOSetup
 from rlfabric.llm_sft import DemonstrationPool, sft_batch
-from rlfabric.llm_text_env import stop_tool_servers, tool_server_restarts
+from rlfabric.llm_text_env import Demonstrations, stop_tool_servers, tool_server_restarts
 from rlfabric.models.hf import check_model_source
 from rlfabric.models.packed_batch import pad_rows_for_learners
 from rlfabric.objectives import LR_SCHEDULES
@@ -300,6 +300,9 @@ class GRPOTrainer(GRPOSetup):
             row = {"phase": "sft", "sft_step": step, "sft_loss": float(np.mean([m["sft_loss"] for m in metrics]))}
             self._log(row, show=step % 20 == 0 or step == s.steps)
 
+        assert self.log is not None
+        if isinstance(self.episodes.demonstrations, Demonstrations):  # its failed episodes and calls, as they happen
+            self.episodes.demonstrations.report.note = self.log.note
         pool = self._demonstration_pool()
         pending: list[Any] = []
         for step in range(1, s.steps + 1):
@@ -337,7 +340,6 @@ class GRPOTrainer(GRPOSetup):
         count, demonstrations = self.cfg.sft.demonstrations, self.episodes.demonstrations
         if not count or demonstrations is None:
             return None
-        assert self.log is not None
         tasks = [self.train_rows[i] for i in self.rollouts.sample_rows(count)]
         pad_id = self.tokenizer.pad_token_id
         return DemonstrationPool.play(demonstrations, tasks, self.cfg.sft.batch_size, pad_id, self.rng, self.log.note)

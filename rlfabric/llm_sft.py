@@ -70,10 +70,7 @@ class DemonstrationPool:
         rng: np.random.Generator,
         note: Callable[[str], None],
     ) -> DemonstrationPool:
-        """Play ``tasks`` ``chunk`` at a time (a warm-up batch's concurrency), noting progress every tenth (and a
-        text env's failed episodes and tool calls as they happen, through the same ``note``)."""
-        if isinstance(demonstrations, Demonstrations):
-            demonstrations.report.note = note
+        """Play ``tasks`` ``chunk`` at a time (a warm-up batch's concurrency), noting progress every tenth."""
         started, parts, shown = time.monotonic(), [], 0
         for first in range(0, len(tasks), chunk):
             parts.append(demonstrations.trajectories(tasks[first : first + chunk]))

@@ -5,7 +5,7 @@ or connects to the URL of a running one (streamable HTTP: many sessions per proc
 ``mcp-session-id``), initializes an MCP session, and lists the server's tools; ``session.tools()`` turns them
 into ``rlfabric.tools.Tool`` objects (their JSON schemas as the chat template's tool definitions), so a
 ``ToolSet`` checks every call against the schema before anything is sent and runs it under its deadline like any
-Python tool. A result flagged ``is_error`` raises ``McpToolError``: through ``McpToolSet``, a ``tool_error``
+Python tool. A result flagged ``is_error`` raises ``McpToolError`` (a ``ToolReportedError``): a ``tool_error``
 observation for the agent in the server's words;
 a call past its deadline is cancelled (the SDK tells the server). Calls from many coroutines on one session are
 concurrent.
@@ -32,7 +32,7 @@ import tempfile
 from collections.abc import Sequence
 from typing import Any
 
-from rlfabric.tools import EnvFailure, Tool, ToolCall, ToolOutcome, ToolSet
+from rlfabric.tools import EnvFailure, Tool, ToolReportedError
 
 CONTROL_PREFIX = "env_"  # tools the env calls (reset to a seed, read the state), never shown to the agent
 
@@ -41,25 +41,13 @@ class McpStartError(RuntimeError):
     """An MCP server that did not start or did not answer the handshake."""
 
 
-class McpToolError(RuntimeError):
-    """A tool result the server flagged as an error (``is_error``); its text is the message."""
+class McpToolError(ToolReportedError):
+    """A tool result the server flagged as an error (``is_error``); its text is the message, which the agent sees
+    as the server's words."""
 
 
 class McpSessionLost(EnvFailure):
     """The session's server went away (died, restarted, or closed the connection): the episode cannot go on."""
-
-
-class McpToolSet(ToolSet):
-    """A ``ToolSet`` of an MCP session's tools: a call the server answers with an error result is shown to the agent
-    as ``error: <tool>: <what the server said>``. ``ToolSet`` words a tool that raises as ``<tool> raised
-    <exception class>: ...``, and ``McpToolError`` is this module's class, not anything the server said."""
-
-    async def call(self, call: ToolCall, timeout_s: float) -> ToolOutcome:
-        outcome = await super().call(call, timeout_s)
-        said = outcome.text.removeprefix(f"error: {call.name} raised {McpToolError.__name__}: ")
-        if outcome.error == "tool_error" and said != outcome.text:
-            return ToolOutcome(f"error: {call.name}: {said}", outcome.error)
-        return outcome
 
 
 def is_url(server: str | Sequence[str]) -> bool:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
-from rlfabric.mcp_tools import McpSession, McpToolSet, is_url, server_command
+from rlfabric.mcp_tools import McpSession, is_url, server_command
 from rlfabric.text_env import TextStep, call_env
 from rlfabric.tools import ToolSet, tool_call_parser
 
@@ -85,7 +85,7 @@ class McpToolEnv(ToolEnv):
     async def reset(self, task: dict[str, Any]) -> str:
         await self.close()
         self.session = await McpSession.open(await resolve_server(self.server), self.start_timeout_s)
-        self.tools = McpToolSet(self.session.tools())
+        self.tools = ToolSet(self.session.tools())
         self.system_prompt = tools_prompt(self.tools)
         return await super().reset(task)
 

@@ -35,6 +35,11 @@ class EnvFailure(RuntimeError):
     the agent an error it did not cause."""
 
 
+class ToolReportedError(RuntimeError):
+    """A tool's own error answer (an MCP server's error result): the agent sees ``error: <tool>: <message>``, the
+    tool's words, where another exception reads ``error: <tool> raised <class>: <message>``."""
+
+
 @dataclass(frozen=True)
 class Tool:
     """A callable the agent may use: its name, what it does, the JSON schema of its arguments, the function."""
@@ -172,6 +177,8 @@ class ToolSet:
             return ToolOutcome(f"error: {call.name} did not answer within {timeout_s:g}s", "tool_timeout")
         except EnvFailure:
             raise
+        except ToolReportedError as exc:
+            return ToolOutcome(f"error: {call.name}: {exc}", "tool_error")
         except Exception as exc:  # noqa: BLE001 - the tool's failure is the agent's observation
             return ToolOutcome(f"error: {call.name} raised {type(exc).__name__}: {exc}", "tool_error")
         return ToolOutcome(result if isinstance(result, str) else json.dumps(result))

@@ -8,7 +8,16 @@ import time
 import jsonschema
 import pytest
 
-from rlfabric.tools import ERROR_KINDS, Tool, ToolCall, ToolSet, parse_hermes, tool_call_parser, tool_from_function
+from rlfabric.tools import (
+    ERROR_KINDS,
+    Tool,
+    ToolCall,
+    ToolReportedError,
+    ToolSet,
+    parse_hermes,
+    tool_call_parser,
+    tool_from_function,
+)
 
 
 def multiply(a: int, b: int) -> int:
@@ -117,6 +126,18 @@ def test_good_calls_answer_and_every_bad_one_is_an_error_of_its_kind_within_the_
     assert outcomes[4].text == "error: multiply arguments: 'b' is a required property"
     assert outcomes[6].text == "error: broken raised ZeroDivisionError: division by zero"
     assert outcomes[7].text == "error: stuck did not answer within 0.3s"
+
+
+def test_a_tools_own_error_answer_reads_in_its_words():
+    """An MCP server's error result (McpToolError) is a ToolReportedError: the agent sees what the tool said, not
+    an exception class of rlfabric's."""
+
+    def refusing(n: int) -> str:
+        """Refuses odd numbers."""
+        raise ToolReportedError(f"{n} is odd")
+
+    [outcome] = run_calls(ToolSet([refusing]), [ToolCall("refusing", {"n": 3})])
+    assert (outcome.text, outcome.error) == ("error: refusing: 3 is odd", "tool_error")
 
 
 def test_a_tool_set_refuses_repeated_names_and_bad_schemas():
