@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import logging
 import shlex
 import ssl
 import sys
@@ -35,6 +36,15 @@ from typing import Any
 from rlfabric.tools import EnvFailure, Tool, ToolReportedError
 
 CONTROL_PREFIX = "env_"  # tools the env calls (reset to a seed, read the state), never shown to the agent
+
+
+def _drop_termination_warnings(record: logging.LogRecord) -> bool:
+    """The SDK warns when the DELETE that ends a session fails, which it does whenever the server has gone (a
+    server that did not start, one being replaced): what failed is already told, and the session is closed."""
+    return not record.getMessage().startswith("Session termination failed")
+
+
+logging.getLogger("mcp.client.streamable_http").addFilter(_drop_termination_warnings)
 
 
 class McpStartError(RuntimeError):
