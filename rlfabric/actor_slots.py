@@ -20,7 +20,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import ray
-from ray.exceptions import ObjectLostError, RayTaskError
+from ray.exceptions import ObjectLostError, RayError, RayTaskError
 
 MAX_CONSECUTIVE_FAILURES = 5
 
@@ -29,6 +29,18 @@ def error_summary(exc: BaseException) -> str:
     """The last line of an exception's text (for a remote error: the original exception), at most 300 chars."""
     text = str(exc).strip()
     return text.splitlines()[-1].strip()[:300] if text else exc.__class__.__name__
+
+
+def remote_cause(exc: BaseException) -> str:
+    """``Type: message`` of what failed, on one line: for an error raised in an actor (a ``RayTaskError``), the
+    actor's own exception, not Ray's text around it (the remote traceback, many lines long)."""
+    while isinstance(exc, RayTaskError) and exc.cause is not None and exc.cause is not exc:
+        exc = exc.cause
+    if isinstance(exc, RayError):  # Ray's own failure (an actor that died): its text ends with what happened
+        lines = str(exc).strip().splitlines()
+        return lines[-1].strip() if lines else type(exc).__name__
+    text = " ".join(str(exc).split())
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
 def lost_object(exc: BaseException) -> str | None:

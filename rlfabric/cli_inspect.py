@@ -64,8 +64,8 @@ def cmd_rewards_list(args: argparse.Namespace) -> int:
     for name, source in sorted(rewards.list_rewards().items()):
         try:
             described = rewards.describe_reward(name)
-        except ConfigError as exc:  # a registration whose module cannot be imported here: say so, list the rest
-            described = f"cannot be imported: {exc}"
+        except Exception as exc:  # noqa: BLE001 - a registration whose module cannot be imported: say so, go on
+            described = f"cannot be imported: {_one_line(exc)}"
         print(f"  {name:<20} {described}\n  {'':<20} {source}")
     print("Any importable function works as package.module:function (a module in the current directory too).")
     return 0

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shutil
 import sys
 import time
 from collections.abc import Callable
@@ -209,7 +210,9 @@ class BestOfNEval:
         self.selectors = check_selectors(selectors, policy.run_dir, cfg.reward_model.kind)
         self.num_prompts = num_prompts or cfg.data.num_eval
         self.correct, self.seed = correct, cfg.training.seed if seed is None else seed
-        given = rewards.components_of(verifier_functions(cfg))
+        # the outcome components (a process reward's are per step, never a completion's correct)
+        outcome = {k: fn for k, fn in verifier_functions(cfg).items() if not rewards.is_process_reward(fn)}
+        given = rewards.components_of(outcome)
         if given is not None:  # every verifier function declares its components (@gives): know it before sampling
             rewards.check_names_given([correct], given, "--correct", "the verifier (rewards.functions)")
         self.config_source = config_source
@@ -470,9 +473,19 @@ class BestOfNEval:
 
     def run(self) -> dict[str, Any]:
         """Sample, score, write ``eval.json``, ``samples.jsonl`` and the plots into the output folder; the report."""
+        started = time.monotonic()
+        # the outermost folder this evaluation creates: it holds a builtin model and nothing else until the report
+        created = next((p for p in reversed([self.out_dir, *self.out_dir.parents]) if not p.exists()), None)
+        try:
+            return self._run(started)
+        except BaseException:
+            if created is not None:  # a failed evaluation leaves no folder behind
+                shutil.rmtree(created, ignore_errors=True)
+            raise
+
+    def _run(self, started: float) -> dict[str, Any]:
         from rlfabric.eval_report import plot_best_of_n, plot_reward_vs_length
 
-        started = time.monotonic()
         model_dir = self._model_dir()
         rows, ids = self._prompts(model_dir)
         self.progress(f"rlfabric eval: {self.policy.description}: {len(rows)} prompts x {self.m} completions")
@@ -481,7 +494,7 @@ class BestOfNEval:
         self._start(model_dir)
         report = self._report(self._sample_and_score(rows, ids), model_dir, time.monotonic() - started)
         samples = report.pop("samples")
-        self.out_dir.mkdir(parents=True, exist_ok=True)  # only now: an evaluation that failed leaves no folder
+        self.out_dir.mkdir(parents=True, exist_ok=True)
         with open(self.out_dir / SAMPLES_FILE, "w") as f:
             f.writelines(json.dumps(row) + "\n" for row in samples)
         report["files"] = {

@@ -9,11 +9,11 @@ from typing import Any
 
 import ray
 
+from rlfabric.actor_slots import remote_cause
 from rlfabric.actors.openenv_host import HOST_NAME_PREFIX, OpenEnvHost
 from rlfabric.config import ConfigError
 from rlfabric.grpo_config import LLMConfig
 from rlfabric.llm_resources import SETUP_TIMEOUT_S
-from rlfabric.llm_text_env import remote_cause
 from rlfabric.tools import tool_call_parser
 
 TEXT_ENV_SPEC = "rlfabric.openenv_env:OpenEnvTextEnv"

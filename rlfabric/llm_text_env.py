@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 
 from rlfabric import registry
+from rlfabric.actor_slots import remote_cause
 from rlfabric.actors.llm_rollout import TextEnvSource
 from rlfabric.actors.rollout_meta import AGENT_COUNTS, EPISODE_COUNTS
 from rlfabric.agent_loop import (
@@ -35,24 +36,10 @@ from rlfabric.tools import tool_call_parser
 from rlfabric.trajectory import Trajectories
 
 
-def remote_cause(exc: BaseException) -> str:
-    """``Type: message`` of what failed, on one line: for an error raised in an actor (a ``RayTaskError``), the
-    actor's own exception, not Ray's text around it (the remote traceback, many lines long)."""
-    from ray.exceptions import RayError, RayTaskError
-
-    while isinstance(exc, RayTaskError) and exc.cause is not None and exc.cause is not exc:
-        exc = exc.cause
-    if isinstance(exc, RayError):  # Ray's own failure (an actor that died): its text ends with what happened
-        lines = str(exc).strip().splitlines()
-        return lines[-1].strip() if lines else type(exc).__name__
-    text = " ".join(str(exc).split())
-    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
-
-
 def check_tool_parser(e: LLMEnvConfig) -> None:
-    """``env.tool_parser`` names a parser, and is not set where nothing reads it: a text env (``env.id``) parses
-    its own calls (a ``ToolEnv``'s ``parser``, set through ``env.kwargs``), so a value other than the default there
-    would be silently ignored."""
+    """``env.tool_parser`` names a registered parser, and is not set where nothing reads it: a text env
+    (``env.id``) parses its own calls (a ``ToolEnv``'s ``parser``, set through ``env.kwargs``), so a value other
+    than the default there (a parser the user registered) would be silently ignored."""
     try:
         tool_call_parser(e.tool_parser, "env.tool_parser")
     except ValueError as exc:
@@ -74,11 +61,14 @@ def check_takes_tool_servers(spec: str) -> None:
         parameters = inspect.signature(factory).parameters.values()
     except (TypeError, ValueError):  # no signature to read (a builtin): the build itself will tell
         return
-    if not any(p.name == "tool_servers" or p.kind is p.VAR_KEYWORD for p in parameters):
+    # a default too: the check before Ray builds the env from env.kwargs alone, before any server runs
+    takes = [p.kind is p.VAR_KEYWORD or (p.name == "tool_servers" and p.default is not p.empty) for p in parameters]
+    if not any(takes):
         name = getattr(factory, "__qualname__", type(factory).__name__)
         raise ConfigError(
-            f"env.id = {spec!r}: its factory {name} takes no tool_servers keyword, and env.tool_servers hands it "
-            "the servers as tool_servers={name: actor}: give it one, e.g. def make_env(tool_servers=None, ...)"
+            f"env.id = {spec!r}: its factory {name} takes no tool_servers keyword with a default, and "
+            "env.tool_servers hands it the servers as tool_servers={name: actor} (and the check before the run "
+            "builds it without them): give it one, e.g. def make_env(tool_servers=None, ...)"
         )
 
 
@@ -188,7 +178,7 @@ class DemonstrationReport:
                 self.bad_calls[kind] = self.bad_calls.get(kind, 0) + count
             if episode.error is not None:
                 self.failed += 1
-                new += self._first(f"episode: {episode.error}", "", episode.error)
+                new += self._first("episode", "", episode.error)
             for kind, text in episode.tool_errors.items():
                 new += self._first(f"call: {kind}", kind, text)
         for kind, text in new:

@@ -11,13 +11,12 @@ from typing import Any
 
 import ray
 
-from rlfabric.actor_slots import RunAbortedError
+from rlfabric.actor_slots import RunAbortedError, remote_cause
 from rlfabric.actors.verifiers_host import HOST_NAME_PREFIX, VerifiersHost, verifiers_agent
 from rlfabric.agents import Agent
 from rlfabric.config import ConfigError
 from rlfabric.grpo_config import LLMConfig
 from rlfabric.llm_resources import SETUP_TIMEOUT_S
-from rlfabric.llm_text_env import remote_cause
 
 
 @dataclass

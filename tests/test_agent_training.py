@@ -10,6 +10,7 @@ from rlfabric.config import ConfigError, config_from_dict
 from rlfabric.llm_driver import GRPOTrainer
 from rlfabric.registry import register_env
 from rlfabric.text_env import TextStep
+from rlfabric.tools import TOOL_CALL_PARSERS, parse_hermes
 
 GAME = {
     "model": {"builtin": {"num_layers": 1, "hidden_size": 32, "num_heads": 2, "max_positions": 256}},
@@ -155,13 +156,21 @@ def guess_number_alone():
     return GuessNumber()
 
 
-def test_tool_servers_for_a_factory_that_cannot_take_them_stop_setup_before_ray(tmp_path):
-    register_env("guess-alone", guess_number_alone)
+def guess_number_needing_servers(tool_servers):
+    """A text env factory whose tool_servers has no default: the check before Ray cannot build it."""
+    return guess_number_alone()
+
+
+@pytest.mark.parametrize("factory", [guess_number_alone, guess_number_needing_servers])
+def test_tool_servers_for_a_factory_that_cannot_take_them_stop_setup_before_ray(tmp_path, factory):
+    register_env("guess-alone", factory)
     t = trainer(tmp_path, env={"id": "guess-alone", "tool_servers": ["notes"]})
     with pytest.raises(ConfigError) as info:
         t.setup()
     message = str(info.value)
-    assert message.startswith("env.id = 'guess-alone': its factory guess_number_alone takes no tool_servers keyword")
+    assert message.startswith(
+        f"env.id = 'guess-alone': its factory {factory.__name__} takes no tool_servers keyword with a default"
+    )
     assert "tool_servers=None" in message and "\n" not in message
     assert t.generators is None and t.tool_servers == {}  # no actor, no tool server started
 
@@ -185,9 +194,14 @@ def test_a_tool_task_the_builtin_alphabet_cannot_spell_stops_setup_before_ray(tm
     [
         ("qwen3", "env.tool_parser = 'qwen3' is not valid: expected one of hermes"),  # as with env.agent
         ("hermes2", "env.tool_parser = 'hermes2' is not valid: expected one of hermes"),
+        # a parser the user registered: a text env parses its own calls, so it would be silently ignored
+        ("mine", "env.tool_parser = 'mine' is not valid with env.id: a text env parses its own tool calls"),
     ],
 )
-def test_a_tool_parser_a_text_env_would_ignore_stops_setup_before_ray(tmp_path, parser, says):
+def test_a_tool_parser_misspelt_or_one_a_text_env_would_ignore_stops_setup_before_ray(
+    tmp_path, monkeypatch, parser, says
+):
+    monkeypatch.setitem(TOOL_CALL_PARSERS, "mine", parse_hermes)
     t = trainer(tmp_path, env={"id": "rlfabric/GuessNumber-v0", "tool_parser": parser})
     with pytest.raises(ConfigError, match=says):
         t.setup()
@@ -242,3 +256,18 @@ def test_a_task_the_model_cannot_spell_fails_its_episodes_not_the_rollout_worker
     failed = [line for line in run.console.splitlines() if "episode failed: the opening could not be tokenized" in line]
     assert len(failed) == 1 and "no token for '@'" in failed[0] and "model.builtin.alphabet" in failed[0], run.console
     assert run.summary["failed_samples"] > 0 and run.summary["steps"] == 2
+
+
+def test_the_warm_up_report_tells_the_first_failed_episode_once_and_counts_the_rest():
+    from rlfabric.agent_loop import Episode
+    from rlfabric.llm_text_env import DemonstrationReport
+
+    lines: list[str] = []
+    report = DemonstrationReport(lines.append)
+    report.add([Episode(i, [], error=f"reset raised KeyError: 'task {i}'") for i in range(3)])
+    report.add([Episode(3, [], error="reset raised KeyError: 'task 3'"), Episode(4, [])])
+    assert lines == [
+        "sft.player: a demonstration episode failed: reset raised KeyError: 'task 0' (3 of 3 so far; the first of its "
+        "kind: later ones are counted, not printed)"
+    ]
+    assert (report.episodes, report.failed) == (5, 4)

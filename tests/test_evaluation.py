@@ -189,14 +189,20 @@ def test_a_process_reward_selects_by_its_steps_scores_aggregated(trained_run, tm
     assert max(counts) > 1  # some completion has several steps, so the split reached the reward
 
 
-def test_an_eval_whose_verifier_fails_every_sample_exits_1(trained_run, tmp_path, capsys):
-    argv = ["eval", "--checkpoint", str(trained_run / "final_model"), "--n", "1", "--num-prompts", "2"]
-    argv += ["rewards.functions=[{name: always_fails}]", "--out", str(tmp_path / "out"), "--quiet"]
+@pytest.mark.parametrize("initial_model", [False, True])
+def test_an_eval_whose_verifier_fails_every_sample_exits_1_and_leaves_no_folder(
+    trained_run, tmp_path, capsys, initial_model
+):
+    """With the config's initial builtin model, the model is built into the output folder before sampling: a
+    failed evaluation removes it with the folders it created."""
+    policy = [] if initial_model else ["--checkpoint", str(trained_run / "final_model")]
+    argv = ["eval", *policy, "--n", "1", "--num-prompts", "2", "rewards.functions=[{name: always_fails}]"]
+    argv += ["--out", str(tmp_path / "evals" / "out"), "--quiet"]
     assert main(argv) == 1
     err = capsys.readouterr().err.splitlines()
     assert err[-1].startswith("rlfabric: eval failed: every completion failed its verifier"), err
     assert "verifier is down" in err[-1]
-    assert not (tmp_path / "out" / "eval.json").exists()
+    assert not (tmp_path / "evals").exists()
 
 
 def test_a_policy_likelihood_reward_scores_with_the_evaluated_model(trained_run, tmp_path):
@@ -282,6 +288,11 @@ def test_a_selector_of_the_other_kind_than_the_runs_model_is_one_line(trained_ru
         (["--selector", "no_such_reward"], ["--selector = 'no_such_reward' is not valid", "not a registered reward"]),
         # the verifier and a selector's reward declare their components (@gives): names checked before sampling
         (["--correct", "corect"], ["--correct names 'corect' (did you mean 'correct'?)", "gives only correct, format"]),
+        # a process reward's components are per step, not a completion's: not what --correct can name
+        (
+            ["--correct", "step_correct", "rewards.functions=[{name: arithmetic}, {name: arithmetic_steps}]"],
+            ["--correct names 'step_correct'", "gives only correct, format"],
+        ),
         (
             ["--selector", "{name: arithmetic, weights: {corect: 1}}"],
             ["--selector 'arithmetic' weights names 'corect' (did you mean 'correct'?)"],

@@ -314,7 +314,9 @@ def test_rewards_list_shows_what_each_function_gives_and_takes(tmp_path, monkeyp
         "def graded(inputs, *, strict=True):\n"
         "    return [{'correct': 1.0, 'style': 0.0} for _ in inputs]\n\n\n"
         "rewards.register_reward('graded', graded)\n"
+        "rewards.register_reward('heavy', 'heavy_impl:score')\n"  # imported when first resolved
     )
+    (tmp_path / "heavy_impl.py").write_text("raise RuntimeError('needs a GPU library')\n")
     monkeypatch.chdir(tmp_path)
     monkeypatch.syspath_prepend(str(tmp_path))
     assert main(["rewards", "list", "--import", "my_graders"]) == 0
@@ -325,4 +327,6 @@ def test_rewards_list_shows_what_each_function_gives_and_takes(tmp_path, monkeyp
     assert described["arithmetic_steps"] == "gives step_correct; kwargs: none; process reward; pointwise"
     assert described["reward_model"].startswith("components not declared (named once it scores); kwargs: path=''")
     assert described["graded"] == "gives correct, style (weighs 0.5); kwargs: strict=True"
+    # one registration that cannot be imported is said, and the rest are listed
+    assert described["heavy"] == "cannot be imported: RuntimeError: needs a GPU library"
     assert "registered (my_graders)" in lines[lines.index(next(x for x in lines if x.startswith("  graded "))) + 1]
