@@ -1,5 +1,6 @@
 """The ``rlfabric`` command: train (and train-rm: a reward model), resume, evaluate (best-of-N), submit as a Ray
-job; ``envs`` and ``tools`` (list and check environments and MCP tool servers) live in ``rlfabric.cli_inspect``."""
+job; ``envs``, ``tools`` and ``rewards`` (list and check environments, MCP tool servers and reward functions) live
+in ``rlfabric.cli_inspect``."""
 
 from __future__ import annotations
 
@@ -7,7 +8,9 @@ import argparse
 import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from ray.exceptions import RayError
 
@@ -106,14 +109,26 @@ def cmd_train_llm(args: argparse.Namespace, cfg: object | None) -> int:
         where = "new run"
     print(f"rlfabric: GRPO on {trainer.cfg.data.train} -> {trainer.run_dir} ({where})", file=sys.stderr)
 
+    summary = train_or_exit_code(trainer, latest_checkpoint)
+    if isinstance(summary, int):
+        return summary
+    summary["run_dir"] = str(trainer.run_dir)
+    _print_llm_summary(summary)
+    return 0
+
+
+def train_or_exit_code(trainer: Any, newest_checkpoint: Callable[[Path], Path | None]) -> dict[str, Any] | int:
+    """The trainer's summary, or the exit code of a run that stopped (1: an actor died for good or retries ran
+    out; 130: Ctrl-C) after one line saying so and whether a checkpoint is left to resume from."""
+
     def what_is_left() -> str:
-        if latest_checkpoint(trainer.run_dir) is None:
+        if newest_checkpoint(trainer.run_dir) is None:
             return "no checkpoint was saved yet (training.checkpoint_every)"
         return f"the latest checkpoint is kept (continue with --resume {trainer.run_dir})"
 
     try:
-        summary = trainer.train()
-    except (RayError, RunAbortedError) as exc:  # an actor died for good, or retries ran out
+        return trainer.train()
+    except (RayError, RunAbortedError) as exc:
         reason = error_summary(exc) if isinstance(exc, RayError) else str(exc)
         print(f"rlfabric: run stopped: {reason}; {what_is_left()}", file=sys.stderr)
         return 1
@@ -122,12 +137,10 @@ def cmd_train_llm(args: argparse.Namespace, cfg: object | None) -> int:
         return 130
     finally:
         trainer.close()
-    summary["run_dir"] = str(trainer.run_dir)
-    _print_llm_summary(summary)
-    return 0
 
 
 def cmd_train(args: argparse.Namespace) -> int:
+    from rlfabric.driver import latest_checkpoint as ppo_latest_checkpoint
     from rlfabric.game_driver import ppo_trainer, ppo_trainer_from_run_dir
 
     import_user_modules(args.import_modules)
@@ -148,14 +161,11 @@ def cmd_train(args: argparse.Namespace) -> int:
         trainer = ppo_trainer(cfg, run_dir, quiet=args.quiet)
     where = ""
     if args.resume:
-        from rlfabric.driver import latest_checkpoint
-
-        where = f" (resuming from {latest_checkpoint(trainer.run_dir).name})"  # type: ignore[union-attr]
+        where = f" (resuming from {ppo_latest_checkpoint(trainer.run_dir).name})"  # type: ignore[union-attr]
     print(f"rlfabric: training {trainer.cfg.env.id} -> {trainer.run_dir}{where}", file=sys.stderr)
-    try:
-        summary = trainer.train()
-    finally:
-        trainer.close()
+    summary = train_or_exit_code(trainer, ppo_latest_checkpoint)
+    if isinstance(summary, int):
+        return summary
     summary["run_dir"] = str(trainer.run_dir)
     summary["plot"] = str(summary["plot"]) if summary.get("plot") else None
     _print_summary(summary)
@@ -396,23 +406,17 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"rlfabric: config error: {exc}", file=sys.stderr)
         return 2
-    except RunAbortedError as exc:
-        print(f"rlfabric: run stopped: {exc}; the latest checkpoint is kept", file=sys.stderr)
+    except RunAbortedError as exc:  # train reports its own (train_or_exit_code); this is another command's
+        print(f"rlfabric: run stopped: {exc}", file=sys.stderr)
         return 1
-    except RayError as exc:  # e.g. the learner's process died: its last checkpoint is what is left
-        print(
-            f"rlfabric: run failed: {error_summary(exc)}; resume from the latest checkpoint with --resume DIR",
-            file=sys.stderr,
-        )
+    except RayError as exc:
+        print(f"rlfabric: run failed: {error_summary(exc)}", file=sys.stderr)
         return 1
     except BrokenPipeError:  # output piped into `head` and friends
         sys.stderr.close()
         return 0
-    except KeyboardInterrupt:
-        print(
-            "\nrlfabric: interrupted; the latest checkpoint is kept (resume with --resume DIR)",
-            file=sys.stderr,
-        )
+    except KeyboardInterrupt:  # before a run started (a run says what it leaves), or in another command
+        print("\nrlfabric: interrupted", file=sys.stderr)
         return 130
 
 

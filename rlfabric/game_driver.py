@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import os
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -88,6 +89,7 @@ def check_game_config(cfg: Config) -> tuple[dict[str, str], dict[str, dict[str, 
     and each frozen policy's weights, read once here for every runner."""
     with env_build_errors(cfg, "building it and resetting it"):
         env = registry.make_multi_agent_env(cfg.env.id, cfg.env.kwargs)
+        reset_within(env, cfg)
         try:
             plan = plan_game(env, cfg.multi_agent)
         except ValueError as exc:
@@ -415,6 +417,31 @@ def env_build_errors(cfg: Config, what: str = "building it") -> Iterator[None]:
         raise ConfigError(f"env.id = {e.id!r}: {what}{with_kwargs} failed: {raised_by_user_code(exc)}") from None
 
 
+def reset_within(env: Any, cfg: Config) -> None:
+    """``env.reset(seed=training.seed)`` under the runners' deadline (``runners.sample_timeout_s``), in a thread of
+    its own: a reset that never returns is one ConfigError naming env.id, not a run that never starts (the thread is
+    left to the process's exit, and the env is not closed: closing a hung env may hang too)."""
+    outcome: dict[str, BaseException] = {}
+
+    def reset() -> None:
+        try:
+            env.reset(seed=cfg.training.seed)
+        except BaseException as exc:  # noqa: BLE001 - raised again in the caller's thread
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=reset, name="rlfabric-env-check", daemon=True)
+    thread.start()
+    thread.join(cfg.runners.sample_timeout_s)
+    if thread.is_alive():
+        raise ConfigError(
+            f"env.id = {cfg.env.id!r}: reset() did not return within {cfg.runners.sample_timeout_s:g}s "
+            "(runners.sample_timeout_s)"
+        )
+    if "error" in outcome:
+        env.close()
+        raise outcome["error"]
+
+
 def is_game_config(cfg: Config) -> bool:
     """Whether a PPO config trains a multi-agent env (its env spec builds a PettingZoo env; a factory that is not
     a class is built once to tell)."""
@@ -435,10 +462,8 @@ def check_env_builds(cfg: Config) -> None:
         return
     with env_build_errors(cfg, "building it and resetting it"):
         env = registry.make_env(cfg.env.id, cfg.env.kwargs)
-        try:
-            env.reset(seed=cfg.training.seed)
-        finally:
-            env.close()
+        reset_within(env, cfg)
+        env.close()
 
 
 def ppo_trainer(cfg: Config, run_dir: str | Path, quiet: bool = False) -> Trainer:

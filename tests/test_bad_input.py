@@ -13,11 +13,14 @@ import os
 import re
 import socket
 import sys
+import threading
 import time
 from pathlib import Path
 
+import gymnasium as gym
 import pytest
 import ray
+from pettingzoo.classic import tictactoe_v3
 from ray.cluster_utils import Cluster
 
 from rlfabric import registry
@@ -337,6 +340,58 @@ def test_options_and_overrides_in_any_order(capsys):
 def test_a_ppo_env_that_cannot_be_built_is_one_line_before_ray(overrides, says, tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     code, out, err = run_cli(["train", str(ROOT / "examples/cartpole_ppo.yaml"), *overrides, "--run-dir", "r"], capsys)
+    assert_one_config_error(code, out, err, says)
+    assert not ray.is_initialized() and not (tmp_path / "r").exists()
+
+
+class HangingReset(gym.Wrapper):
+    def reset(self, **kwargs):
+        threading.Event().wait()  # never returns
+
+
+def raising_game_reset():
+    """Tic-tac-toe whose reset raises: the runners would find it only once Ray runs."""
+    env = tictactoe_v3.env()
+
+    def reset(*args, **kwargs):
+        raise RuntimeError("no board today")
+
+    env.reset = reset
+    return env
+
+
+def hanging_game_reset():
+    env = tictactoe_v3.env()
+    env.reset = lambda *args, **kwargs: threading.Event().wait()
+    return env
+
+
+registry.register_env("hanging-cartpole", lambda: HangingReset(gym.make("CartPole-v1")))
+registry.register_env("raising-game-reset", raising_game_reset)
+registry.register_env("hanging-game-reset", hanging_game_reset)
+
+
+@pytest.mark.parametrize(
+    "env_id, says",
+    [
+        (
+            "hanging-cartpole",
+            "env.id = 'hanging-cartpole': reset() did not return within 2s (runners.sample_timeout_s)",
+        ),
+        ("hanging-game-reset", "env.id = 'hanging-game-reset': reset() did not return within 2s"),
+        (
+            "raising-game-reset",
+            "env.id = 'raising-game-reset': building it and resetting it failed: RuntimeError: no b",
+        ),
+    ],
+)
+def test_an_env_whose_reset_hangs_or_raises_is_one_line_before_ray(env_id, says, tmp_path, monkeypatch, capsys):
+    """A single-agent env or a game: the driver resets one copy under the runners' deadline (a reset that hung ran
+    forever; a game's that raised was found on a runner, once Ray ran)."""
+    monkeypatch.chdir(tmp_path)
+    example = "cartpole_ppo.yaml" if env_id == "hanging-cartpole" else "tictactoe_selfplay.yaml"
+    argv = ["train", str(ROOT / "examples" / example), f"env.id={env_id}", "runners.sample_timeout_s=2"]
+    code, out, err = run_cli([*argv, "--run-dir", "r"], capsys)
     assert_one_config_error(code, out, err, says)
     assert not ray.is_initialized() and not (tmp_path / "r").exists()
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import warnings
 
+import gymnasium as gym
 import numpy as np
 import pettingzoo
 import pytest
@@ -103,6 +104,16 @@ def test_samples_send_no_illegal_move_and_keep_the_masks():
     assert chosen[steps].all()  # each recorded action was legal under its recorded mask
     assert (~frag.action_mask[steps]).any()  # and the masks are real: some moves were illegal
     assert set(frag.agent_id) == {"player_1", "player_2"} and set(frag.policy_id) == {"main"}
+
+
+def test_a_text_observation_is_said_to_be_character_indices_not_one_hot():
+    """Gymnasium flattens Text to character indices: envs check must not call that one-hot."""
+    text = gym.spaces.Dict({"board": gym.spaces.Box(0, 1, (2,)), "note": gym.spaces.Text(3)})
+    discrete = gym.spaces.Dict({"board": gym.spaces.Box(0, 1, (2,)), "turn": gym.spaces.Discrete(3)})
+    [text_note, _] = agent_spaces(text, gym.spaces.Discrete(2), "p").notes
+    [discrete_note, _] = agent_spaces(discrete, gym.spaces.Discrete(2), "p").notes
+    assert "its text as character indices (not one-hot)" in text_note and "kind: llm" in text_note
+    assert "one-hot for discrete parts" in discrete_note and "text" not in discrete_note
 
 
 def test_policy_mapping_gives_each_policy_only_its_agents_rows():

@@ -80,7 +80,22 @@ def _flat_dim(space: gym.Space, agent: str) -> tuple[int, str | None]:
             f"agent {agent!r}: observation space {space} cannot be flattened ({exc.__class__.__name__}); wrap the env "
             "so it observes a Box or a Dict/Tuple of Box, Discrete and MultiBinary"
         ) from None
+    if _text_part(space) is not None:  # gymnasium writes text as character indices, which a net reads as amounts
+        return size, (
+            f"observation {space} flattened to {size} values, its text as character indices (not one-hot): a "
+            "neural policy reads them as amounts; wrap the env, or give the agent a language-model policy (kind: llm)"
+        )
     return size, f"observation {space} flattened (one-hot for discrete parts) to {size} values"
+
+
+def _text_part(space: gym.Space) -> gym.spaces.Text | None:
+    """The first ``Text`` space in ``space`` (itself, or nested in a Dict or Tuple), or None."""
+    if isinstance(space, gym.spaces.Text):
+        return space
+    parts = space.spaces.values() if isinstance(space, gym.spaces.Dict) else getattr(space, "spaces", ())
+    if isinstance(space, gym.spaces.Dict | gym.spaces.Tuple):
+        return next((t for t in map(_text_part, parts) if t is not None), None)
+    return None
 
 
 def agent_spaces(obs_space: gym.Space, action_space: gym.Space, agent: str = "") -> AgentSpaces:
