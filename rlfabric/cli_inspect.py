@@ -77,6 +77,7 @@ def cmd_envs_check(args: argparse.Namespace) -> int:
     from gymnasium.utils.env_checker import check_env
 
     from rlfabric import registry
+    from rlfabric.models.numpy_policy import check_ppo_spaces
 
     import_user_modules(args.import_modules)
     from rlfabric.envs.task_library import TASK_SERVERS
@@ -103,9 +104,14 @@ def cmd_envs_check(args: argparse.Namespace) -> int:
             return 1
         finally:
             env.close()
-    print(f"OK {args.name}: observation {env.observation_space}, action {env.action_space}")
     for w in caught:
         print("  warning:", _ANSI_COLOR.sub("", str(w.message)))
+    try:  # Gymnasium's checker passes spaces PPO's policy cannot use (Dict, Text, MultiDiscrete)
+        check_ppo_spaces(env.observation_space, env.action_space)
+    except ValueError as exc:
+        print(f"FAIL {args.name}: PPO cannot train it: {exc}")
+        return 1
+    print(f"OK {args.name}: observation {env.observation_space}, action {env.action_space}")
     return 0
 
 

@@ -34,6 +34,7 @@ from rlfabric.driver import SETUP_TIMEOUT_S, Trainer, ensure_ray, latest_checkpo
 from rlfabric.game_llm_servers import LLMServers
 from rlfabric.models import ActionSpec, ActorCritic
 from rlfabric.models.hf import check_model_source
+from rlfabric.models.numpy_policy import check_ppo_spaces
 from rlfabric.multiagent.baselines import scripted_rule, text_renderer
 from rlfabric.multiagent.config import (
     policy_specs,
@@ -464,6 +465,10 @@ def check_env_builds(cfg: Config) -> None:
         env = registry.make_env(cfg.env.id, cfg.env.kwargs)
         reset_within(env, cfg)
         env.close()
+    try:  # spaces the policy cannot use: one line here, not each runner's traceback once Ray runs
+        check_ppo_spaces(env.observation_space, env.action_space)
+    except ValueError as exc:
+        raise ConfigError(f"env.id = {cfg.env.id!r}: {exc}") from None
 
 
 def ppo_trainer(cfg: Config, run_dir: str | Path, quiet: bool = False) -> Trainer:

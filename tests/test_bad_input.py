@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 import gymnasium as gym
+import numpy as np
 import pytest
 import ray
 from pettingzoo.classic import tictactoe_v3
@@ -394,6 +395,33 @@ def test_an_env_whose_reset_hangs_or_raises_is_one_line_before_ray(env_id, says,
     code, out, err = run_cli([*argv, "--run-dir", "r"], capsys)
     assert_one_config_error(code, out, err, says)
     assert not ray.is_initialized() and not (tmp_path / "r").exists()
+
+
+class DictObservations(gym.Env):
+    """A well-behaved env (Gymnasium's checker passes it) whose Dict observations PPO's MLP policy cannot read."""
+
+    observation_space = gym.spaces.Dict({"position": gym.spaces.Box(0.0, 1.0, (2,))})
+    action_space = gym.spaces.Discrete(2)
+
+    def reset(self, seed=None, options=None):
+        super().reset(seed=seed)
+        return {"position": np.zeros(2, np.float32)}, {}
+
+    def step(self, action):
+        return {"position": np.zeros(2, np.float32)}, 0.0, True, False, {}
+
+
+registry.register_env("dict-observations", DictObservations)
+
+
+def test_spaces_ppo_cannot_use_are_one_line_before_ray_and_fail_envs_check(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    argv = ["train", str(ROOT / "examples/cartpole_ppo.yaml"), "env.id=dict-observations", "--run-dir", "r"]
+    code, out, err = run_cli(argv, capsys)
+    assert_one_config_error(code, out, err, "env.id = 'dict-observations': observation space Dict(", "use a Box")
+    assert not ray.is_initialized() and not (tmp_path / "r").exists()
+    code, out, _ = run_cli(["envs", "check", "dict-observations"], capsys)
+    assert code == 1 and out.splitlines()[-1].startswith("FAIL dict-observations: PPO cannot train it: observation")
 
 
 def test_on_a_cluster_the_driver_leaves_building_the_env_to_the_runners(monkeypatch):

@@ -50,6 +50,12 @@ def obs_dim_of(space: gym.Space) -> int:
     )
 
 
+def check_ppo_spaces(observation_space: gym.Space, action_space: gym.Space) -> None:
+    """ValueError naming the space PPO's MLP policy cannot use (``obs_dim_of``, ``ActionSpec.from_space``)."""
+    obs_dim_of(observation_space)
+    ActionSpec.from_space(action_space)
+
+
 class NumpyPolicy:
     """The actor's forward pass and sampling in numpy, from ``ActorCritic.actor_arrays()``."""
 
