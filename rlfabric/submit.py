@@ -160,14 +160,31 @@ def cmd_submit(args: argparse.Namespace) -> int:
     print(
         f"rlfabric: submitted {job_id} to {address}\n"
         f"  run directory (on the head node): {run_dir}\n"
-        f"  logs:   ray job logs -f {job_id}\n"
-        f"  stop:   ray job stop {job_id}   (the run checkpoints first, up to {args.stop_timeout_s}s)\n"
-        f"  resume: rlfabric submit --resume {run_dir}",
+        f"  logs:   {job_command('logs -f', job_id, address, token)}\n"
+        f"  stop:   {job_command('stop', job_id, address, token)}   (the run checkpoints first, up to "
+        f"{args.stop_timeout_s}s)\n"
+        f"  resume: {shlex.join(['rlfabric', 'submit', '--resume', str(run_dir), *_address_words(address)])}",
         file=sys.stderr,
     )
     if args.no_wait:
         return 0
-    return _follow(client, job_id)
+    return _follow(client, job_id, job_command("logs -f", job_id, address, token))
+
+
+def _address_words(address: str) -> list[str]:
+    """``--address ADDRESS`` where a command run later in the same shell would not find it by itself: anything but
+    the local default, or the default while ``$RAY_API_SERVER_ADDRESS`` / ``$RAY_ADDRESS`` (which Ray's job CLI
+    reads first) are set."""
+    if address == DEFAULT_DASHBOARD and not (os.environ.get("RAY_API_SERVER_ADDRESS") or os.environ.get("RAY_ADDRESS")):
+        return []
+    return ["--address", address]
+
+
+def job_command(verb: str, job_id: str, address: str, token: bool) -> str:
+    """``ray job VERB JOB_ID`` as it runs when pasted: with ``RAY_AUTH_MODE=token`` when the cluster's token is used
+    (Ray's job CLI sends it only then) and the dashboard's address when it is not the one the CLI finds itself."""
+    words = ["ray", "job", *verb.split(), job_id, *_address_words(address)]
+    return ("RAY_AUTH_MODE=token " if token else "") + shlex.join(words)
 
 
 def _submit(client: Any, job: dict[str, Any], wait_s: float = 60.0) -> str:
@@ -183,7 +200,7 @@ def _submit(client: Any, job: dict[str, Any], wait_s: float = 60.0) -> str:
             time.sleep(1.0)
 
 
-def _follow(client: Any, job_id: str) -> int:
+def _follow(client: Any, job_id: str, logs_command: str) -> int:
     """Print the job's logs as they come; its exit code from its final status."""
 
     async def tail() -> None:
@@ -193,7 +210,7 @@ def _follow(client: Any, job_id: str) -> int:
     try:
         asyncio.run(tail())
     except KeyboardInterrupt:
-        print(f"\nrlfabric: stopped following; the job goes on (ray job logs -f {job_id})", file=sys.stderr)
+        print(f"\nrlfabric: stopped following; the job goes on ({logs_command})", file=sys.stderr)
         return 0
     status = str(client.get_job_status(job_id).value)
     for _ in range(50):  # the log stream can end a moment before the status settles

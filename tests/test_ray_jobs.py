@@ -160,11 +160,12 @@ def test_a_stopped_job_leaves_a_checkpoint_and_a_resubmitted_one_continues(ray_h
     while time.monotonic() < deadline and len(read_metrics(run_dir)) < 3:
         time.sleep(0.5)
     assert len(read_metrics(run_dir)) >= 3, "the job trained nothing within 180 s"
-    # the real CLI, as a user stops a job (it sends the token only with RAY_AUTH_MODE=token, as docs/cluster.md says)
-    user_env = {**env, "RAY_AUTH_MODE": "token"}
-    stop = subprocess.run(
-        ["ray", "job", "stop", "--address", address, job_id], env=user_env, capture_output=True, text=True, timeout=300
-    )
+    # the real CLI, as a user stops a job: the stop command submit printed, pasted as it is into a shell with no
+    # RAY_AUTH_MODE (it carries RAY_AUTH_MODE=token, which Ray's job CLI needs to send the token, and the address)
+    printed = next(line for line in started.stderr.splitlines() if line.strip().startswith("stop:"))
+    stop_command = printed.split("stop:", 1)[1].split("   (")[0].strip()
+    assert stop_command.startswith(f"RAY_AUTH_MODE=token ray job stop {job_id} ") and address in stop_command
+    stop = subprocess.run(stop_command, shell=True, env=env, capture_output=True, text=True, timeout=300)
     assert stop.returncode == 0, stop.stderr[-2000:]
     checkpoints = sorted((run_dir / "checkpoints").glob("*"))
     assert checkpoints, "ray job stop left no checkpoint"  # written on the way out (SIGTERM is a stop request)
