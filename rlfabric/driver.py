@@ -77,40 +77,6 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
     return checkpoints(Path(run_dir)).latest()
 
 
-def _refused_token(exc: BaseException) -> bool:
-    """Whether a failed ``ray.init`` was the cluster refusing this process's token (or its lack of one): Ray raises
-    ConnectionError from a RuntimeError that carries the AuthenticationError's text."""
-    from ray.exceptions import AuthenticationError
-
-    seen: BaseException | None = exc
-    while seen is not None:
-        if isinstance(seen, AuthenticationError) or "InvalidAuthToken" in str(seen):
-            return True
-        seen = seen.__cause__ or seen.__context__
-    return False
-
-
-def _token_problem(token: bool) -> str:
-    """What to do about a token the cluster refused, as one line; ``token``: whether one was sent."""
-    get_it = "(`ray get-auth-token` on the head prints it)"
-    if token:
-        return (
-            "the cluster (it uses token authentication) refused this token ($RAY_AUTH_TOKEN, $RAY_AUTH_TOKEN_PATH "
-            f"or ~/.ray/auth_token): use the head's {get_it}"
-        )
-    mode = os.environ.get("RAY_AUTH_MODE")
-    if mode is not None and mode.lower() != "token":
-        return (
-            f"the cluster uses token authentication and RAY_AUTH_MODE={mode} here sends no token: set "
-            "RAY_AUTH_MODE=token (or unset it), with the head's token in ~/.ray/auth_token or $RAY_AUTH_TOKEN "
-            f"{get_it}"
-        )
-    return (
-        "the cluster uses token authentication and no token was found here: copy the head's ~/.ray/auth_token "
-        f"here, or set RAY_AUTH_TOKEN {get_it}"
-    )
-
-
 def ensure_ray(ray_cfg: RayConfig, wanted_cpus: float, env_vars: dict[str, str] | None = None) -> None:
     """Join the cluster at ``ray.address`` (else at ``$RAY_ADDRESS``, as ``ray.init`` reads it), or start a local
     Ray instance with at least ``wanted_cpus``. A cluster that is not there is a one-line ConfigError.
@@ -142,21 +108,16 @@ def ensure_ray(ray_cfg: RayConfig, wanted_cpus: float, env_vars: dict[str, str] 
                 "instance and is ignored",
                 file=sys.stderr,
             )
-        # The cluster's token, found as `rlfabric submit` finds it: ray.init looks for it only with no address
-        # or "auto", and a cluster that asks for it refuses a driver without it.
-        from rlfabric.submit import use_cluster_token
-
-        token = use_cluster_token()
         try:
             ray.init(address=address, log_to_driver=True)
-        except ConnectionError as exc:  # "auto" with no cluster on this machine; a refused (or missing) token
-            if _refused_token(exc):
-                raise ConfigError(f"{where}: {_token_problem(token)}") from None
+        except ConnectionError as exc:  # "auto" with no cluster on this machine
             raise ConfigError(f"{where}: {str(exc).strip().splitlines()[0]}; {hint}") from None
         return
     num_cpus = ray_cfg.num_cpus or max(os.cpu_count() or 1, math.ceil(wanted_cpus))
     runtime_env = {"env_vars": env_vars} if env_vars else None
-    ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=True, runtime_env=runtime_env)
+    # address="local": a new instance even where a cluster (`ray start`) runs on this machine, which ray.init()
+    # would join and then refuse num_cpus for
+    ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=True, runtime_env=runtime_env)
 
 
 class Trainer:
