@@ -7,6 +7,9 @@ import copy
 import dataclasses
 import io
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 from rlfabric.config import config_from_dict
@@ -85,3 +88,20 @@ def write_prompts(path: Path, prompts: list[str]) -> str:
     rows = [{"prompt": p, "answer": str(sum(int(x) for x in p[:-1].split("+")))} for p in prompts]
     path.write_text("".join(json.dumps(row) + "\n" for row in rows))
     return str(path)
+
+
+def example_stopped_by_config_error(example: str, overrides: list[str], cwd: Path) -> tuple[list[str], str]:
+    """``rlfabric train examples/<example> <overrides>`` in a fresh process on a local Ray instance, expected to stop
+    with exit 2: (its ``rlfabric: config error:`` lines, its whole stderr)."""
+    path = Path(__file__).resolve().parent.parent / "examples" / example
+    done = subprocess.run(
+        [sys.executable, "-m", "rlfabric.cli", "train", str(path), *overrides, "--run-dir", str(cwd / "run")],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=400,
+        env={**os.environ, "RAY_ADDRESS": ""},
+    )
+    assert done.returncode == 2, done.stderr[-3000:]
+    errors = [line for line in done.stderr.splitlines() if line.startswith("rlfabric: config error:")]
+    return errors, done.stderr

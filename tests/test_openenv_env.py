@@ -9,14 +9,12 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import threading
 import time
-from pathlib import Path
 
 import pytest
 import ray
-from grpo_runs import BASE, merged, run_grpo
+from grpo_runs import BASE, example_stopped_by_config_error, merged, run_grpo
 
 from rlfabric.config import ConfigError, config_from_dict
 from rlfabric.llm_driver import GRPOTrainer
@@ -214,21 +212,11 @@ def test_a_url_nothing_answers_at_is_one_line_naming_it(local_ray, tmp_path):
 def test_a_server_that_does_not_start_prints_no_actor_traceback_through_the_cli(tmp_path):
     """Through `rlfabric train` (the host's output reaches the console): the config error line, and no traceback of
     the host actor's constructor beside it."""
-    example = Path(__file__).resolve().parent.parent / "examples" / "openenv_grpo.yaml"
     command = "env.openenv.command=\"{python} -c 'import sys; sys.exit(3)'\""  # YAML-quoted: it starts with {
-    done = subprocess.run(
-        [sys.executable, "-m", "rlfabric.cli", "train", str(example), command, "--run-dir", str(tmp_path / "run")],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=400,
-        env={**os.environ, "RAY_ADDRESS": ""},
-    )
-    assert done.returncode == 2, done.stderr[-3000:]
-    errors = [line for line in done.stderr.splitlines() if line.startswith("rlfabric: config error:")]
-    assert len(errors) == 1 and "exited with 3" in errors[0], done.stderr[-3000:]
+    errors, stderr = example_stopped_by_config_error("openenv_grpo.yaml", [command], tmp_path)
+    assert len(errors) == 1 and "exited with 3" in errors[0], stderr[-3000:]
     for noise in ("Traceback", "creation task", "Fatal Python error"):
-        assert noise not in done.stderr, done.stderr[-3000:]
+        assert noise not in stderr, stderr[-3000:]
 
 
 def test_a_tool_parser_that_does_not_exist_is_one_line_naming_the_field(local_ray, tmp_path):

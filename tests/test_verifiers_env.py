@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import ray
-from grpo_runs import BASE, merged, run_grpo
+from grpo_runs import BASE, example_stopped_by_config_error, merged, run_grpo
 
 from rlfabric.config import ConfigError, config_from_dict
 from rlfabric.llm_driver import GRPOTrainer
@@ -131,24 +131,9 @@ def test_an_environment_that_does_not_load_is_one_line_through_the_cli(tmp_path)
     """`rlfabric train` on a name nothing installs: the config error names the missing module, and the host's load
     failure is no actor crash (whose process would print its creation traceback, a native stack and "Fatal Python
     error: Aborted" beside it)."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    example = Path(__file__).resolve().parent.parent / "examples" / "verifiers_env_grpo.yaml"
-    done = subprocess.run(
-        [sys.executable, "-m", "rlfabric.cli", "train", str(example), "env.verifiers.id=nosuch_env"]
-        + ["--run-dir", str(tmp_path / "run"), "--quiet"],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=400,
-        env={**os.environ, "RAY_ADDRESS": ""},
-    )
-    assert done.returncode == 2, done.stderr[-3000:]
-    errors = [line for line in done.stderr.splitlines() if line.startswith("rlfabric: config error:")]
+    overrides = ["env.verifiers.id=nosuch_env", "--quiet"]
+    errors, stderr = example_stopped_by_config_error("verifiers_env_grpo.yaml", overrides, tmp_path)
     assert len(errors) == 1 and errors[0].startswith("rlfabric: config error: env.verifiers.id = 'nosuch_env'")
     assert errors[0].endswith("(ModuleNotFoundError: No module named 'nosuch_env')"), errors
     for noise in ("Traceback", "creation task", "Fatal Python error", "SIGABRT"):
-        assert noise not in done.stderr, done.stderr[-3000:]
+        assert noise not in stderr, stderr[-3000:]
