@@ -203,6 +203,19 @@ def test_centralized_critic_sees_the_global_state_and_the_agent():
             ],
             r"multi_agent.policies.opp.rule = 'nowhere.module:rule' is not valid",
         ),
+        (  # a learning rate on a neural policy would be ignored: its learner takes ppo.lr
+            ["multi_agent.policies={main: {lr: 0.0003}}"],
+            r"multi_agent.policies.main.lr = 0.0003 is not valid: a neural policy does not use it, only llm with "
+            r"train: true does \(a neural policy learns with the ppo section's settings: ppo.lr",
+        ),
+        (
+            [
+                "multi_agent.policies={main: {}, opp: {kind: random, checkpoint: runs/old}}",
+                "multi_agent.policy_mapping={player_1: main, player_2: opp}",
+            ],
+            r"multi_agent.policies.opp.checkpoint = 'runs/old' is not valid: a random policy does not use it, "
+            r"only frozen does$",
+        ),
         (
             [
                 "multi_agent.policies={main: {}, opp: {kind: random}}",
@@ -217,9 +230,10 @@ def test_a_bad_game_config_is_one_error_before_any_actor_starts(tmp_path, overri
     from rlfabric.config import ConfigError
     from rlfabric.game_driver import GameTrainer
 
-    cfg = load_config(None, ["algo=ppo", "env.id=pettingzoo:classic.tictactoe_v3", *overrides])
-    with pytest.raises(ConfigError, match=says):
-        GameTrainer(cfg, tmp_path / "run")
+    with pytest.raises(ConfigError, match=says):  # some found as the config loads, others by the trainer
+        GameTrainer(
+            load_config(None, ["algo=ppo", "env.id=pettingzoo:classic.tictactoe_v3", *overrides]), tmp_path / "run"
+        )
     assert not (tmp_path / "run").exists()
 
 

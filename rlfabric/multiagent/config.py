@@ -3,7 +3,7 @@ critic (MAPPO or IPPO) and self-play. Validated with the rest of the config, bef
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Literal
 
 from rlfabric.config_base import require
@@ -86,6 +86,18 @@ class MultiAgentConfig:
 
 DEFAULT_POLICY = "shared"
 
+# The PolicySpec keys each kind reads (kind itself aside); a key another kind reads, set away from its default, is
+# refused: it would be ignored (a neural policy's learning rate is ppo.lr, not its lr).
+KEYS_BY_KIND = {
+    "neural": (),
+    "random": (),
+    "scripted": ("rule",),
+    "llm": ("model", "render", "temperature", "max_new_tokens", "train", "lr", "invalid_move_penalty"),
+    "frozen": ("checkpoint", "from_policy"),
+}
+TRAINED_LLM_KEYS = ("lr", "invalid_move_penalty")
+KIND_KEY_NOTES = {"neural": " (a neural policy learns with the ppo section's settings: ppo.lr, ...)"}
+
 
 def policy_specs(cfg: MultiAgentConfig) -> dict[str, PolicySpec]:
     """The policies of a game: those configured, or the one shared trainable policy."""
@@ -110,6 +122,18 @@ def trained_neural_policies(cfg: MultiAgentConfig) -> list[str]:
 def trained_llm_policies(cfg: MultiAgentConfig) -> list[str]:
     """The llm policies with ``train``, in config order: a GameLLMLearner each."""
     return [name for name, spec in policy_specs(cfg).items() if spec.kind == "llm" and spec.train]
+
+
+def unused_keys(spec: PolicySpec) -> list[str]:
+    """The keys of ``spec`` set away from their defaults that its kind never reads (``lr`` of an llm policy that
+    does not train included)."""
+    default = PolicySpec()
+    read = set(KEYS_BY_KIND[spec.kind]) - (set() if spec.kind != "llm" or spec.train else set(TRAINED_LLM_KEYS))
+    return [
+        f.name
+        for f in fields(PolicySpec)
+        if f.name != "kind" and f.name not in read and getattr(spec, f.name) != getattr(default, f.name)
+    ]
 
 
 def validate_multi_agent(cfg: MultiAgentConfig) -> None:
@@ -150,6 +174,16 @@ def validate_multi_agent(cfg: MultiAgentConfig) -> None:
             spec.checkpoint,
             "a frozen policy needs the run directory or checkpoint file to load it from",
         )
+        for key in unused_keys(spec):
+            readers = [kind for kind, keys in KEYS_BY_KIND.items() if key in keys]
+            trained = " with train: true" if key in TRAINED_LLM_KEYS else ""
+            require(
+                False,
+                f"multi_agent.policies.{name}.{key}",
+                getattr(spec, key),
+                f"a {spec.kind} policy does not use it, only {' or '.join(readers)}{trained} does"
+                + KIND_KEY_NOTES.get(spec.kind, ""),
+            )
     require(
         bool(trainable_policies(cfg)),
         "multi_agent.policies",
