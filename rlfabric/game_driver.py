@@ -35,13 +35,14 @@ from rlfabric.game_llm_servers import LLMServers
 from rlfabric.models import ActionSpec, ActorCritic
 from rlfabric.models.hf import check_model_source
 from rlfabric.models.numpy_policy import check_ppo_spaces
-from rlfabric.multiagent.baselines import scripted_rule, text_renderer
+from rlfabric.multiagent.baselines import rule_misfit, scripted_rule, text_renderer
 from rlfabric.multiagent.config import (
     policy_specs,
     trainable_policies,
     trained_llm_policies,
     trained_neural_policies,
 )
+from rlfabric.multiagent.games import is_parallel
 from rlfabric.multiagent.mapping import plan_game
 from rlfabric.multiagent.selfplay import OpponentPool
 from rlfabric.run.plots import plot_self_play
@@ -90,11 +91,13 @@ def check_game_config(cfg: Config) -> tuple[dict[str, str], dict[str, dict[str, 
     and each frozen policy's weights, read once here for every runner."""
     with env_build_errors(cfg, "building it and resetting it"):
         env = registry.make_multi_agent_env(cfg.env.id, cfg.env.kwargs)
-        reset_within(env, cfg)
+        reset = reset_within(env, cfg)
         try:
-            plan = plan_game(env, cfg.multi_agent)
-        except ValueError as exc:
-            raise ConfigError(f"env.id = {cfg.env.id!r}: {exc}") from None
+            try:
+                plan = plan_game(env, cfg.multi_agent)
+            except ValueError as exc:
+                raise ConfigError(f"env.id = {cfg.env.id!r}: {exc}") from None
+            _check_scripted_rules(cfg, plan, lambda agent: env.observe(agent) if reset is None else reset[agent])
         finally:
             env.close()
     frozen = {}
@@ -114,6 +117,36 @@ def check_game_config(cfg: Config) -> tuple[dict[str, str], dict[str, dict[str, 
             )
     _refuse_unsupported(cfg)
     return plan.mapping, frozen
+
+
+def _check_scripted_rules(cfg: Config, plan: Any, first_obs: Any) -> None:
+    """Each scripted rule a game config names (a scripted policy's, and a self-play evaluation opponent's) tried
+    on the first observation of an agent it would play, ``first_obs(agent)``: a rule written for another game is
+    one ConfigError here, not runners that fail every sample or an evaluation skipped after the whole run. A rule
+    that cannot be resolved is left to ``user_callables``, which names it."""
+    ma = cfg.multi_agent
+    plays: list[tuple[str, str, str]] = [  # (field, its value, the policy whose seats the rule plays)
+        (f"multi_agent.policies.{name}.rule", spec.rule, name)
+        for name, spec in policy_specs(ma).items()
+        if spec.kind == "scripted" and spec.rule
+    ]
+    if ma.self_play.enabled:
+        plays += [
+            ("multi_agent.eval_opponents", o, ma.self_play.policy)
+            for o in ma.eval_opponents
+            if o.startswith("scripted:")
+        ]
+    for field, value, policy in plays:
+        seats = [agent for agent, p in plan.mapping.items() if p == policy]
+        try:
+            resolved = scripted_rule(value.removeprefix("scripted:"))
+        except ValueError:
+            continue
+        if seats and (why := rule_misfit(resolved, plan.spaces[seats[0]], first_obs(seats[0]))) is not None:
+            raise ConfigError(
+                f"{field} = {value!r} is not valid for env.id = {cfg.env.id!r}: on the first observation of "
+                f"{seats[0]!r} {why}"
+            )
 
 
 def user_callables(cfg: Config) -> bytes:
@@ -418,15 +451,17 @@ def env_build_errors(cfg: Config, what: str = "building it") -> Iterator[None]:
         raise ConfigError(f"env.id = {e.id!r}: {what}{with_kwargs} failed: {raised_by_user_code(exc)}") from None
 
 
-def reset_within(env: Any, cfg: Config) -> None:
+def reset_within(env: Any, cfg: Config) -> Any:
     """``env.reset(seed=training.seed)`` under the runners' deadline (``runners.sample_timeout_s``), in a thread of
     its own: a reset that never returns is one ConfigError naming env.id, not a run that never starts (the thread is
-    left to the process's exit, and the env is not closed: closing a hung env may hang too)."""
-    outcome: dict[str, BaseException] = {}
+    left to the process's exit, and the env is not closed: closing a hung env may hang too). Returns a parallel
+    game's observations by agent; None for a turn-based (AEC) game, whose ``observe`` gives them."""
+    outcome: dict[str, Any] = {}
 
     def reset() -> None:
         try:
-            env.reset(seed=cfg.training.seed)
+            out = env.reset(seed=cfg.training.seed)
+            outcome["obs"] = out[0] if isinstance(out, tuple) else out
         except BaseException as exc:  # noqa: BLE001 - raised again in the caller's thread
             outcome["error"] = exc
 
@@ -441,6 +476,7 @@ def reset_within(env: Any, cfg: Config) -> None:
     if "error" in outcome:
         env.close()
         raise outcome["error"]
+    return outcome.get("obs") if is_parallel(env) else None
 
 
 def is_game_config(cfg: Config) -> bool:

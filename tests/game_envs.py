@@ -79,6 +79,11 @@ def first_legal(observations, masks):
     return [int(np.flatnonzero(mask)[0]) for mask in masks]
 
 
+def out_of_range(observations, masks):
+    """A scripted rule that names a move past the board (a cell index counted from 1)."""
+    return [len(mask) for mask in masks]
+
+
 class PickOne(ParallelEnv):
     """A one-move Parallel game: each of two agents picks 0, 1 or 2 and is rewarded 1 for picking 1, else 0."""
 

@@ -216,6 +216,26 @@ def test_centralized_critic_sees_the_global_state_and_the_agent():
             r"multi_agent.policies.opp.checkpoint = 'runs/old' is not valid: a random policy does not use it, "
             r"only frozen does$",
         ),
+        (  # tic-tac-toe's rule against a connect-four learner: found before the run, not at its evaluations
+            [
+                "env.id=pettingzoo:classic.connect_four_v3",
+                "multi_agent.policies={main: {}}",
+                "multi_agent.self_play.enabled=true",
+                "multi_agent.eval_opponents=[random, 'scripted:tictactoe']",
+            ],
+            r"multi_agent.eval_opponents = 'scripted:tictactoe' is not valid for env.id = "
+            r"'pettingzoo:classic.connect_four_v3': on the first observation of 'player_0' ValueError: "
+            r"tictactoe_scripted: observation of shape",
+        ),
+        (  # a rule whose move is not a legal action (a cell index of 9 on a 9-cell board)
+            [
+                "multi_agent.policies={main: {}, opp: {kind: scripted, rule: 'game_envs:out_of_range'}}",
+                "multi_agent.policy_mapping={player_1: main, player_2: opp}",
+            ],
+            r"multi_agent.policies.opp.rule = 'game_envs:out_of_range' is not valid for env.id = "
+            r"'pettingzoo:classic.tictactoe_v3': on the first observation of 'player_2' it returned 9, not one of the "
+            r"9 actions its mask allows",
+        ),
         (
             [
                 "multi_agent.policies={main: {}, opp: {kind: random}}",

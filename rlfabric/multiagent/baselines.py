@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from rlfabric import shipping
+from rlfabric.multiagent.spaces import AgentSpaces
 
 # The eight lines of three cells in action-index space (pettingzoo.classic.tictactoe.board.Board.winning_combinations).
 TICTACTOE_LINES: tuple[tuple[int, int, int], ...] = (
@@ -112,6 +113,25 @@ def scripted_rule(rule: str) -> Any:
     """A scripted policy's rule, ``rule(observations [B, D], masks [B, A] or Nones) -> B actions``: a shipped one
     by name ("tictactoe"), or ``package.module:function``."""
     return _shipped_or_imported(rule, {"tictactoe": tictactoe_scripted_batch}, "scripted rule")
+
+
+def rule_misfit(rule: Any, spaces: AgentSpaces, raw_obs: Any) -> str | None:
+    """Why ``rule`` (resolved by ``scripted_rule``) cannot play an agent with ``spaces``, tried on one of its raw
+    observations: what it raised, or the move it returned that is not one legal action; None when it can."""
+    obs, mask = spaces.encode(raw_obs)
+    try:
+        actions = np.asarray(rule(obs[None], mask[None] if mask is not None else [None]))
+    except Exception as exc:  # noqa: BLE001 - the rule's own failure, reported with its words
+        return f"{type(exc).__name__}: {exc}"
+    if actions.shape[:1] != (1,):
+        return f"it returned {actions.shape[0] if actions.ndim else 'no'} actions for 1 observation"
+    move = actions[0]
+    if spaces.action.kind == "discrete" and not (
+        np.ndim(move) == 0 and 0 <= int(move) < spaces.action.n and (mask is None or mask[int(move)])
+    ):
+        shown = int(move) if np.ndim(move) == 0 and np.issubdtype(np.asarray(move).dtype, np.integer) else move
+        return f"it returned {shown!r}, not one of the {spaces.action.n} actions its mask allows"
+    return None
 
 
 def tictactoe_text(observation: np.ndarray, mask: np.ndarray | None) -> str:
