@@ -183,3 +183,15 @@ def positive(path: str, value: float, *, allow_zero: bool = False) -> None:
     """``require`` that ``value`` is > 0 (>= 0 with ``allow_zero``)."""
     ok = value >= 0 if allow_zero else value > 0
     require(ok, path, value, "must be >= 0" if allow_zero else "must be > 0")
+
+
+def changed_keys(value: Any, default: Any, path: str) -> list[str]:
+    """The dotted paths under ``path`` where the dataclass ``value`` differs from ``default`` (nested dataclasses
+    walked, so the deepest key is named)."""
+    if not dataclasses.is_dataclass(value) or type(value) is not type(default):
+        return [path] if value != default else []
+    return [
+        key
+        for f in dataclasses.fields(value)
+        for key in changed_keys(getattr(value, f.name), getattr(default, f.name), f"{path}.{f.name}")
+    ]

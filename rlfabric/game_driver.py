@@ -29,7 +29,7 @@ from rlfabric.actors.game_llm_learner import GameLLMLearner
 from rlfabric.actors.game_runner import GameRunner
 from rlfabric.actors.learner import Learner
 from rlfabric.config import Config, ConfigError, config_from_dict
-from rlfabric.config_base import raised_by_user_code
+from rlfabric.config_base import changed_keys, raised_by_user_code
 from rlfabric.driver import SETUP_TIMEOUT_S, Trainer, ensure_ray, latest_checkpoint, next_episode_id_range
 from rlfabric.game_llm_servers import LLMServers
 from rlfabric.models import ActionSpec, ActorCritic
@@ -37,6 +37,7 @@ from rlfabric.models.hf import check_model_source
 from rlfabric.models.numpy_policy import check_ppo_spaces
 from rlfabric.multiagent.baselines import rule_misfit, scripted_rule, text_renderer
 from rlfabric.multiagent.config import (
+    MultiAgentConfig,
     policy_specs,
     trainable_policies,
     trained_llm_policies,
@@ -507,11 +508,23 @@ def check_env_builds(cfg: Config) -> None:
         raise ConfigError(f"env.id = {cfg.env.id!r}: {exc}") from None
 
 
+def refuse_multi_agent_settings(cfg: Config) -> None:
+    """A ``multi_agent`` setting on a single-agent env is one ConfigError: it would be ignored (no policies to map,
+    no self-play), and a user who wrote it expected a game."""
+    changed = changed_keys(cfg.multi_agent, MultiAgentConfig(), "multi_agent")
+    if changed:
+        raise ConfigError(
+            f"{changed[0]} is set, but env.id = {cfg.env.id!r} is a single-agent env: the multi_agent section applies "
+            "to PettingZoo games (e.g. pettingzoo:classic.tictactoe_v3); remove it"
+        )
+
+
 def ppo_trainer(cfg: Config, run_dir: str | Path, quiet: bool = False) -> Trainer:
     """The trainer for a PPO config: ``GameTrainer`` on a multi-agent env, else the single-agent ``Trainer`` (its
     env checked once the run directory is known to be free)."""
     if is_game_config(cfg):
         return GameTrainer(cfg, run_dir, quiet=quiet)
+    refuse_multi_agent_settings(cfg)
     trainer = Trainer(cfg, run_dir, quiet=quiet)
     check_env_builds(cfg)
     return trainer

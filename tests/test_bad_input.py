@@ -345,6 +345,15 @@ def test_a_ppo_env_that_cannot_be_built_is_one_line_before_ray(overrides, says, 
     assert not ray.is_initialized() and not (tmp_path / "r").exists()
 
 
+def test_multi_agent_settings_on_a_single_agent_env_are_one_line_before_ray(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)  # MAPPO's critic on CartPole was ignored: the run trained as if it were unset
+    overrides = ["multi_agent.critic=centralized", "--run-dir", "r"]
+    code, out, err = run_cli(["train", str(ROOT / "examples/cartpole_ppo.yaml"), *overrides], capsys)
+    says = "multi_agent.critic is set, but env.id = 'gym:CartPole-v1' is a single-agent env"
+    assert_one_config_error(code, out, err, says)
+    assert not ray.is_initialized() and not (tmp_path / "r").exists()
+
+
 class HangingReset(gym.Wrapper):
     def reset(self, **kwargs):
         threading.Event().wait()  # never returns
