@@ -20,7 +20,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import ray
-from ray.exceptions import ObjectLostError, RayError, RayTaskError
+from ray.exceptions import GetTimeoutError, ObjectLostError, RayError, RayTaskError
 
 MAX_CONSECUTIVE_FAILURES = 5
 
@@ -41,6 +41,14 @@ def remote_cause(exc: BaseException) -> str:
         return lines[-1].strip() if lines else type(exc).__name__
     text = " ".join(str(exc).split())
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+def evaluation_failure(exc: BaseException, timeout_s: float) -> str:
+    """Why an evaluation call on a runner failed, on one line: a deadline missed is said with the setting that
+    sets it (Ray's own text is "Get timed out: some object(s) not ready"), any other failure as ``remote_cause``."""
+    if isinstance(exc, GetTimeoutError):
+        return f"it did not finish within {timeout_s:g}s (runners.sample_timeout_s)"
+    return remote_cause(exc)
 
 
 def lost_object(exc: BaseException) -> str | None:

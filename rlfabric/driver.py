@@ -20,7 +20,7 @@ import ray
 import torch
 
 from rlfabric import registry
-from rlfabric.actor_slots import lost_object
+from rlfabric.actor_slots import evaluation_failure, lost_object
 from rlfabric.actors.env_runner import EnvRunner
 from rlfabric.actors.learner import Learner
 from rlfabric.config import Config, ConfigError, RayConfig
@@ -555,7 +555,7 @@ class Trainer:
                 0, "evaluate", t.eval_episodes, t.seed + 12345, timeout=self.cfg.runners.sample_timeout_s
             )
         except ray.exceptions.RayError as exc:
-            self.log.note(f"evaluation skipped: {exc.__class__.__name__}: {error_summary(exc)}")
+            self.log.note(f"evaluation skipped: {evaluation_failure(exc, self.cfg.runners.sample_timeout_s)}")
             return []
 
     def close(self) -> None:

@@ -25,6 +25,7 @@ import ray
 import torch
 
 from rlfabric import registry, shipping
+from rlfabric.actor_slots import evaluation_failure
 from rlfabric.actors.game_llm_learner import GameLLMLearner
 from rlfabric.actors.game_runner import GameRunner
 from rlfabric.actors.learner import Learner
@@ -47,7 +48,7 @@ from rlfabric.multiagent.games import is_parallel
 from rlfabric.multiagent.mapping import plan_game
 from rlfabric.multiagent.selfplay import OpponentPool
 from rlfabric.run.plots import plot_self_play
-from rlfabric.runner_pool import Completed, error_summary
+from rlfabric.runner_pool import Completed
 
 
 def frozen_weights(checkpoint: str, from_policy: str | None, field: str) -> dict[str, Any]:
@@ -410,7 +411,8 @@ class GameTrainer(Trainer):
                     timeout=self.cfg.runners.sample_timeout_s,
                 )
             except ray.exceptions.RayError as exc:
-                self.log.note(f"evaluation against {opponent} skipped: {error_summary(exc)}")
+                why = evaluation_failure(exc, self.cfg.runners.sample_timeout_s)
+                self.log.note(f"evaluation against {opponent} skipped: {why}")
                 continue
             out[f"win_rate_vs_{name}"] = result["wins"] / max(result["games"], 1)
             out[f"draw_rate_vs_{name}"] = result["draws"] / max(result["games"], 1)

@@ -161,6 +161,40 @@ def test_stale_fragments_are_dropped_and_counted(local_ray, tmp_path):
     assert np.abs(learner["obs_stats"]["mean"]).max() < 5, learner["obs_stats"]["mean"]
 
 
+class HangsInEvaluation(gym.Wrapper):
+    """CartPole whose reset hangs on the final evaluation's seed (training.seed + 12345) alone."""
+
+    def __init__(self):
+        super().__init__(gym.make("CartPole-v1"))
+
+    def reset(self, **kwargs):
+        if kwargs.get("seed") == 12345:
+            threading.Event().wait()
+        return self.env.reset(**kwargs)
+
+
+def test_a_hung_evaluation_is_skipped_naming_its_deadline(local_ray, tmp_path, capsys):
+    rlfabric.register_env("hangs-in-evaluation", HangsInEvaluation)
+    cfg = config_from_dict(
+        {
+            "env": {"id": "hangs-in-evaluation"},
+            "runners": {"sample_timeout_s": 4},
+            "training": {"total_env_steps": 512, "eval_episodes": 2, "seed": 0},
+        }
+    )
+    trainer = Trainer(cfg, tmp_path / "run", quiet=False)
+    try:
+        summary = trainer.train()
+    finally:
+        trainer.close()
+    assert summary["env_steps"] == 512  # the run itself is kept; only its evaluation is missing
+    # Ray's own words were "Get timed out: some object(s) not ready"
+    assert (
+        "rlfabric: evaluation skipped: it did not finish within 4s (runners.sample_timeout_s)"
+        in capsys.readouterr().err
+    )
+
+
 def test_resume_continues_at_the_same_step_and_statistics(local_ray, tmp_path):
     """A run interrupted from the CLI resumes from its checkpoint with the same env step and normalizer stats."""
     run_dir = tmp_path / "run"
