@@ -341,7 +341,7 @@ def build_parser() -> argparse.ArgumentParser:
     check = envs.add_parser(
         "check",
         help="run Gymnasium's env checker on an env spec, PettingZoo's API tests on a multi-agent one (and say what "
-        "rlfabric does with its spaces), or one turn of a text env on --task",
+        "rlfabric does with its spaces), or one turn of a text env on --task with --action",
     )
     check.add_argument(
         "name",
@@ -353,6 +353,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--cycles", type=int, default=100, help="PettingZoo envs: cycles each API test plays (default 100)"
     )
     check.add_argument("--task", help="text envs: the JSON task row to reset on (default {})")
+    check.add_argument("--action", default="", help="text envs: the text of the one step sent (default: empty)")
     check.add_argument("--import", dest="import_modules", action="append", help=IMPORT_HELP)
     check.set_defaults(func=cmd_envs_check)
 

@@ -323,14 +323,16 @@ def _json_object(option: str, text: str | None, example: str) -> dict[str, Any]:
 
 
 def _check_text_env(args: argparse.Namespace, env: Any) -> int:
-    """``envs check`` on a text env: one turn on ``--task``."""
+    """``envs check`` on a text env: one turn on ``--task``, sending ``--action``."""
     from rlfabric.text_env import check_text_env
 
     task = _json_object("--task", args.task, '{"secret": 3}')
     try:
-        report = check_text_env(env, task)
+        report = check_text_env(env, task, args.action)
     except Exception as exc:  # the env's own error, or the contract check's, is the report
-        print(f"FAIL {args.name} (text env): {exc.__class__.__name__}: {exc}")
+        # an env whose reset reads its task row fails on the default {}: say how to give it one
+        hint = "" if args.task else " (reset got the task {}: give it one of its task rows with --task '{...}')"
+        print(f"FAIL {args.name} (text env): {exc.__class__.__name__}: {exc}{hint}")
         return 1
     print(f"OK {args.name} (text env): {report}")
     return 0

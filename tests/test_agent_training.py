@@ -94,6 +94,15 @@ def test_envs_check_plays_one_turn_of_a_text_env(capsys):
     assert main(["envs", "check", "rlfabric/GuessNumber-v0", "--task", '{"secret": 3, "high": 5}']) == 0
     out = capsys.readouterr().out
     assert out.startswith("OK rlfabric/GuessNumber-v0 (text env): reset -> 'Guess my number, 1 to 5.'; step('')")
+    assert (
+        main(["envs", "check", "rlfabric/GuessNumber-v0", "--task", '{"secret": 3, "high": 5}', "--action", "4"]) == 0
+    )
+    assert "step('4') -> 'lower'" in capsys.readouterr().out  # the action reached the env (secret 3)
+    assert main(["envs", "check", "rlfabric/GuessNumber-v0"]) == 1  # its reset reads the task's secret
+    assert capsys.readouterr().out == (
+        "FAIL rlfabric/GuessNumber-v0 (text env): KeyError: 'secret' (reset got the task {}: give it one of its task "
+        "rows with --task '{...}')\n"
+    )
     register_env("broken-board", Broken)
     assert main(["envs", "check", "broken-board", "--task", "{}"]) == 1
     assert capsys.readouterr().out == "FAIL broken-board (text env): RuntimeError: no board\n"
