@@ -224,7 +224,7 @@ class LLMLearnerCore:
         norm = self._step(self.sft_cfg["lr"], self.g["max_grad_norm"])
         self.version += 1
         total = float(self._all_reduce_sum(torch.tensor(loss_sum)))
-        return {"sft_loss": total, "grad_norm": norm}
+        return {"sft_loss": total, "grad_norm": norm, "tokens": total_tokens}
 
     def logprobs(self, batch: dict[str, np.ndarray], model: Any = None) -> np.ndarray:
         """Response-token logprobs of this rank's slice under ``model`` (default: the current weights)."""

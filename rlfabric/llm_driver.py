@@ -295,9 +295,21 @@ class GRPOTrainer(GRPOSetup):
         if s.steps == 0:
             return
 
+        started = [time.perf_counter()]  # when the step being finished began (its batch was sent)
+
         def finish(step: int, pending: list[Any]) -> None:
             metrics = self._from_learners(pending, "an SFT step")
-            row = {"phase": "sft", "sft_step": step, "sft_loss": float(np.mean([m["sft_loss"] for m in metrics]))}
+            now = time.perf_counter()
+            row = {
+                "phase": "sft",
+                "sft_step": step,
+                "sft_loss": float(np.mean([m["sft_loss"] for m in metrics])),
+                "sft_grad_norm": float(metrics[0]["grad_norm"]),  # every rank's (all-reduced) gradient
+                "sft_tokens": int(metrics[0]["tokens"]),  # the response tokens the loss averages over
+                "sft_lr": s.lr,
+                "sft_step_time_s": now - started[0],
+            }
+            started[0] = now
             self._log(row, show=step % 20 == 0 or step == s.steps)
 
         assert self.log is not None

@@ -31,6 +31,7 @@ import numpy as np
 import pytest
 import ray
 import torch
+import yaml
 from grpo_runs import BASE, TINY, Run, merged, run_grpo, write_prompts
 
 from rlfabric.actors.generator import Generator
@@ -617,6 +618,9 @@ def test_metrics_plot_and_samples(lagged_run):
     assert rows[first_eval]["label"] == "initial" and 0 <= rows[first_eval]["eval_accuracy"] <= 1
     assert [r["label"] for r in lagged_run.phase("eval")] == ["initial", "after_sft", "final"]
     assert [r["sft_step"] for r in lagged_run.phase("sft")] == list(range(1, LAGGED_SFT_STEPS + 1))
+    for r in lagged_run.phase("sft"):  # beside the loss: the gradient, the tokens it averages over, lr, time
+        assert r["sft_grad_norm"] > 0 and r["sft_tokens"] >= 1 and r["sft_step_time_s"] > 0
+        assert r["sft_lr"] == yaml.safe_load((lagged_run.run_dir / "config.yaml").read_text())["sft"]["lr"]
     for key in ("eval_accuracy_initial", "eval_accuracy_after_sft", "eval_accuracy_final"):
         assert 0 <= s[key] <= 1
     assert s["eval_accuracy_final"] == lagged_run.phase("eval")[-1]["eval_accuracy"]
