@@ -73,6 +73,23 @@ def _failure(exc: BaseException) -> str:
     return f"{text} ({type(cause).__name__}: {cause})" if cause is not None else text
 
 
+def _not_a_model_error(record: logging.LogRecord) -> bool:
+    """False for the library's "Aborted rollout due to EmptyModelResponseError" line: an empty reply is the
+    model's doing, scored like any reply, and was one ERROR line per episode in the run's output."""
+    text = record.getMessage()
+    return not (text.startswith("Aborted rollout due to") and any(kind in text for kind in MODEL_ERRORS))
+
+
+def quiet_model_errors() -> None:
+    """Add ``_not_a_model_error`` to every logger of the library built so far (the environment's own is made when
+    it loads): a logger's filter sees the records it makes, which its parents' filters do not."""
+    names = [n for n in logging.root.manager.loggerDict if n == "verifiers" or n.startswith("verifiers.")]
+    for name in names:
+        logger = logging.getLogger(name)
+        if _not_a_model_error not in logger.filters:
+            logger.addFilter(_not_a_model_error)
+
+
 def _plain(value: Any) -> Any:
     """A dataset value as plain JSON data (rows travel to the driver and back into the rollout)."""
     return json.loads(json.dumps(value, default=str))
@@ -96,6 +113,7 @@ class VerifiersHost:
             self.load_error = _failure(exc)
             return
         logging.getLogger("verifiers").setLevel(logging.ERROR)  # each aborted rollout is reported to the run anyway
+        quiet_model_errors()
         # One event loop runs every rollout (as the library's own generate does), on a thread of its own; their
         # clients share one connection pool, whose TLS context is made once (a new one costs ~20 ms).
         self.loop = asyncio.new_event_loop()

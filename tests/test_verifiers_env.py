@@ -5,6 +5,8 @@ reward components, and what cannot work stops with one line."""
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import ray
 from grpo_runs import BASE, example_stopped_by_config_error, merged, run_grpo
@@ -125,6 +127,17 @@ def test_the_accuracy_function_is_the_one_named_or_the_first_weighted():
     assert accuracy_function(weights, "digits_only") == "digits_only"
     with pytest.raises(ConfigError, match="env.verifiers.accuracy = 'right' is not valid: the rubric's functions"):
         accuracy_function(weights, "right")
+
+
+def test_the_librarys_line_for_each_empty_reply_is_dropped_and_its_other_errors_kept(caplog):
+    from rlfabric.actors.verifiers_host import quiet_model_errors
+
+    env_logger = logging.getLogger("verifiers.envs.SingleTurnEnv")  # as the library names an environment's logger
+    quiet_model_errors()
+    with caplog.at_level(logging.ERROR, logger="verifiers"):
+        env_logger.error("Aborted rollout due to EmptyModelResponseError: Model returned empty response")
+        env_logger.error("Aborted rollout due to ToolError: the tool failed")
+    assert [r.getMessage() for r in caplog.records] == ["Aborted rollout due to ToolError: the tool failed"]
 
 
 def test_an_environment_that_does_not_load_is_one_line_through_the_cli(tmp_path):
