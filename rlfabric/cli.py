@@ -76,10 +76,15 @@ def _print_llm_summary(summary: dict) -> None:
     print("\n== rlfabric run summary ==")
     print(f"  {'task':<26} {summary['task']}")
     print(f"  {'GRPO steps':<26} {summary['steps']}")
-    print(f"  {'held-out accuracy':<26} before {pct(summary['eval_accuracy_initial'])}", end="")
+
+    def unscored(label: str) -> str:  # samples a reward failed: not counted as wrong, said beside the accuracy
+        count = summary.get(f"eval_failed_{label}")
+        return f" ({count} unscored)" if count else ""
+
+    print(f"  {'held-out accuracy':<26} before {pct(summary['eval_accuracy_initial'])}{unscored('initial')}", end="")
     if summary.get("eval_accuracy_after_sft") is not None:
-        print(f" | after SFT {pct(summary['eval_accuracy_after_sft'])}", end="")
-    print(f" | after GRPO {pct(summary['eval_accuracy_final'])}")
+        print(f" | after SFT {pct(summary['eval_accuracy_after_sft'])}{unscored('after_sft')}", end="")
+    print(f" | after GRPO {pct(summary['eval_accuracy_final'])}{unscored('final')}")
     print(f"  {'time':<26} {summary['time_total_s']:.0f}s ({summary['samples_per_s']:.1f} samples/s)")
     print(f"  {'failed / stale samples':<26} {summary['failed_samples']} / {summary['stale_samples']}")
     print(f"  {'final model (HF format)':<26} {summary['final_model']}")

@@ -69,15 +69,18 @@ def step_row(
 
 
 def eval_row(meta: Mapping[str, Any], label: str) -> dict[str, Any]:
-    """An evaluation's row from its rollout's metadata: accuracy = correct / samples; the mean reward is over the
-    samples the rewards scored (None when none was)."""
+    """An evaluation's row from its rollout's metadata: accuracy = correct / scored and the mean reward = reward /
+    scored, over the samples the rewards scored (scored = samples - failed; both None when none was). A sample some
+    reward failed is not a wrong answer: it is counted apart, as ``eval_failed`` of ``eval_samples``."""
     n, failed = meta["samples"], meta.get("failed", meta["samples"])
+    scored = n - failed
     return {
         "phase": "eval",
         "label": label,
-        "eval_accuracy": meta.get("correct_sum", 0.0) / max(n, 1),
-        "eval_reward_mean": meta["reward_sum"] / (n - failed) if n > failed else None,
+        "eval_accuracy": meta.get("correct_sum", 0.0) / scored if scored > 0 else None,
+        "eval_reward_mean": meta["reward_sum"] / scored if scored > 0 else None,
         "eval_failed": failed,
+        "eval_samples": n,
     }
 
 
@@ -88,9 +91,11 @@ def run_summary(
     evals: Mapping[str, float | None],
     elapsed_s: float,
     extra: Mapping[str, Any],
+    eval_failed: Mapping[str, int] | None = None,
 ) -> dict[str, Any]:
     """The run's summary (summary.json and the printed table): its counters, the held-out accuracy ``evals``
-    (initial, after_sft, final) and rate = samples / elapsed seconds, then ``extra`` (paths, transports)."""
+    (initial, after_sft, final) with ``eval_failed`` (by label: the samples the rewards failed, where any did)
+    and rate = samples / elapsed seconds, then ``extra`` (paths, transports)."""
     c = counters
     return {
         "algo": "grpo",
@@ -99,6 +104,7 @@ def run_summary(
         "policy_version": version,
         "samples": c.samples,
         **{f"eval_accuracy_{label}": value for label, value in evals.items()},
+        **{f"eval_failed_{label}": count for label, count in (eval_failed or {}).items() if count},
         "time_total_s": elapsed_s,
         "samples_per_s": c.samples / max(elapsed_s, 1e-9),
         **{key: getattr(c, key) for key in SUMMARY_COUNTERS},

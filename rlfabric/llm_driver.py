@@ -568,7 +568,8 @@ class GRPOTrainer(GRPOSetup):
         ray.get(self.learners[0].save.remote(str(model_path), False))  # the model only: optimizers live in checkpoints
         shown = self._write_samples()
         rows = read_metrics(self.run_dir)
-        after_sft = next((r["eval_accuracy"] for r in rows if r.get("label") == "after_sft"), None)
+        after_sft_row = next((r for r in rows if r.get("label") == "after_sft"), {})
+        after_sft = after_sft_row.get("eval_accuracy")
         plot = plot_llm_curves(self.run_dir, f"GRPO on {self.cfg.data.train}")
         extra = {
             "tool_server_restarts": None,  # the run has no tool servers
@@ -579,8 +580,10 @@ class GRPOTrainer(GRPOSetup):
             "sample_completions": shown,
         }
         evals = {"initial": initial["eval_accuracy"], "after_sft": after_sft, "final": final["eval_accuracy"]}
+        by_label = {"initial": initial, "after_sft": after_sft_row, "final": final}
+        failed = {label: int(row.get("eval_failed") or 0) for label, row in by_label.items()}
         elapsed = time.monotonic() - self._start
-        summary = run_summary(self.cfg.data.train, self.counters, self.version, evals, elapsed, extra)
+        summary = run_summary(self.cfg.data.train, self.counters, self.version, evals, elapsed, extra, failed)
         write_summary(self.run_dir, {k: v for k, v in summary.items() if k != "sample_completions"})
         return summary
 

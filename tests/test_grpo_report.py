@@ -7,6 +7,7 @@ import pytest
 
 from rlfabric.grpo_report import eval_row, run_summary, step_row
 from rlfabric.llm_run_state import Counters
+from rlfabric.run.progress import grpo_progress_line as progress_line
 
 
 def rollout(rows: int, means: list[float], correct: float, length: float) -> dict:
@@ -34,16 +35,25 @@ def test_a_step_row_weights_rewards_by_rows_and_counts_the_lag_of_trained_sample
     assert row["failed_samples"] == 2 and row["tokens_generated"] == 90
 
 
-def test_an_eval_row_is_accuracy_over_samples_and_reward_over_the_scored_ones():
+def test_an_eval_row_is_accuracy_and_reward_over_the_scored_samples_with_the_unscored_apart():
+    # 2 of 10 samples failed a reward (a flaky scorer, a timeout): they are not wrong answers, 4 of the 8 were right
     row = eval_row({"samples": 10, "failed": 2, "correct_sum": 4.0, "reward_sum": 6.0}, "step_25")
     assert row == {
         "phase": "eval",
         "label": "step_25",
-        "eval_accuracy": 0.4,
+        "eval_accuracy": 0.5,
         "eval_reward_mean": 0.75,
         "eval_failed": 2,
+        "eval_samples": 10,
     }
-    assert eval_row({"samples": 3, "failed": 3, "reward_sum": 0.0}, "final")["eval_reward_mean"] is None
+    assert progress_line({**row, "step": 25, "time_s": 12.0}) == (
+        "eval step    25 | held-out accuracy 0.500 (2 of 10 unscored) |     12s"
+    )
+    nothing = eval_row({"samples": 3, "failed": 3, "reward_sum": 0.0}, "final")
+    assert nothing["eval_accuracy"] is None and nothing["eval_reward_mean"] is None
+    assert progress_line({**nothing, "step": 50, "time_s": 3.0}) == (
+        "eval step    50 | held-out accuracy n/a (3 of 3 unscored) |      3s"
+    )
 
 
 def test_a_summary_reports_counters_evaluations_and_the_sample_rate():
@@ -52,3 +62,6 @@ def test_a_summary_reports_counters_evaluations_and_the_sample_rate():
     assert summary["steps"] == 7 and summary["policy_version"] == 1007 and summary["samples_per_s"] == 112.0
     assert summary["eval_accuracy_final"] == 0.5 and summary["resampled_samples"] == 3
     assert summary["trained_samples"] == 440 and summary["final_model"] == "m"
+    assert not any(key.startswith("eval_failed_") for key in summary)  # said only where a reward failed
+    failed = run_summary("t", counters, 1, {"initial": 0.5, "final": 0.5}, 4.0, {}, {"initial": 0, "final": 3})
+    assert failed["eval_failed_final"] == 3 and "eval_failed_initial" not in failed

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -95,7 +96,7 @@ def plot_llm_curves(run_dir: Path, title: str) -> Path | None:
     if evals:
         ax.plot(
             [r["step"] for r in evals],
-            [r["eval_accuracy"] for r in evals],
+            [math.nan if r["eval_accuracy"] is None else r["eval_accuracy"] for r in evals],  # none scored: a gap
             "o-",
             color="tab:green",
             lw=2,

@@ -57,6 +57,12 @@ def phase_progress(cfg: Any, row: dict[str, Any]) -> tuple[int, int]:
     return int(getattr(getattr(cfg, section), total)), int(row.get(counter, 0))
 
 
+def unscored_note(row: dict[str, Any]) -> str:
+    """ " (F of N unscored)" for an evaluation row whose rewards failed on F of its N samples; "" when none did."""
+    failed = row.get("eval_failed") or 0
+    return f" ({failed} of {row.get('eval_samples', '?')} unscored)" if failed else ""
+
+
 def grpo_progress_line(row: dict[str, Any], total: int | None = None, eta_s: float | None = None) -> str:
     """The terminal line for a metrics row: ``total`` steps of its phase, and the time left when known."""
     of = f"/{total}" if total else ""
@@ -74,7 +80,8 @@ def grpo_progress_line(row: dict[str, Any], total: int | None = None, eta_s: flo
         return f"sft  {row['sft_step']:>5}{of} | loss {row['sft_loss']:.3f} | {row['time_s']:6.0f}s{eta}"
     if row.get("phase") == "eval":
         when = EVAL_LABELS.get(row.get("label"), f"step {row['step']:>5}")
-        return f"eval {when} | held-out accuracy {row['eval_accuracy']:.3f} | {row['time_s']:6.0f}s"
+        accuracy = "n/a" if row["eval_accuracy"] is None else f"{row['eval_accuracy']:.3f}"
+        return f"eval {when} | held-out accuracy {accuracy}{unscored_note(row)} | {row['time_s']:6.0f}s"
     accuracy = row.get("accuracy")
     lr = f" | lr {row['lr']:.1e}" if row.get("lr") is not None else ""  # the schedule's rate this step
     return (
