@@ -101,8 +101,11 @@ class _GroupRun:
             out = fn(stepped if process else self.group)
             if not isinstance(out, list) or len(out) != n:
                 got = f"{len(out)} results" if isinstance(out, list) else f"a {type(out).__name__}"
-                expected = "lists of per-step dicts" if process else "dicts"
-                raise GroupFailed(f"{name}: returned {got} for a group of {n}; expected a list of {expected}")
+                expected = "list of per-step dicts" if process else "dict"
+                raise GroupFailed(
+                    f"{name}: returned {got} for a group of {n} completions; expected a list of {n}, one {expected} "
+                    "per completion"
+                )
             for i, result in enumerate(out):
                 if isinstance(result, Unscored):
                     unscored[i] = unscored[i] or f"{name}: {result.error}"

@@ -9,6 +9,7 @@ its refill rounds. A record lost with its node before the learners read it is co
 
 from __future__ import annotations
 
+import re
 import time
 from collections import deque
 from collections.abc import Callable
@@ -29,6 +30,22 @@ REWARD_GRACE_S = 30.0  # the reward pool's slack per call, for starting a replac
 # Tries of one rollout before its samples count as failed: a replaced actor's retry may meet another fault,
 # while an actor slot that keeps failing stops the run (ActorSlots' limit) long before a rollout loops.
 ROLLOUT_ATTEMPTS = 3
+
+
+_EXCEPTION_NAME = re.compile(r"[A-Z]\w*(Error|Exception|Timeout|Interrupt)")
+_QUOTED_OR_NUMBER = re.compile(r"'[^']*'|\"[^\"]*\"|\d+(\.\d+)?")
+
+
+def error_kind(error: str) -> str:
+    """What one failed sample's error is an instance of: ``function: ExceptionType`` for a function that raised
+    (``"doubled: ValueError: cannot parse 'xy'"``), else the text with its quoted values and numbers blanked
+    (``"judge: no verdict that parses after … tries; it wrote …"``), so errors that differ only in the sample they
+    quote are one kind."""
+    function, _, rest = error.partition(": ")
+    exception = rest.partition(": ")[0]
+    if rest and _EXCEPTION_NAME.fullmatch(exception):
+        return f"{function}: {exception}"
+    return _QUOTED_OR_NUMBER.sub("…", error)
 
 
 @dataclass
@@ -197,9 +214,11 @@ class RolloutScheduler:
         return {"samples": lost, "rows": 0, "failed": lost, "tokens": 0}, None
 
     def note_reward_error(self, error: str) -> None:
-        """The first error of each kind, as it happens (later ones of that kind are counted, not printed)."""
-        if error not in self.errors_seen:
-            self.errors_seen.add(error)
+        """The first error of each kind (``error_kind``), as it happens (later ones of that kind are counted, not
+        printed)."""
+        kind = error_kind(error)
+        if kind not in self.errors_seen:
+            self.errors_seen.add(kind)
             what = "episode" if plays_episodes(self.cfg) else "reward"  # what failed the sample
             self._note(f"{what} failed: {error} (the first of its kind: later ones are counted, not printed)")
 

@@ -24,6 +24,7 @@ from rlfabric.config import ConfigError, config_from_dict
 from rlfabric.llm_driver import GRPOTrainer
 from rlfabric.registry import register_env
 from rlfabric.rewards import RewardInput, register_reward
+from rlfabric.rollout_scheduler import error_kind
 from rlfabric.run.log import read_metrics
 
 HANGING_PROMPT = "4+4="
@@ -347,3 +348,23 @@ def test_actors_the_cluster_cannot_place_are_refused_before_they_start(local_ray
         assert trainer.learners == []  # refused before any learner started
     finally:
         trainer.close()
+
+
+@pytest.mark.parametrize(
+    ("first", "second", "kind"),
+    [  # errors that differ only in the sample they quote are one kind: the run prints the first, counts the rest
+        (
+            "doubled: ValueError: cannot parse completion '12x'",
+            "doubled: ValueError: cannot parse completion 'ab'",
+            "doubled: ValueError",
+        ),
+        (
+            "judge: no verdict that parses after 3 tries; it wrote 'er=4)er0'",
+            "judge: no verdict that parses after 3 tries; it wrote 'zz'",
+            "judge: no verdict that parses after … tries; it wrote …",
+        ),
+    ],
+)
+def test_reward_errors_of_one_kind_are_one_kind_whatever_sample_they_quote(first, second, kind):
+    assert error_kind(first) == error_kind(second) == kind
+    assert error_kind("doubled: TypeError: bad operand") != error_kind(first)  # another exception: another kind

@@ -215,7 +215,9 @@ def test_malformed_results_and_component_clashes_fail_the_group_in_process():
     register_reward("short_by_one", short_by_one)
     service = RewardServiceCore(["short_by_one"], group_timeout_s=5.0)
     results = service.score([group("a", 3)])
-    assert results[0][0].error == "short_by_one: returned 2 results for a group of 3; expected a list of dicts"
+    assert results[0][0].error == (
+        "short_by_one: returned 2 results for a group of 3 completions; expected a list of 3, one dict per completion"
+    )
     assert not service.poisoned
     # a component the function does not declare fails the group: a declaration cannot drift from the code
     register_reward("declares_too_little", gives("ok")(lambda inputs: tagged(inputs)))  # tagged also gives pid
