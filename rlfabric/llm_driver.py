@@ -393,7 +393,7 @@ class GRPOTrainer(GRPOSetup):
 
     def _step_row(self, step: StepBatch, metrics: dict, started: float) -> dict:
         row = step_row(step.scored, step.groups, self.counters, self.version, time.monotonic() - started)
-        return {**row, **self._restarts(), **self._step_timings, **metrics}
+        return {**row, "flat_groups": step.flat_groups, **self._restarts(), **self._step_timings, **metrics}
 
     def _restarts(self) -> dict[str, int | None]:
         """The restarts the run's supervised actors have counted (a likelihood scorer, tool servers, an OpenEnv

@@ -30,6 +30,8 @@ REWARD_GRACE_S = 30.0  # the reward pool's slack per call, for starting a replac
 # Tries of one rollout before its samples count as failed: a replaced actor's retry may meet another fault,
 # while an actor slot that keeps failing stops the run (ActorSlots' limit) long before a rollout loops.
 ROLLOUT_ATTEMPTS = 3
+# Steps in a row whose every trained group had equal rewards before the run says its policy gradient is zero.
+FLAT_STEPS_NOTED = 3
 
 
 _EXCEPTION_NAME = re.compile(r"[A-Z]\w*(Error|Exception|Timeout|Interrupt)")
@@ -71,6 +73,7 @@ class StepBatch:
     # the request and metadata of each record in refs: a record lost with its node is asked for again
     sources: list[tuple[RolloutRequest, dict[str, Any]]] = field(default_factory=list)
     recollected: int = 0  # records of this step collected again
+    flat_groups: int = 0  # chosen groups whose samples all got the same reward: zero advantage, no policy gradient
 
 
 class RolloutScheduler:
@@ -104,6 +107,7 @@ class RolloutScheduler:
         self.group_counter = 0  # the next group id
         self.in_flight: deque[Pending] = deque()  # rollouts generating ahead (max_policy_lag > 0)
         self.errors_seen: set[str] = set()  # reward errors already printed (the first of each kind is)
+        self.flat_steps = 0  # steps in a row whose every chosen group had equal rewards
 
     def attach(self, generators: ActorSlots, workers: ActorSlots) -> None:
         self.generators, self.workers = generators, workers
@@ -239,7 +243,7 @@ class RolloutScheduler:
         if stats is None or not len(stats):
             return
         step.scored.append(meta)
-        chosen = []
+        chosen, flat = [], 0
         for gid, _mean, signal, rows, oldest in stats:
             if rows == 0:
                 continue
@@ -250,9 +254,11 @@ class RolloutScheduler:
                 c.filtered_groups += 1
                 continue
             chosen.append((int(gid), int(rows), int(oldest)))
+            flat += not signal
         if chosen and ref is not None:
             step.refs.append(ref)
             step.groups += chosen
+            step.flat_groups += flat
             step.sources.append((request, meta))
 
     def gather_batch(self) -> StepBatch:
@@ -266,7 +272,21 @@ class RolloutScheduler:
             if missing <= 0:
                 break
             self._take(self.submit(missing), step)
+        self._note_flat(step)
         return step
+
+    def _note_flat(self, step: StepBatch) -> None:
+        """Say once when ``FLAT_STEPS_NOTED`` steps in a row trained only groups whose rewards were all equal: GRPO's
+        advantages (r - mean) are then 0, so the policy does not move (a reward that gives every completion the
+        same value, or a task every completion fails alike)."""
+        all_flat = bool(step.groups) and step.flat_groups == len(step.groups)
+        self.flat_steps = self.flat_steps + 1 if all_flat else 0
+        if self.flat_steps == FLAT_STEPS_NOTED:
+            self._note(
+                f"no reward spread in {FLAT_STEPS_NOTED} steps in a row: every group's completions got equal rewards, "
+                "so their advantages are 0 and the policy gradient is zero (check that the reward tells completions "
+                "apart; grpo.dynamic_sampling: true samples other prompts instead)"
+            )
 
     def _take(self, pending: Pending, step: StepBatch) -> None:
         """Receive a rollout into ``step``, which trains on ``grpo.prompts_per_step`` groups at most."""

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import ray
-from grpo_runs import BASE, TINY, merged, write_prompts
+from grpo_runs import BASE, TINY, merged, run_grpo, write_prompts
 
 from rlfabric.agents import register_agent
 from rlfabric.config import ConfigError, config_from_dict
@@ -37,6 +37,13 @@ def hangs_on_one_prompt(inputs: list[RewardInput]) -> list[dict[str, float]]:
 
 
 register_reward("test_faults_hangs", hangs_on_one_prompt)
+
+
+def same_for_everyone(inputs: list[RewardInput]) -> list[dict[str, float]]:
+    return [{"constant": 0.5} for _ in inputs]
+
+
+register_reward("test_faults_constant", same_for_everyone)
 
 
 def train_in_process(cfg, run_dir: Path, during=None) -> tuple[dict, list[dict]]:
@@ -253,6 +260,20 @@ def test_a_reward_that_hangs_on_every_call_is_survived(local_ray, tmp_path):
     group = cfg.grpo.group_size
     assert [r["trained_samples"] for r in steps] == [7 * group] * 6  # all but the hanging group, every step
     assert summary["failed_samples"] == 6 * group
+
+
+def test_a_reward_that_tells_no_completion_apart_is_said_to_give_no_gradient(local_ray, tmp_path):
+    """Every completion of a group gets the same reward: every advantage is 0 and the policy cannot move. The run
+    said nothing (trained_samples counted every sample); after three such steps in a row it says why, once."""
+    rewards = {"functions": [{"name": "test_faults_constant"}], "weights": {"constant": 1.0}}
+    run = run_grpo(tmp_path / "run", quiet=False, rewards=rewards, training={"total_steps": 4})
+    assert [r["flat_groups"] for r in run.phase("grpo")] == [2, 2, 2, 2]  # both groups of every step
+    notes = [line for line in run.console.splitlines() if "no reward spread" in line]
+    assert notes == [
+        "rlfabric: no reward spread in 3 steps in a row: every group's completions got equal rewards, so their "
+        "advantages are 0 and the policy gradient is zero (check that the reward tells completions apart; "
+        "grpo.dynamic_sampling: true samples other prompts instead)"
+    ]
 
 
 ALWAYS_RAISES = """
