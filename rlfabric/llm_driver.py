@@ -62,7 +62,12 @@ from rlfabric.models.packed_batch import pad_rows_for_learners
 from rlfabric.objectives import LR_SCHEDULES
 from rlfabric.placement import RoleGroups
 from rlfabric.reward_model_stage import point_at_run_reward_model
-from rlfabric.reward_names import misspelling_note, names_by_field, unknown_components
+from rlfabric.reward_names import (
+    check_references_declared,
+    misspelling_note,
+    names_by_field,
+    unknown_components,
+)
 from rlfabric.rollout_scheduler import RolloutScheduler, StepBatch
 from rlfabric.run.checkpoints import CHECKPOINT_DIR
 from rlfabric.run.interrupts import stop_requests
@@ -99,7 +104,7 @@ class GRPOTrainer(GRPOSetup):
             for i, spec in enumerate(cfg.rewards.functions)
             if i not in self.trained_reward_specs  # checked once the run has trained its reward model
         }
-        rewards.components_of(functions)  # two functions declaring one component: one line now, not every group
+        declared = rewards.components_of(functions)  # two functions giving one component: one line now
         if resume_from is not None and cfg.rewards.weights == saved_reward_weights(self.run_dir):
             cfg.rewards.weights = weights_saved_before_declarations(
                 cfg.rewards.weights,
@@ -109,6 +114,9 @@ class GRPOTrainer(GRPOSetup):
         # those an env adds, left out), checked against those the rewards give: at the first scored step for
         # misspellings, at the end for names never given
         self._component_references = cfg.rewards.component_references()
+        if declared is not None and not self.trained_reward_specs and not plays_episodes(cfg):  # nothing else gives
+            named = [(f, n) for f, n in self._component_references if f != "rewards.efficiency.counts"]  # env counts
+            check_references_declared(named, declared)
         cfg.rewards.weights = rewards.weights_with_defaults(cfg.rewards.weights, functions)
         shadow = [dataclasses.asdict(spec) for spec in cfg.rewards.shadow.functions]
         rewards.components_of(rewards.resolve_rewards(shadow, "rewards.shadow.functions"))  # one pool, as above

@@ -9,7 +9,9 @@ a misspelt ``efficiency.success`` never marks a success. Pure functions: the dri
 from __future__ import annotations
 
 import difflib
-from collections.abc import Callable
+from collections.abc import Callable, Collection
+
+from rlfabric.config_base import ConfigError
 
 # How close a name must be to a given component to be taken for its misspelling (difflib's ratio 2M / T).
 MISSPELLING_RATIO = 0.8
@@ -44,3 +46,19 @@ def misspelling_note(references: list[tuple[str, str]], given: set[str]) -> str 
         return None
     described = names_by_field(found, lambda name: f"{name!r} (did you mean {resembles[name]!r}?)")
     return described + ": no reward gave such a component at the first scored step"
+
+
+def check_references_declared(references: list[tuple[str, str]], declared: Collection[str]) -> None:
+    """ConfigError naming the first field of ``references`` with a name outside ``declared`` (every component the
+    run's reward functions declare, when each declares its own: nothing else can give one), with the declared
+    component it resembles: found before any actor starts, not as a note at the first scored step."""
+    unknown = unknown_components(references, set(declared))
+    if not unknown:
+        return
+    where, name = unknown[0]
+    close = difflib.get_close_matches(name, sorted(declared), n=1)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    raise ConfigError(
+        f"{where} names {name!r}{hint}: the reward functions give only {', '.join(sorted(declared))} "
+        "(rlfabric rewards list shows what each gives)"
+    )

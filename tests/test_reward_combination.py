@@ -3,6 +3,8 @@ per-component group normalization, each against values computed by hand."""
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 
@@ -130,3 +132,31 @@ def test_component_names_no_reward_gave_are_named_by_field_and_misspellings_get_
     assert config_from_dict({}).rewards.component_references() == []
     off = config_from_dict({"rewards": {"efficiency": {"counts": ["calls"], "success": "won"}}}).rewards
     assert off.component_references() == []
+
+
+@pytest.mark.parametrize(
+    ("rewards", "says"),
+    [
+        (
+            {"weights": {"corect": 1.0}},
+            "rewards.weights names 'corect' (did you mean 'correct'?): the reward functions give only correct, format "
+            "(rlfabric rewards list shows what each gives)",
+        ),
+        (
+            {"combine": {"gates": {"format": "corect"}}},
+            "rewards.combine.gates names 'corect' (did you mean 'correct'?)",
+        ),
+    ],
+)
+def test_a_name_no_declared_reward_gives_is_refused_before_any_actor_starts(tmp_path, rewards, says):
+    """Every function declares its components (the arithmetic reward: correct, format), so a misspelt name is one
+    line at construction; it was a note at the first scored step, after Ray, the evaluation and a step ran."""
+    import ray
+    from grpo_runs import BASE, merged
+
+    from rlfabric.config import ConfigError, config_from_dict
+    from rlfabric.llm_driver import GRPOTrainer
+
+    with pytest.raises(ConfigError, match=re.escape(says)):
+        GRPOTrainer(config_from_dict(merged(BASE, {"rewards": rewards})), tmp_path / "run")
+    assert not ray.is_initialized() and not (tmp_path / "run").exists()
