@@ -142,9 +142,10 @@ def _check_scripted_rules(cfg: Config, plan: Any, first_obs: Any) -> None:
         seats = [agent for agent, p in plan.mapping.items() if p == policy]
         try:
             resolved = scripted_rule(value.removeprefix("scripted:"))
-        except ValueError:
-            continue
-        if seats and (why := rule_misfit(resolved, plan.spaces[seats[0]], first_obs(seats[0]))) is not None:
+            raw = first_obs(seats[0])
+        except (ValueError, KeyError, IndexError):  # unresolvable: user_callables names it; no seat or no
+            continue  # observation at reset (an agent that joins later): its runner meets the rule as it plays
+        if (why := rule_misfit(resolved, plan.spaces[seats[0]], raw)) is not None:
             raise ConfigError(
                 f"{field} = {value!r} is not valid for env.id = {cfg.env.id!r}: on the first observation of "
                 f"{seats[0]!r} {why}"
