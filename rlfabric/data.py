@@ -18,6 +18,7 @@ import hashlib
 import inspect
 import json
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -29,10 +30,35 @@ FILE_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 HELDOUT_ROUNDS = 50
 
 
+@dataclass(frozen=True)
+class RowFields:
+    """The settings a data error tells the user to change. The defaults are a prompt file's; preference pairs
+    (``reward_model.pairs``) read files through the same helpers with fixed columns and their own counts."""
+
+    count: str = "data.num_train"  # the setting that asks for the training rows
+    count_takes_null: bool = True  # whether it may be null (every row of a file)
+    heldout_count: str = "data.num_eval"  # the setting that asks for the held-out rows
+    heldout: str = "data.eval"  # the setting naming a file of held-out rows ("": they always come from the same file)
+    prompt_key: str = "data.prompt_key"  # the setting naming the prompt column ("": the columns are fixed)
+    columns: tuple[str, ...] = ()  # with prompt_key "": the text columns every row needs, the prompt's first
+
+
+PROMPT_FIELDS = RowFields()
+
+
 def load_prompts(
-    spec: str, *, num_rows: int | None = None, seed: int = 0, prompt_key: str = "prompt", field: str = "data.train"
+    spec: str,
+    *,
+    num_rows: int | None = None,
+    seed: int = 0,
+    prompt_key: str = "prompt",
+    field: str = "data.train",
+    fields: RowFields = PROMPT_FIELDS,
+    keep_out: int = 0,
 ) -> list[dict[str, Any]]:
-    """The rows ``spec`` names; ``num_rows`` is required for generated tasks and optional (all rows) for files."""
+    """The rows ``spec`` names; ``num_rows`` is required for generated tasks and optional (all rows) for files.
+    ``fields``: the settings its errors name; ``keep_out``: the rows of the same file the caller holds out after
+    these (``fields.heldout_count`` of them), so a file too short for both says how to split it."""
     if num_rows is not None and (not isinstance(num_rows, int) or num_rows < 0):
         raise ConfigError(f"{field} = {spec!r}: number of rows {num_rows!r} must be an integer >= 0")
     if spec.startswith(TASK_PREFIX):
@@ -42,16 +68,38 @@ def load_prompts(
         rows = _generate(generate, options, num_rows, seed, spec, field)
     else:
         rows = _read_file(spec, field)
-        _check_prompt_column(rows, spec, prompt_key, field)
+        _check_columns(rows, spec, prompt_key, field, fields)
         if num_rows is not None:
             if len(rows) < num_rows:
                 raise ConfigError(
-                    f"{field} = {spec!r}: has {len(rows)} rows, fewer than the {num_rows} asked for "
-                    f"(data.num_train: at most {len(rows)}, or null for every row)"
+                    f"{field} = {spec!r}: has {_rows(len(rows))}, fewer than the {num_rows} asked for "
+                    f"({fields.count}): {_fewer_rows_fix(len(rows), keep_out, fields)}"
                 )
             rows = rows[:num_rows]
-    _check_rows(rows, spec, prompt_key, field)
+    _check_rows(rows, spec, prompt_key, field, fields)
     return rows
+
+
+def _rows(n: int) -> str:
+    return f"{n} row" if n == 1 else f"{n} rows"
+
+
+def _fewer_rows_fix(available: int, keep_out: int, fields: RowFields) -> str:
+    """How to ask for no more rows than a file has, ``keep_out`` of them held out after the training rows."""
+    if not keep_out:
+        every = ", or null for every row" if fields.count_takes_null else ""
+        return f"set {fields.count} to at most {available}{every}"
+    if available > keep_out:
+        left = f"leaving the {keep_out} rows {fields.heldout_count} asks for"
+        fix = f"set {fields.count} to at most {available - keep_out}, {left}"
+    else:
+        fix = f"lower {fields.count} and {fields.heldout_count} ({keep_out}) to at most {available} rows together"
+    if not fields.heldout:
+        return f"{fix} (the held-out rows are those training leaves)"
+    return (
+        f"{fix} ({fields.heldout} is '': the held-out rows are those training leaves); with {fields.heldout} set to "
+        f"a file of held-out prompts, {fields.count} at most {available}"
+    )
 
 
 def load_heldout(
@@ -63,20 +111,27 @@ def load_heldout(
     prompt_key: str = "prompt",
     field: str = "data.eval",
     count_field: str = "data.num_eval",
+    fields: RowFields = PROMPT_FIELDS,
 ) -> list[dict[str, Any]]:
     """Evaluation rows whose prompts appear neither in ``train_rows`` nor twice among themselves (``count_field``:
-    the setting that asked for ``num_rows``, named when there are fewer).
+    the setting that asked for ``num_rows``, named when there are fewer; ``fields``: the other settings named).
 
     A generated task draws them with seeds derived from ``seed`` (so the same spec as training gives other rows),
     round after round until ``num_rows`` new prompts turn up; a file keeps its rows whose prompt is new.
     """
     seen = {row[prompt_key] for row in train_rows}
     if not spec.startswith(TASK_PREFIX):
-        rows = _new_rows(load_prompts(spec, prompt_key=prompt_key, field=field), seen, prompt_key, num_rows)
+        file_rows = load_prompts(spec, prompt_key=prompt_key, field=field, fields=fields)
+        rows = _new_rows(file_rows, seen, prompt_key, num_rows)
         if num_rows is not None and len(rows) < num_rows:
+            fixes = [f"lower {count_field} to at most {len(rows)}"] if rows else []
+            fixes.append(f"train on fewer rows ({fields.count}: {len(train_rows)} now) to leave more out")
+            if fields.heldout:
+                fixes.append(f"set {fields.heldout} to a file of held-out prompts")
             raise ConfigError(
-                f"{field} = {spec!r}: has {len(rows)} rows whose prompt is not a training prompt, "
-                f"fewer than the {num_rows} asked for ({count_field})"
+                f"{field} = {spec!r}: has {_rows(len(rows))} whose prompt is not a training prompt, "
+                f"fewer than the {num_rows} asked for ({count_field}): {', '.join(fixes[:-1])}"
+                f"{', or ' if len(fixes) > 1 else ''}{fixes[-1]}"
             )
         return rows
     if num_rows is None:
@@ -85,7 +140,7 @@ def load_heldout(
     rows: list[dict[str, Any]] = []
     for round_ in range(HELDOUT_ROUNDS):
         batch = _generate(generate, options, 2 * num_rows + 16, derive_seed(seed, f"heldout/{round_}"), spec, field)
-        _check_rows(batch, spec, prompt_key, field)
+        _check_rows(batch, spec, prompt_key, field, fields)
         rows += _new_rows(batch, seen, prompt_key, num_rows - len(rows))
         if len(rows) == num_rows:
             return rows
@@ -233,22 +288,41 @@ def _holds_no_rows(path: Path) -> bool:
         return False
 
 
-def _check_prompt_column(rows: list[dict[str, Any]], spec: str, prompt_key: str, field: str) -> None:
-    """A file's rows share their columns: refuse a file without the prompt column, naming the columns it has."""
-    if rows and prompt_key not in rows[0]:
+def _check_columns(rows: list[dict[str, Any]], spec: str, prompt_key: str, field: str, fields: RowFields) -> None:
+    """A file's rows share their columns: refuse a file without the prompt column (or, for fixed columns, without
+    one of them), naming the columns it has and the setting to change."""
+    if not rows:
+        return
+    has = ", ".join(map(repr, rows[0]))
+    if fields.prompt_key:
+        if prompt_key not in rows[0]:
+            raise ConfigError(
+                f"{field} = {spec!r}: no {prompt_key!r} column ({fields.prompt_key}); its columns are {has}: set "
+                f"{fields.prompt_key} to the one holding the prompt text"
+            )
+        return
+    missing = [c for c in fields.columns if c not in rows[0]]
+    if missing:
         raise ConfigError(
-            f"{field} = {spec!r}: no {prompt_key!r} column (data.prompt_key); its columns are "
-            f"{', '.join(map(repr, rows[0]))}: set data.prompt_key to the one holding the prompt text"
+            f"{field} = {spec!r}: no {', '.join(map(repr, missing))} column{'s' if len(missing) > 1 else ''}; its "
+            f"columns are {has}: every row needs "
+            f"the text columns {', '.join(fields.columns)} (these names are fixed: rename the file's columns)"
         )
 
 
-def _check_rows(rows: list[dict[str, Any]], spec: str, prompt_key: str, field: str) -> None:
+def _check_rows(rows: list[dict[str, Any]], spec: str, prompt_key: str, field: str, fields: RowFields) -> None:
+    where = f"{fields.prompt_key}: {prompt_key}" if fields.prompt_key else "the prompt column"
     for i, row in enumerate(rows):
-        prompt = row.get(prompt_key)
-        if prompt is None:
+        if prompt_key not in row:  # a generated task's row (a file's columns are checked before)
             raise ConfigError(
                 f"{field} = {spec!r}: row {i} has no {prompt_key!r} (its keys: {', '.join(map(str, row))}); "
-                "every row needs a string prompt under the prompt key"
+                f"every row needs a string prompt under {where}"
+            )
+        prompt = row[prompt_key]
+        if prompt is None:  # a file row with null there, or without the column its other rows have
+            raise ConfigError(
+                f"{field} = {spec!r}: row {i}'s {prompt_key!r} is null or missing; every row needs a string prompt "
+                f"under {where}: fill it in or drop the row"
             )
         if not isinstance(prompt, str):
             raise ConfigError(f"{field} = {spec!r}: row {i}: {prompt_key!r} is a {type(prompt).__name__}, not a string")

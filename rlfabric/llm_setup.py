@@ -25,7 +25,7 @@ from rlfabric.actors.llm_rollout import PromptSet
 from rlfabric.config import ConfigError
 from rlfabric.data import check_prompt_lengths, load_heldout, load_prompts
 from rlfabric.driver import ensure_ray
-from rlfabric.grpo_config import plays_episodes
+from rlfabric.grpo_config import LLMConfig, plays_episodes
 from rlfabric.llm_actors import (
     actor_requests,
     generator_resources,
@@ -38,12 +38,57 @@ from rlfabric.llm_actors import (
 from rlfabric.llm_episode_sources import needs_ray, sources_after_ray, sources_before_ray
 from rlfabric.llm_resources import SETUP_TIMEOUT_S, openmp_env
 from rlfabric.llm_run_state import INITIAL_MODEL_DIR, not_final, read_trainer_state
-from rlfabric.llm_text_env import start_tool_servers
+from rlfabric.llm_sft import check_answer_column, check_answer_spelling
+from rlfabric.llm_text_env import rows_spelling_error, start_tool_servers
+from rlfabric.models.chat_tokens import UnspellableText, spelled
 from rlfabric.models.hf import encode_prompt, model_max_positions
 from rlfabric.placement import RoleGroups, check_fits, record_plan
 from rlfabric.reward_model_stage import REWARD_MODEL_DIR, ensure_reward_model
+from rlfabric.rewards.builtin import column_fix, columns_read
 from rlfabric.run.log import RunLog
 from rlfabric.run.progress import tensorboard_view
+
+
+def encode_prompts(
+    cfg: LLMConfig, tokenizer: Any, rows: list[dict[str, Any]], source: str, row_name: str
+) -> list[list[int]]:
+    """The prompts of ``rows`` (read from ``source``, a data setting and its value) as token ids; prompts the
+    tokenizer cannot spell are one ConfigError naming every character they lack and the first such row."""
+    d, ids, failed = cfg.data, [], []
+    for i, row in enumerate(rows):
+        text = row[d.prompt_key]
+        try:
+            ids.append(spelled(tokenizer, text, partial(encode_prompt, tokenizer, text, d.chat_template)))
+        except UnspellableText as exc:
+            failed.append((f"{row_name} {i}", exc))
+    if failed:
+        raise rows_spelling_error(cfg, source, d.prompt_key, failed)
+    return ids
+
+
+def check_reward_columns(cfg: LLMConfig, sources: dict[str, tuple[str, list[dict[str, Any]]]], skip: list[int]) -> None:
+    """Before Ray: each column a reward reads (a builtin's ``answer_key``: ``rewards.builtin.columns_read``) is a column
+    of the rows of each of ``sources`` ({setting: (its value, its rows)}); ``skip``: indices of rewards.functions
+    not resolvable yet (the run's own reward model)."""
+    prompt_key = cfg.data.prompt_key
+    for field, specs in (
+        ("rewards.functions", cfg.rewards.functions),
+        ("rewards.shadow.functions", cfg.rewards.shadow.functions),
+    ):
+        for i, spec in enumerate(specs):
+            if field == "rewards.functions" and i in skip:
+                continue
+            fn = rewards.resolve_reward(dataclasses.asdict(spec), f"{field}[{i}]")
+            for kwarg, column in columns_read(fn).items():
+                for setting, (value, rows) in sources.items():
+                    # a file's rows share their columns (a task's too); metadata is the row less its prompt
+                    if rows and (column not in rows[0] or column == prompt_key):
+                        others = [c for c in rows[0] if c != prompt_key]
+                        raise ConfigError(
+                            f"{field}[{i}] = {spec.name!r} is not valid for {setting} = {value!r}: it reads "
+                            f"metadata[{column!r}] (the column its kwargs {kwarg} names), which the rows lack; "
+                            f"{column_fix(kwarg, others)}"
+                        )
 
 
 class GRPOSetup:
@@ -87,12 +132,20 @@ class GRPOSetup:
         if cfg.env.verifiers.id:  # the environment's own rows, read from its actor once Ray runs
             self.train_rows, self.eval_rows = [], []
             return
-        self.train_rows = load_prompts(d.train, num_rows=d.num_train, seed=seed, prompt_key=d.prompt_key)
+        # data.eval '': the held-out rows are the file's rows training leaves, so a short file is split between them
+        keep_out = 0 if d.eval else d.num_eval
+        self.train_rows = load_prompts(
+            d.train, num_rows=d.num_train, seed=seed, prompt_key=d.prompt_key, keep_out=keep_out
+        )
         if not self.train_rows:
             raise ConfigError(f"data.train = {d.train!r}: holds no prompts")
-        eval_spec = d.eval or d.train
         self.eval_rows = load_heldout(
-            eval_spec, train_rows=self.train_rows, num_rows=d.num_eval, seed=seed, prompt_key=d.prompt_key
+            d.eval or d.train,
+            train_rows=self.train_rows,
+            num_rows=d.num_eval,
+            seed=seed,
+            prompt_key=d.prompt_key,
+            field="data.eval" if d.eval else "data.train",  # the setting whose value is the spec read
         )
         self.rollouts.num_train_prompts = len(self.train_rows)
 
@@ -108,14 +161,29 @@ class GRPOSetup:
                 self.episodes = sources_before_ray(cfg, self.tokenizer, self.model_dir, self.train_rows[0], context)
             self.train_ids, self.eval_ids = [[] for _ in self.train_rows], [[] for _ in self.eval_rows]
             return
-        self.train_ids = [encode_prompt(self.tokenizer, r[d.prompt_key], d.chat_template) for r in self.train_rows]
-        self.eval_ids = [encode_prompt(self.tokenizer, r[d.prompt_key], d.chat_template) for r in self.eval_rows]
+        self.train_ids = encode_prompts(cfg, self.tokenizer, self.train_rows, f"data.train = {d.train!r}", "row")
+        # numbered as held-out rows: with data.eval '' they are the rows of data.train that training leaves
+        heldout = f"data.eval = {d.eval!r}" if d.eval else f"data.train = {d.train!r}"
+        self.eval_ids = encode_prompts(cfg, self.tokenizer, self.eval_rows, heldout, "held-out row")
         check_prompt_lengths(  # prompts that cannot fit the model's context fail here, not in a generator
             {"data.train": self.train_ids, "data.eval": self.eval_ids},
             max_new_tokens=cfg.sampling.max_new_tokens,
             max_positions=context,
             model=cfg.model.path,
         )
+
+    def _check_columns(self) -> None:
+        """The columns the rewards and the warm-up read from the rows read before Ray (after the prompts' own
+        checks), and the warm-up's demonstrations spelled by the tokenizer."""
+        d, cfg = self.cfg.data, self.cfg
+        sources = {"data.train": (d.train, self.train_rows)}
+        if d.eval:  # else the eval rows are data.train's, columns and all
+            sources["data.eval"] = (d.eval, self.eval_rows)
+        check_reward_columns(cfg, sources, skip=self.trained_reward_specs)
+        # the warm-up reads sft.answer_key (a text env's or agent's from its player); a resumed run is past it
+        if self.resume_from is None and cfg.sft.steps and not plays_episodes(cfg) and self.train_rows:
+            check_answer_column(cfg, d.train, self.train_rows)
+            check_answer_spelling(cfg, self.tokenizer, d.train, self.train_rows)
 
     def _sources_after_ray(self) -> None:
         """A verifiers environment or an OpenEnv server (``rlfabric.llm_episode_sources``): its actor runs in
@@ -160,6 +228,7 @@ class GRPOSetup:
             self.reference_dir = self.model_dir
         self.tokenizer = load_tokenizer(self.model_dir)
         self._encode_prompts()
+        self._check_columns()
         self._train_reward_model()
         return state
 

@@ -28,7 +28,7 @@ from rlfabric.agent_loop import (
     scripted_player,
 )
 from rlfabric.config import ConfigError
-from rlfabric.grpo_config import LLMConfig, LLMEnvConfig
+from rlfabric.grpo_config import BUILTIN_ALPHABETS, LLMConfig, LLMEnvConfig
 from rlfabric.models.chat_tokens import ChatTokens, UnspellableText
 from rlfabric.models.packed_batch import pack_trajectories
 from rlfabric.text_env import call_env, make_text_env, text_env_factory
@@ -73,15 +73,40 @@ def check_takes_tool_servers(spec: str) -> None:
 
 
 def spelling_error(cfg: LLMConfig, what: str, exc: UnspellableText) -> ConfigError:
-    """A ``ConfigError`` for text the model's tokenizer cannot spell, naming the setting that decides it."""
+    """A ``ConfigError`` for text the model's tokenizer cannot spell, naming the setting that decides it and, for
+    the builtin model, the named alphabets that have the characters."""
     m = cfg.model
     chars = ", ".join(map(repr, exc.characters))
     if m.path == "builtin":
-        return ConfigError(
-            f"model.builtin.alphabet = {m.builtin.alphabet!r} has no {chars}, which {what} uses: set it to an "
-            "alphabet that does ('tool' adds {}[]\"'_\\ for JSON tool calls) or to a string of every character needed"
+        named = ", ".join(BUILTIN_ALPHABETS)
+        fit = [
+            repr(n) for n, a in BUILTIN_ALPHABETS.items() if n != m.builtin.alphabet and set(exc.characters) <= set(a)
+        ]
+        every = "a string of every character needed"
+        fix = (
+            f"set it to {' or '.join(fit)}, which has them (the named alphabets are {named}; 'tool' adds "
+            f"{{}}[]\"'_\\ for JSON tool calls), or to {every}"
+            if fit
+            else f"no named alphabet ({named}) has them: set it to {every}"
         )
-    return ConfigError(f"model.path = {m.path!r}: its tokenizer has no token for {chars}, which {what} uses")
+        return ConfigError(f"model.builtin.alphabet = {m.builtin.alphabet!r} has no {chars}, which {what} uses: {fix}")
+    return ConfigError(
+        f"model.path = {m.path!r}: its tokenizer has no token for {chars}, which {what} uses: leave them out of the "
+        "text, or use a model whose tokenizer has them"
+    )
+
+
+def rows_spelling_error(
+    cfg: LLMConfig, source: str, column: str, failed: list[tuple[str, UnspellableText]]
+) -> ConfigError:
+    """One ``spelling_error`` for every row of ``source`` (a data setting and its value) whose ``column`` the
+    tokenizer cannot spell (``failed``: each row's name, e.g. "row 3", and its error): all the characters they
+    lack, so one change of the alphabet fixes them, with the first such row's text to find it by."""
+    chars = "".join(dict.fromkeys(c for _, exc in failed for c in exc.characters))
+    row, first = failed[0]
+    text = first.text if len(first.text) <= 40 else first.text[:37] + "..."
+    rows = f"{len(failed)} rows, the first {row}" if len(failed) > 1 else row
+    return spelling_error(cfg, f"the {column!r} column of {source} ({rows}: {text!r})", UnspellableText(chars, text))
 
 
 def text_env_source(

@@ -28,11 +28,20 @@ import torch
 
 from rlfabric.algorithms.preference import bradley_terry_loss, pair_accuracy, pick_heads
 from rlfabric.config import ConfigError
-from rlfabric.data import load_heldout, load_prompts
+from rlfabric.data import RowFields, load_heldout, load_prompts
 from rlfabric.models.sequences import right_padded
 from rlfabric.rewards.reward_model import score_texts
 
 PAIR_COLUMNS = ("prompt", "chosen", "rejected")
+# What a pairs file's errors name: its columns are fixed, and its held-out pairs are the rows training leaves.
+PAIR_FIELDS = RowFields(
+    count="reward_model.num_pairs",
+    count_takes_null=False,
+    heldout_count="reward_model.num_eval",
+    heldout="",
+    prompt_key="",
+    columns=PAIR_COLUMNS,
+)
 
 
 @dataclass
@@ -74,11 +83,17 @@ def load_pair_rows(spec: str, num_pairs: int, num_eval: int, seed: int) -> tuple
     """Training rows and held-out rows (whose prompts are not training prompts) of ``spec``
     (``reward_model.pairs``)."""
     field = "reward_model.pairs"
-    train = load_prompts(spec, num_rows=num_pairs, seed=seed, field=field)
+    train = load_prompts(spec, num_rows=num_pairs, seed=seed, field=field, fields=PAIR_FIELDS, keep_out=num_eval)
     if not train:
         raise ConfigError(f"{field} = {spec!r}: holds no pairs")
     return train, load_heldout(
-        spec, train_rows=train, num_rows=num_eval, seed=seed, field=field, count_field="reward_model.num_eval"
+        spec,
+        train_rows=train,
+        num_rows=num_eval,
+        seed=seed,
+        field=field,
+        count_field=PAIR_FIELDS.heldout_count,
+        fields=PAIR_FIELDS,
     )
 
 

@@ -132,7 +132,7 @@ def test_load_jsonl_and_parquet_keep_other_columns_as_metadata(tmp_path):
 def test_file_errors_name_the_field_row_and_key(tmp_path):
     path = tmp_path / "bad.jsonl"
     path.write_text('{"prompt": "1+1=", "answer": "2"}\n{"question": "2+2=", "answer": "4"}\n')
-    with pytest.raises(ConfigError, match=r"data.train = '.*bad.jsonl': row 1 has no 'prompt'"):
+    with pytest.raises(ConfigError, match=r"data.train = '.*bad.jsonl': row 1's 'prompt' is null or missing"):
         load_prompts(str(path))
     path.write_text('{"prompt": "1+1=", "answer": "2"}\n{"prompt": 7, "answer": "4"}\n')
     with pytest.raises(ConfigError, match=r"row 1: 'prompt' is a int, not a string"):

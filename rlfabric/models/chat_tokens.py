@@ -17,9 +17,10 @@ token) raises ``UnspellableText`` naming the characters, instead of the tokenize
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
+T = TypeVar("T")
 _USER, _ASSISTANT, _NEXT = "\x01USER\x01", "\x01ASSISTANT\x01", "\x01NEXT\x01"
 
 
@@ -42,6 +43,18 @@ def unspellable(tokenizer: Any, text: str) -> str:
     a subword tokenizer, characters that only occur inside longer tokens count too, so ask only after it failed)."""
     vocab = tokenizer.get_vocab()
     return "".join(dict.fromkeys(c for c in text if c not in vocab))
+
+
+def spelled(tokenizer: Any, text: str, encode: Callable[[], T]) -> T:
+    """``encode()``, which tokenizes ``text`` (alone or inside a template): a failure on characters of ``text``
+    that ``tokenizer`` has no token for is raised as ``UnspellableText``, any other as the tokenizer's own error."""
+    try:
+        return encode()
+    except Exception:
+        missing = unspellable(tokenizer, text)
+        if not missing:
+            raise  # some other failure: the tokenizer's own error
+        raise UnspellableText(missing, text) from None
 
 
 class ChatTokens:
@@ -79,13 +92,7 @@ class ChatTokens:
     def _ids(self, text: str) -> list[int]:
         if not text:
             return []
-        try:
-            return list(self.tokenizer(text, add_special_tokens=False).input_ids)
-        except Exception:
-            missing = unspellable(self.tokenizer, text)
-            if not missing:
-                raise  # some other failure: the tokenizer's own error
-            raise UnspellableText(missing, text) from None
+        return spelled(self.tokenizer, text, lambda: list(self.tokenizer(text, add_special_tokens=False).input_ids))
 
     def text_ids(self, text: str) -> list[int]:
         """``text`` alone as token ids (no special tokens added): a scripted turn's action."""

@@ -4,10 +4,12 @@ Each scores a group and returns, per completion, named components in [0, 1] (``l
 verifiers' ``format`` weighs 0 unless ``rewards.weights`` names it (``@default_weights``): it is logged, not
 rewarded.
 
-* ``math``: ``correct`` (the extracted answer matches ``metadata["answer"]``), ``format`` (the answer was given in
-  ``\\boxed{}`` or after an ``answer:`` / ``####`` marker, not just as the last number in the text).
+* ``math``: ``correct`` (the extracted answer matches ``metadata["answer"]``; kwarg ``answer_key`` names another
+  column), ``format`` (the answer was given in ``\\boxed{}`` or after an ``answer:`` / ``####`` marker, not just as
+  the last number in the text).
 * ``arithmetic``: for the ``task:arithmetic`` rows and the small character model: ``correct`` (the completion's
-  first line, stripped, is exactly the answer), ``format`` (that line is an integer literal).
+  first line, stripped, is exactly ``metadata["answer"]``; kwarg ``answer_key`` names another column), ``format``
+  (that line is an integer literal).
 * ``countdown``: for ``task:countdown`` rows: ``correct`` (the first line is an expression of the given numbers,
   each used at most once, that equals the target), ``format`` (that line is an expression of integers with
   ``+ - * /`` and parentheses). Expressions are parsed with ``ast`` and evaluated on exact fractions; nothing is
@@ -28,19 +30,53 @@ import ast
 import operator
 import re
 from collections import Counter
+from collections.abc import Callable, Sequence
 from fractions import Fraction
-from typing import Any
+from typing import Any, TypeVar
 
 from rlfabric.rewards.likelihood import likelihood_reward, teacher_logprob_reward
 from rlfabric.rewards.math_verify import answers_match, find_answer
-from rlfabric.rewards.registry import RewardInput, default_weights, gives, register_reward
+from rlfabric.rewards.registry import RewardInput, arguments_with_defaults, default_weights, gives, register_reward
 from rlfabric.rewards.reward_model import reward_model_reward
 
+F = TypeVar("F", bound=Callable[..., Any])
 
-def _meta(sample: RewardInput, key: str, reward: str) -> Any:
+
+def reads_columns(*kwargs: str) -> Callable[[F], F]:
+    """Mark the keyword arguments of a reward that name a column of the data rows it reads (``answer_key``): a
+    run whose rows lack the column is refused before Ray starts (``columns_read``), not at every scored group."""
+
+    def mark(fn: F) -> F:
+        fn.reads_columns = kwargs  # type: ignore[attr-defined]
+        return fn
+
+    return mark
+
+
+def columns_read(fn: Callable[..., Any]) -> dict[str, str]:
+    """{kwarg: the column it names} for a reward marked with ``reads_columns``, its bound kwargs (a resolved spec,
+    ``functools.partial``) over its defaults; {} for any other reward."""
+    base = getattr(fn, "func", fn)
+    names = getattr(base, "reads_columns", ())
+    values = arguments_with_defaults(base, getattr(fn, "keywords", {})) if names else {}
+    return {name: str(values[name]) for name in names}
+
+
+def column_fix(kwarg: str, columns: Sequence[str]) -> str:
+    """How to point a reward's ``kwarg`` at the column that holds what it reads, given the row's ``columns``."""
+    if len(columns) == 1:
+        return f"set its kwargs {kwarg}: {columns[0]}"
+    if columns:
+        return f"set its kwargs {kwarg} to the one that holds it ({', '.join(columns)})"
+    return "the rows have no other column: add one that holds it"
+
+
+def _meta(sample: RewardInput, key: str, reward: str, kwarg: str) -> Any:
     if key not in sample.metadata:
+        has = sorted(sample.metadata)
         raise KeyError(
-            f"reward {reward!r} needs metadata[{key!r}]; this sample's metadata has {sorted(sample.metadata)}"
+            f"reward {reward!r} needs metadata[{key!r}] (the column its kwargs {kwarg} names); this sample's "
+            f"metadata has {has}: {column_fix(kwarg, has)}"
         )
     return sample.metadata[key]
 
@@ -51,10 +87,11 @@ def _first_line(text: str) -> str:
 
 @default_weights(format=0.0)  # well formed is not correct: logged, not rewarded
 @gives("correct", "format")
+@reads_columns("answer_key")
 def math_reward(inputs: list[RewardInput], *, answer_key: str = "answer") -> list[dict[str, float]]:
     out = []
     for sample in inputs:
-        truth = _meta(sample, answer_key, "math")
+        truth = _meta(sample, answer_key, "math", "answer_key")
         answer, form = find_answer(sample.completion)
         out.append({"correct": float(answers_match(answer, truth)), "format": float(form in ("boxed", "marker"))})
     return out
@@ -65,11 +102,12 @@ _INTEGER_RE = re.compile(r"-?\d+")
 
 @default_weights(format=0.0)  # well formed is not correct: logged, not rewarded
 @gives("correct", "format")
+@reads_columns("answer_key")
 def arithmetic_reward(inputs: list[RewardInput], *, answer_key: str = "answer") -> list[dict[str, float]]:
     out = []
     for sample in inputs:
         line = _first_line(sample.completion)
-        truth = str(_meta(sample, answer_key, "arithmetic")).strip()
+        truth = str(_meta(sample, answer_key, "arithmetic", "answer_key")).strip()
         out.append({"correct": float(line == truth), "format": float(_INTEGER_RE.fullmatch(line) is not None)})
     return out
 
@@ -121,13 +159,14 @@ def evaluate_expression(tree: ast.expr) -> Fraction | None:
 
 @default_weights(format=0.0)  # well formed is not correct: logged, not rewarded
 @gives("correct", "format")
+@reads_columns("numbers_key", "target_key")
 def countdown_reward(
     inputs: list[RewardInput], *, numbers_key: str = "numbers", target_key: str = "target"
 ) -> list[dict[str, float]]:
     out = []
     for sample in inputs:
-        numbers = Counter(int(x) for x in _meta(sample, numbers_key, "countdown"))
-        target = Fraction(_meta(sample, target_key, "countdown"))
+        numbers = Counter(int(x) for x in _meta(sample, numbers_key, "countdown", "numbers_key"))
+        target = Fraction(_meta(sample, target_key, "countdown", "target_key"))
         tree = parse_expression(_first_line(sample.completion))
         correct = False
         if tree is not None:
