@@ -15,6 +15,10 @@ from rlfabric.run.log import CONFIG_FILE, SUMMARY_FILE, read_metrics
 # Rows a reward model's training logs (``rlfabric train-rm``, or a GRPO run's first stage): a new run in the same
 # directory reuses that model rather than writing over a run.
 REWARD_MODEL_PHASES = frozenset({"rm_lm", "rm", "rm_eval"})
+# Rows that train nothing: a GRPO run's evaluations (its first row is the ``initial`` one, before any training) and
+# the reward model's. Training rows are GRPO's ``sft`` and ``grpo`` rows and PPO's (and games') iteration rows,
+# which have no phase.
+NOT_TRAINING_PHASES = REWARD_MODEL_PHASES | {"eval"}
 
 # Defaults that changed: a GRPO run saved before its config held the key trained with the former value, and resumes
 # with it unless an override says otherwise ({section: {key: former value}}).
@@ -24,9 +28,9 @@ FORMER_GRPO_DEFAULTS = {"grpo": {"lr_schedule": "constant"}}  # linear decay bec
 def refuse_run_over(run_dir: Path, has_checkpoint: bool) -> None:
     """A new run must not write over one in ``run_dir``: one that logged a training row, finished (a summary with
     ``algo`` or ``env``), or left a checkpoint (``has_checkpoint``). A directory left by a run that stopped before
-    its first row, or holding only a trained reward model, is reused."""
-    trained = any(row.get("phase") not in REWARD_MODEL_PHASES for row in read_metrics(run_dir))
-    if not (has_checkpoint or trained or finished_training(run_dir)):
+    its first training row (with only its ``initial`` evaluation, say), or holding only a trained reward model, is
+    reused."""
+    if not (has_checkpoint or trained_there(run_dir)):
         return
     how = (
         f": continue it with --resume {str(run_dir)!r}, choose another directory, or delete it"
@@ -34,6 +38,12 @@ def refuse_run_over(run_dir: Path, has_checkpoint: bool) -> None:
         else " (it has no checkpoint to resume): choose another directory or delete it"
     )
     raise ConfigError(f"--run-dir {str(run_dir)!r} already holds a run{how}")
+
+
+def trained_there(run_dir: Path) -> bool:
+    """Whether a run in ``run_dir`` logged a training row (see ``NOT_TRAINING_PHASES``) or finished."""
+    trained = any(row.get("phase") not in NOT_TRAINING_PHASES for row in read_metrics(run_dir))
+    return trained or finished_training(run_dir)
 
 
 def saved_config(run_dir: Path) -> dict[str, Any] | None:
