@@ -104,11 +104,14 @@ def check_reward_model_run(cfg: Any, run_dir: Path) -> None:
 
 def train_reward_model_run(cfg: Any, run_dir: Path, quiet: bool = False) -> dict[str, Any]:
     """``rlfabric train-rm``: the reward-model stage of ``cfg`` alone, in ``run_dir`` (config snapshot,
-    metrics.jsonl, TensorBoard, summary.json; the model in ``run_dir/reward_model``). Returns the summary."""
+    metrics.jsonl, TensorBoard, summary.json; the model in ``run_dir/reward_model``). Returns the summary. Bad
+    input found on the way (a ConfigError) removes the folders it made, as a GRPO run's setup does."""
     from rlfabric.run.log import RunLog, write_summary
     from rlfabric.run.progress import PhaseProgressLine, tensorboard_view
 
     check_reward_model_run(cfg, run_dir)
+    # the outermost folder this run creates, removed again if bad input stops it (pairs without their columns, ...)
+    created = next((p for p in reversed([run_dir, *run_dir.parents]) if not p.exists()), None)
     log = RunLog(
         run_dir,
         cfg,
@@ -127,8 +130,15 @@ def train_reward_model_run(cfg: Any, run_dir: Path, quiet: bool = False) -> dict
 
     try:
         folder = ensure_reward_model(cfg, run_dir, policy_tokenizer(cfg), log_row)
-    finally:
+    except ConfigError:
         log.close()
+        if created is not None and not (run_dir / REWARD_MODEL_DIR / "config.json").is_file():
+            shutil.rmtree(created, ignore_errors=True)
+        raise
+    except BaseException:
+        log.close()
+        raise
+    log.close()
     summary = {
         "reward_model": str(folder),
         "heads": list(cfg.reward_model.heads),

@@ -1,5 +1,5 @@
 """Run folders, through the public CLI: a folder holding only a run's ``initial`` evaluation is reused, not
-refused."""
+refused; ``train-rm`` on bad input leaves no new folder."""
 
 from __future__ import annotations
 
@@ -91,3 +91,23 @@ def test_the_same_command_reruns_in_a_folder_a_run_left_after_its_initial_evalua
         f"rlfabric: config error: --run-dir {str(run_dir)!r} already holds a run (it has no checkpoint to resume): "
         "choose another directory or delete it"
     ]
+
+
+# -- (d) train-rm on bad input leaves no folder -------------------------------------------------------------------
+
+
+def test_train_rm_on_pairs_without_their_columns_leaves_no_new_folder(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text("".join(json.dumps({"a": "1+1=", "b": "2"}) + "\n" for _ in range(4)))
+    argv = ["train-rm", f"reward_model.pairs={pairs}", "model.builtin.num_layers=1", "model.builtin.hidden_size=32"]
+    code, out, err = run_cli([*argv, "--run-dir", str(tmp_path / "runs" / "rm1"), "--quiet"], capsys)
+    assert code == 2, err
+    assert config_errors(err) == err[-1:], err
+    assert err[-1].startswith(f"rlfabric: config error: reward_model.pairs = {str(pairs)!r}: "), err
+    assert not (tmp_path / "runs").exists()
+    # a folder that was there before is kept (what is in it is not this run's to remove)
+    (tmp_path / "runs").mkdir()
+    code, out, err = run_cli([*argv, "--run-dir", str(tmp_path / "runs" / "rm1"), "--quiet"], capsys)
+    assert code == 2, err
+    assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == []
