@@ -16,7 +16,7 @@ from ray.exceptions import RayError
 
 from rlfabric.actor_slots import RunAbortedError, error_summary
 from rlfabric.cli_inspect import cmd_envs_check, cmd_envs_list, cmd_rewards_list, cmd_tools_check, cmd_tools_list
-from rlfabric.cli_support import IMPORT_HELP, default_run_dir, import_user_modules, saved_algo
+from rlfabric.cli_support import IMPORT_HELP, default_run_dir, import_user_modules, record_imports, saved_algo
 from rlfabric.config import ConfigError, load_config
 from rlfabric.submit import add_submit_parser, cmd_submit
 
@@ -100,8 +100,9 @@ def _print_llm_summary(summary: dict) -> None:
             print(f"    [{mark}] {s['prompt']!r} -> {s['completion']!r}{expected}")
 
 
-def cmd_train_llm(args: argparse.Namespace, cfg: object | None) -> int:
-    """A GRPO run: a new one from ``cfg``, or (``--resume DIR``, cfg None) the run in DIR continued."""
+def cmd_train_llm(args: argparse.Namespace, cfg: object | None, imports: list[str]) -> int:
+    """A GRPO run: a new one from ``cfg``, or (``--resume DIR``, cfg None) the run in DIR continued; ``imports``:
+    the user modules it runs with, recorded in its folder."""
     from rlfabric.llm_driver import GRPOTrainer
     from rlfabric.llm_run_state import latest_checkpoint
 
@@ -114,7 +115,7 @@ def cmd_train_llm(args: argparse.Namespace, cfg: object | None) -> int:
         where = "new run"
     print(f"rlfabric: GRPO on {trainer.cfg.data.train} -> {trainer.run_dir} ({where})", file=sys.stderr)
 
-    summary = train_or_exit_code(trainer, latest_checkpoint)
+    summary = train_or_exit_code(trainer, latest_checkpoint, imports)
     if isinstance(summary, int):
         return summary
     summary["run_dir"] = str(trainer.run_dir)
@@ -122,9 +123,13 @@ def cmd_train_llm(args: argparse.Namespace, cfg: object | None) -> int:
     return 0
 
 
-def train_or_exit_code(trainer: Any, newest_checkpoint: Callable[[Path], Path | None]) -> dict[str, Any] | int:
+def train_or_exit_code(
+    trainer: Any, newest_checkpoint: Callable[[Path], Path | None], imports: list[str] | None = None
+) -> dict[str, Any] | int:
     """The trainer's summary, or the exit code of a run that stopped (1: an actor died for good or retries ran
-    out; 130: Ctrl-C) after one line saying so and whether a checkpoint is left to resume from."""
+    out; 130: Ctrl-C) after one line saying so and whether a checkpoint is left to resume from. The user modules
+    it runs with (``imports``) are recorded in its folder once setup has made it, so that ``--resume`` and
+    ``eval --run-dir`` import them again."""
 
     def what_is_left() -> str:
         if newest_checkpoint(trainer.run_dir) is None:
@@ -132,6 +137,9 @@ def train_or_exit_code(trainer: Any, newest_checkpoint: Callable[[Path], Path | 
         return f"the latest checkpoint is kept (continue with --resume {trainer.run_dir})"
 
     try:
+        trainer.setup()  # the run's folder and actors (a config error found on the way leaves no new folder)
+        if imports is not None:
+            record_imports(trainer.run_dir, imports)
         return trainer.train()
     except (RayError, RunAbortedError) as exc:
         reason = error_summary(exc) if isinstance(exc, RayError) else str(exc)
@@ -148,18 +156,19 @@ def cmd_train(args: argparse.Namespace) -> int:
     from rlfabric.driver import latest_checkpoint as ppo_latest_checkpoint
     from rlfabric.game_driver import ppo_trainer, ppo_trainer_from_run_dir
 
-    import_user_modules(args.import_modules)
+    # with --resume, the modules the run was started with too (recorded in its folder)
+    imports = import_user_modules(args.import_modules, Path(args.resume) if args.resume else None)
     if not args.resume:
         cfg = load_config(args.config, args.overrides)
         if cfg.algo == "grpo":
-            return cmd_train_llm(args, cfg)
+            return cmd_train_llm(args, cfg, imports)
     if args.resume:
         if args.config:
             raise ConfigError("--resume DIR uses the run's saved config; pass only key=value overrides, not a file")
         if args.run_dir:
             raise ConfigError("--resume DIR continues the run in DIR; --run-dir is for new runs, drop it")
         if saved_algo(Path(args.resume)) == "grpo":
-            return cmd_train_llm(args, None)
+            return cmd_train_llm(args, None, imports)
         trainer = ppo_trainer_from_run_dir(args.resume, args.overrides, quiet=args.quiet)
     else:
         run_dir = Path(args.run_dir) if args.run_dir else default_run_dir(cfg)
@@ -168,7 +177,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     if args.resume:
         where = f" (resuming from {ppo_latest_checkpoint(trainer.run_dir).name})"  # type: ignore[union-attr]
     print(f"rlfabric: training {trainer.cfg.env.id} -> {trainer.run_dir}{where}", file=sys.stderr)
-    summary = train_or_exit_code(trainer, ppo_latest_checkpoint)
+    summary = train_or_exit_code(trainer, ppo_latest_checkpoint, imports)
     if isinstance(summary, int):
         return summary
     summary["run_dir"] = str(trainer.run_dir)
@@ -209,12 +218,14 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from rlfabric.eval_selectors import TRAIN_SELECTOR, parse_selector
     from rlfabric.evaluation import BestOfNEval, eval_config, find_policy, parse_n_list
 
-    import_user_modules(args.import_modules)
     if args.config and "=" in args.config and not os.path.exists(args.config):  # an override, not a file
         args.overrides, args.config = [args.config, *args.overrides], None
     n = parse_n_list(args.n)
     selectors = [parse_selector(text) for text in args.selector or [TRAIN_SELECTOR]]
     policy = find_policy(args.run_dir, args.checkpoint)
+    # the modules the policy's run was started with too (recorded in its folder), before its rewards are named
+    field = f"--run-dir {args.run_dir!r}" if args.run_dir else f"--checkpoint {args.checkpoint!r}"
+    import_user_modules(args.import_modules, policy.run_dir, field)
     cfg, config_source = eval_config(args.config, args.overrides, policy)
     if args.out:
         out = Path(args.out)

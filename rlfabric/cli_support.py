@@ -15,36 +15,73 @@ from rlfabric.config_base import raised_by_user_code
 from rlfabric.run.log import CONFIG_FILE
 
 IMPORT_HELP = "module to import first, from the current directory or the Python path; repeat for more"
+# Beside a run's config.yaml: the modules it was started with (--import), one name a line, which --resume and
+# eval --run-dir import again.
+IMPORTS_FILE = "imports.txt"
 
 
-def import_user_modules(names: list[str] | None) -> None:
-    """Import modules that call register_env or register_reward, so their names show up.
+def import_user_modules(names: list[str] | None, run_dir: Path | None = None, field: str = "") -> list[str]:
+    """Import modules that call register_env or register_reward, so their names show up: ``names`` (``--import``),
+    then those recorded in ``run_dir`` (``IMPORTS_FILE``) that ``names`` leave out, a failure there named by
+    ``field``, the option that named the run (default ``--resume RUN_DIR``). Returns every module imported, in that
+    order: what a resumed run records again.
 
     A module is looked up in the current directory first, as ``python -m`` does, and so is the module of a
     ``module:function`` spec in the config. What such a module registers reaches the Ray workers by value
     (``rlfabric.shipping``), so they need not import it themselves.
     """
+    given = list(names or [])
+    recorded = [name for name in recorded_imports(run_dir) if name not in given] if run_dir is not None else []
     cwd = os.getcwd()
     if cwd not in sys.path:
-        if names:  # first, as python -m does
+        if given or recorded:  # first, as python -m does
             sys.path.insert(0, cwd)
         else:  # last: for a module:function spec, shadowing no installed package
             sys.path.append(cwd)
-    for name in names or []:
-        if name.endswith(".py"):  # "x.py" would import x, then look for a submodule "py"
+    for name in given:
+        _import_module(name, f"--import {name!r}", cwd)
+    for name in recorded:
+        assert run_dir is not None
+        recorded_in = run_dir / IMPORTS_FILE
+        where = field or f"--resume {str(run_dir)!r}"
+        _import_module(name, f"{where}: the run was started with --import {name} ({recorded_in})", cwd)
+    return [*given, *recorded]
+
+
+def _import_module(name: str, field: str, cwd: str) -> None:
+    """``import name``; what goes wrong is a ConfigError of one line that starts with ``field``."""
+    if name.endswith(".py"):  # "x.py" would import x, then look for a submodule "py"
+        raise ConfigError(f"{field}: takes a module name, not a file name (a module name: --import {name[:-3]})")
+    try:
+        importlib.import_module(name)  # a module imported already (given again with --import) is not run again
+    except ImportError as exc:
+        if exc.name == name or name.startswith(f"{exc.name}."):  # the module itself, not an import inside it
             raise ConfigError(
-                f"--import {name!r}: takes a module name, not a file name (a module name: --import {name[:-3]})"
-            )
-        try:
-            importlib.import_module(name)
-        except ImportError as exc:
-            if exc.name == name or name.startswith(f"{exc.name}."):  # the module itself, not an import inside it
-                raise ConfigError(
-                    f"--import {name!r}: no such module in the current directory ({cwd}) or on the Python path"
-                ) from None
-            raise ConfigError(f"--import {name!r}: {exc.__class__.__name__}: {exc}") from None
-        except Exception as exc:  # noqa: BLE001 - the module's own code raised while it was imported
-            raise ConfigError(f"--import {name!r}: importing it raised {raised_by_user_code(exc)}") from None
+                f"{field}: no such module in the current directory ({cwd}) or on the Python path"
+            ) from None
+        raise ConfigError(f"{field}: {exc.__class__.__name__}: {exc}") from None
+    except Exception as exc:  # noqa: BLE001 - the module's own code raised while it was imported
+        raise ConfigError(f"{field}: importing it raised {raised_by_user_code(exc)}") from None
+
+
+def recorded_imports(run_dir: Path) -> list[str]:
+    """The modules recorded in ``run_dir`` (``IMPORTS_FILE``: one a line; blank lines and ``#`` comments are
+    skipped); none when the file is not there."""
+    try:
+        text = (run_dir / IMPORTS_FILE).read_text()
+    except (OSError, UnicodeDecodeError):
+        return []
+    return [line.strip() for line in text.splitlines() if line.strip() and not line.lstrip().startswith("#")]
+
+
+def record_imports(run_dir: Path, names: list[str]) -> None:
+    """Record ``names`` in ``run_dir`` (``IMPORTS_FILE``), for --resume and eval; with none, a file left there by an
+    earlier attempt in the same folder is removed."""
+    path = run_dir / IMPORTS_FILE
+    if names:
+        path.write_text("".join(f"{name}\n" for name in names))
+    else:
+        path.unlink(missing_ok=True)
 
 
 def run_name(cfg: Any) -> str:

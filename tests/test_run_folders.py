@@ -1,18 +1,25 @@
 """Run folders, through the public CLI: a folder holding only a run's ``initial`` evaluation is reused, not
-refused; ``train-rm`` on bad input leaves no new folder."""
+refused; a run records the modules it was started with (``--import``) and ``train --resume`` and ``eval
+--run-dir`` import them again; ``train-rm`` on bad input leaves no new folder."""
 
 from __future__ import annotations
 
 import json
+import os
+import sys
+import time
 from pathlib import Path
 
 import pytest
 from grpo_runs import BASE, merged
 
+from rlfabric import registry as env_registry
 from rlfabric.cli import main
 from rlfabric.config import Config, ConfigError, config_from_dict, dump_config
 from rlfabric.driver import Trainer
 from rlfabric.llm_driver import GRPOTrainer
+from rlfabric.llm_run_state import latest_checkpoint
+from rlfabric.rewards import registry as reward_registry
 from rlfabric.run.log import read_metrics
 
 INITIAL_ROW = {"iteration": 0, "step": 0, "policy_version": 0, "phase": "eval", "label": "initial"}
@@ -91,6 +98,163 @@ def test_the_same_command_reruns_in_a_folder_a_run_left_after_its_initial_evalua
         f"rlfabric: config error: --run-dir {str(run_dir)!r} already holds a run (it has no checkpoint to resume): "
         "choose another directory or delete it"
     ]
+
+
+# -- (b) a run's --import modules are recorded and imported again -------------------------------------------------
+
+REWARD_MODULE = '''
+from rlfabric.rewards import register_reward
+
+
+def doubled(inputs):
+    """correct = 2 for the right sum (the arithmetic rows' answer), else 0."""
+    return [{{"correct": 2.0 * float(x.completion.strip() == x.metadata["answer"])}} for x in inputs]
+
+
+register_reward({name!r}, doubled)
+'''
+
+
+@pytest.fixture(scope="module")
+def imported_run(tmp_path_factory, local_ray):
+    """A GRPO run of one step (a checkpoint at it) on a reward registered by a module in the current directory,
+    started with ``--import``: (that directory, the run folder, the module, the reward's name)."""
+    folder = tmp_path_factory.mktemp("imported")
+    module = f"run_folder_rewards_{os.getpid()}_{time.monotonic_ns()}"
+    name = f"doubled_{module}"
+    (folder / f"{module}.py").write_text(REWARD_MODULE.format(name=name))
+    config = write_config(
+        folder / "run.yaml",
+        rewards={"functions": [{"name": name}]},
+        training={"total_steps": 1, "checkpoint_every": 1},
+    )
+    run_dir = folder / "runs" / "c1"
+    with pytest.MonkeyPatch.context() as patch:
+        patch.chdir(folder)
+        patch.setattr(sys, "path", list(sys.path))
+        patch.setattr(reward_registry, "_REGISTRY", dict(reward_registry._REGISTRY))
+        assert main(["train", str(config), "--import", module, "--run-dir", str(run_dir), "--quiet"]) == 0
+    sys.modules.pop(module, None)
+    return folder, run_dir, module, name
+
+
+@pytest.fixture
+def as_a_new_process(imported_run, monkeypatch):
+    """In the run's directory, with its module neither imported nor registered, as in a new ``rlfabric``."""
+    folder, _, module, name = imported_run
+    monkeypatch.chdir(folder)
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    monkeypatch.setattr(reward_registry, "_REGISTRY", dict(reward_registry._REGISTRY))
+    reward_registry._REGISTRY.pop(name, None)
+    sys.modules.pop(module, None)
+    yield
+    sys.modules.pop(module, None)
+
+
+def test_a_run_records_the_modules_it_imported_beside_its_config(imported_run):
+    _, run_dir, module, _ = imported_run
+    assert (run_dir / "imports.txt").read_text() == f"{module}\n"
+    assert (run_dir / "config.yaml").is_file()
+
+
+def test_resume_imports_the_runs_modules_again(imported_run, as_a_new_process, capsys):
+    _, run_dir, module, name = imported_run
+    code, _, err = run_cli(["train", "--resume", str(run_dir), "training.total_steps=2", "--quiet"], capsys)
+    assert code == 0, err
+    assert name in reward_registry._REGISTRY
+    assert [r["step"] for r in read_metrics(run_dir) if r["phase"] == "grpo"] == [1, 2]
+    # given again with --import: imported once, recorded once
+    sys.modules.pop(module)
+    reward_registry._REGISTRY.pop(name)
+    code, _, err = run_cli(
+        ["train", "--resume", str(run_dir), "--import", module, "training.total_steps=3", "--quiet"], capsys
+    )
+    assert code == 0, err
+    assert (run_dir / "imports.txt").read_text() == f"{module}\n"
+    assert json.loads((run_dir / "summary.json").read_text())["steps"] == 3
+
+
+def test_eval_of_the_run_imports_its_modules(imported_run, as_a_new_process, capsys):
+    _, run_dir, _, name = imported_run
+    code, stdout, err = run_cli(
+        ["eval", "--run-dir", str(run_dir), "--n", "1,2", "--num-prompts", "2", "--quiet"], capsys
+    )
+    assert code == 0, err
+    assert name in reward_registry._REGISTRY
+    assert f"  report           {run_dir / 'eval' / 'eval.json'}" in stdout.splitlines()
+    assert json.loads((run_dir / "eval" / "eval.json").read_text())["prompts"] == 2
+
+
+def test_a_recorded_module_that_cannot_be_imported_is_one_line(
+    imported_run, as_a_new_process, tmp_path, monkeypatch, capsys
+):
+    """From another directory, the run's module is not found: one line naming it, the run and its record."""
+    _, run_dir, module, _ = imported_run
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    not_found = (
+        f"the run was started with --import {module} ({run_dir / 'imports.txt'}): no such module in the current "
+        f"directory ({elsewhere}) or on the Python path"
+    )
+    code, out, err = run_cli(["train", "--resume", str(run_dir), "training.total_steps=9"], capsys)
+    assert (code, out, err) == (2, "", [f"rlfabric: config error: --resume {str(run_dir)!r}: {not_found}"])
+    code, out, err = run_cli(["eval", "--run-dir", str(run_dir)], capsys)
+    assert (code, out, err) == (2, "", [f"rlfabric: config error: --run-dir {str(run_dir)!r}: {not_found}"])
+    checkpoint = str(latest_checkpoint(run_dir))
+    code, out, err = run_cli(["eval", "--checkpoint", checkpoint], capsys)
+    assert (code, out, err) == (2, "", [f"rlfabric: config error: --checkpoint {checkpoint!r}: {not_found}"])
+
+
+ENV_MODULE = """
+import gymnasium as gym
+import numpy as np
+
+import rlfabric
+
+
+class Corridor(gym.Env):
+    \"\"\"Walk right to the end.\"\"\"
+
+    def __init__(self, length=4):
+        self.length, self.pos = length, 0
+        self.observation_space = gym.spaces.Box(0.0, 1.0, shape=(1,), dtype=np.float32)
+        self.action_space = gym.spaces.Discrete(2)
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        self.pos = 0
+        return np.array([0.0], np.float32), {{}}
+
+    def step(self, action):
+        self.pos = max(0, self.pos + (1 if action == 1 else -1))
+        done = self.pos >= self.length
+        return np.array([self.pos / self.length], np.float32), float(done) - 0.1, done, False, {{}}
+
+
+rlfabric.register_env({name!r}, lambda **kw: Corridor(**kw))
+"""
+
+
+def test_a_ppo_run_on_an_imported_env_resumes_with_its_module_imported_again(local_ray, tmp_path, monkeypatch, capsys):
+    module = f"run_folder_envs_{os.getpid()}_{time.monotonic_ns()}"
+    name = f"corridor-{module}"
+    (tmp_path / f"{module}.py").write_text(ENV_MODULE.format(name=name))
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    monkeypatch.setattr(env_registry, "_REGISTRY", dict(env_registry._REGISTRY))
+    small = ["runners.num_runners=1", "training.eval_episodes=1", "ppo.num_epochs=1", "--quiet"]
+    argv = ["train", "algo=ppo", f"env.id={name}", "training.total_env_steps=256", *small, "--import", module]
+    argv += ["--run-dir", "run"]
+    code, _, err = run_cli(argv, capsys)
+    assert code == 0, err
+    assert Path("run/imports.txt").read_text() == f"{module}\n"
+    env_registry._REGISTRY.pop(name)  # as in a new process
+    sys.modules.pop(module)
+    code, _, err = run_cli(["train", "--resume", "run", "training.total_env_steps=512", *small], capsys)
+    assert code == 0, err
+    assert json.loads(Path("run/summary.json").read_text())["env_steps"] >= 512
+    sys.modules.pop(module)
 
 
 # -- (d) train-rm on bad input leaves no folder -------------------------------------------------------------------
