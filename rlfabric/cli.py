@@ -257,6 +257,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
         return 130
     finally:
         evaluation.close()
+    if evaluation.earlier_report is not None:
+        print(f"rlfabric eval: the earlier report in {out} was moved to {evaluation.earlier_report}", file=sys.stderr)
     print(format_report(report))
     print(f"  {'report':<16} {out / 'eval.json'}")
     for name, path in report["files"].items():

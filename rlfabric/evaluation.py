@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import shutil
 import sys
 import time
@@ -59,6 +60,7 @@ from rlfabric.run.progress import format_eta
 TRAINING_REWARD = "the training reward: rewards.functions combined by rewards.weights and rewards.combine"
 EVAL_FILE, SAMPLES_FILE = "eval.json", "samples.jsonl"
 N_PLOT, LENGTH_PLOT = "best_of_n.png", "reward_vs_length.png"
+REPORT_FILES = (EVAL_FILE, SAMPLES_FILE, N_PLOT, LENGTH_PLOT)  # what an evaluation writes into its folder
 
 
 @dataclass(frozen=True)
@@ -221,6 +223,7 @@ class BestOfNEval:
         self.pools: dict[str, RewardPool] = {}
         self.splits: dict[str, str] = {}  # each pool's rewards.process.split
         self.decode: Callable[[Any], str] | None = None  # the evaluated model's, for cutting completions into steps
+        self.earlier_report: Path | None = None  # where run() moved the report it found in the output folder
 
     # -- setup --------------------------------------------------------------------------------------------------
 
@@ -495,6 +498,7 @@ class BestOfNEval:
         report = self._report(self._sample_and_score(rows, ids), model_dir, time.monotonic() - started)
         samples = report.pop("samples")
         self.out_dir.mkdir(parents=True, exist_ok=True)
+        self.earlier_report = keep_earlier_report(self.out_dir)  # moved, not written over
         with open(self.out_dir / SAMPLES_FILE, "w") as f:
             f.writelines(json.dumps(row) + "\n" for row in samples)
         report["files"] = {
@@ -515,6 +519,33 @@ class BestOfNEval:
         for gen in self.generators:
             ray.kill(gen, no_restart=True)
         self.pools, self.generators = {}, []
+
+
+def keep_earlier_report(out_dir: Path) -> Path | None:
+    """Move the report an earlier evaluation left in ``out_dir`` (``REPORT_FILES``) into the first free
+    ``<out_dir>-<k>`` beside it (k = 1, 2, ...: the lower, the older), its ``eval.json``'s ``files`` pointing there;
+    the folder it went to, None when there was none. Folders in ``out_dir`` (a checkpoint's reports in
+    ``RUN_DIR/eval/<checkpoint>/``, a builtin initial model) stay."""
+    found = [out_dir / name for name in REPORT_FILES if (out_dir / name).is_file()]
+    if not found:
+        return None
+    base = out_dir if out_dir.name else out_dir.resolve()  # "--out ." has no name to number
+    k = 1
+    while (kept := base.with_name(f"{base.name}-{k}")).exists():
+        k += 1
+    kept.mkdir(parents=True)
+    for path in found:
+        os.replace(path, kept / path.name)
+    try:
+        report = json.loads((kept / EVAL_FILE).read_text())
+        files = report["files"]
+        files.update(
+            {key: str(kept / Path(value).name) for key, value in files.items() if Path(value).parent == out_dir}
+        )
+        (kept / EVAL_FILE).write_text(json.dumps(report, indent=2) + "\n")
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        pass  # not a report of this command's (or no eval.json): moved as it was
+    return kept
 
 
 def _mean_best_of_n(scores: np.ndarray, values: np.ndarray, n: int) -> float:

@@ -1,6 +1,7 @@
 """Run folders, through the public CLI: a folder holding only a run's ``initial`` evaluation is reused, not
 refused; a run records the modules it was started with (``--import``) and ``train --resume`` and ``eval
---run-dir`` import them again; ``train-rm`` on bad input leaves no new folder."""
+--run-dir`` import them again; ``eval`` keeps the earlier report it finds in its output folder; ``train-rm`` on
+bad input leaves no new folder."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from rlfabric import registry as env_registry
 from rlfabric.cli import main
 from rlfabric.config import Config, ConfigError, config_from_dict, dump_config
 from rlfabric.driver import Trainer
+from rlfabric.evaluation import keep_earlier_report
 from rlfabric.llm_driver import GRPOTrainer
 from rlfabric.llm_run_state import latest_checkpoint
 from rlfabric.rewards import registry as reward_registry
@@ -174,15 +176,74 @@ def test_resume_imports_the_runs_modules_again(imported_run, as_a_new_process, c
     assert json.loads((run_dir / "summary.json").read_text())["steps"] == 3
 
 
-def test_eval_of_the_run_imports_its_modules(imported_run, as_a_new_process, capsys):
+def test_eval_of_the_run_imports_its_modules_and_keeps_the_earlier_report(imported_run, as_a_new_process, capsys):
+    """(c) too: a second evaluation into the same folder moves the first report to ``eval-1`` beside it, a third
+    the second to ``eval-2``, and each says so; a checkpoint's reports inside ``eval/`` stay where they are."""
     _, run_dir, _, name = imported_run
-    code, stdout, err = run_cli(
-        ["eval", "--run-dir", str(run_dir), "--n", "1,2", "--num-prompts", "2", "--quiet"], capsys
-    )
+    out = run_dir / "eval"
+    argv = ["eval", "--run-dir", str(run_dir), "--n", "1,2", "--quiet"]
+    code, stdout, err = run_cli([*argv, "--num-prompts", "2"], capsys)
     assert code == 0, err
     assert name in reward_registry._REGISTRY
-    assert f"  report           {run_dir / 'eval' / 'eval.json'}" in stdout.splitlines()
-    assert json.loads((run_dir / "eval" / "eval.json").read_text())["prompts"] == 2
+    assert f"  report           {out / 'eval.json'}" in stdout.splitlines()
+    assert not any("earlier report" in line for line in err), err
+    first = json.loads((out / "eval.json").read_text())
+    assert first["prompts"] == 2
+
+    checkpoint = latest_checkpoint(run_dir)  # (another test may have resumed the run)
+    assert checkpoint is not None
+    code, _, err = run_cli(["eval", "--checkpoint", str(checkpoint), "--n", "1", "--num-prompts", "1"], capsys)
+    assert code == 0, err
+    assert json.loads((out / checkpoint.name / "eval.json").read_text())["prompts"] == 1
+
+    code, _, err = run_cli([*argv, "--num-prompts", "3"], capsys)
+    assert code == 0, err
+    assert f"rlfabric eval: the earlier report in {out} was moved to {run_dir / 'eval-1'}" in err
+    kept = run_dir / "eval-1"
+    assert sorted(p.name for p in kept.iterdir()) == [
+        "best_of_n.png",
+        "eval.json",
+        "reward_vs_length.png",
+        "samples.jsonl",
+    ]
+    earlier = json.loads((kept / "eval.json").read_text())
+    assert earlier == {**first, "files": {key: str(kept / Path(path).name) for key, path in first["files"].items()}}
+    assert len((kept / "samples.jsonl").read_text().splitlines()) == 2 * 2
+    assert json.loads((out / "eval.json").read_text())["prompts"] == 3
+    assert len((out / "samples.jsonl").read_text().splitlines()) == 3 * 2
+    assert json.loads((out / checkpoint.name / "eval.json").read_text())["prompts"] == 1  # not moved
+
+    code, _, err = run_cli([*argv, "--num-prompts", "1"], capsys)
+    assert code == 0, err
+    assert f"rlfabric eval: the earlier report in {out} was moved to {run_dir / 'eval-2'}" in err
+    assert json.loads((run_dir / "eval-2" / "eval.json").read_text())["prompts"] == 3
+    assert json.loads((run_dir / "eval-1" / "eval.json").read_text())["prompts"] == 2
+
+
+def test_an_earlier_report_moves_to_the_first_free_numbered_folder_beside_its_own(tmp_path, monkeypatch):
+    """Only the report's files move (a checkpoint's reports and a builtin model in the folder stay), to ``-1``, then
+    ``-2``; its eval.json's files point where they went. A folder without a report keeps nothing."""
+    out = tmp_path / "eval"
+    (out / "step_000002").mkdir(parents=True)
+    (out / "initial_model").mkdir()
+    assert keep_earlier_report(out) is None and not (tmp_path / "eval-1").exists()
+    for k in (1, 2):
+        files = {"samples": str(out / "samples.jsonl"), "elsewhere": str(tmp_path / "x.png")}
+        (out / "eval.json").write_text(json.dumps({"prompts": k, "files": files}))
+        for name in ("samples.jsonl", "best_of_n.png", "reward_vs_length.png"):
+            (out / name).write_text(f"{name} {k}")
+        assert keep_earlier_report(out) == tmp_path / f"eval-{k}"
+    assert sorted(p.name for p in out.iterdir()) == ["initial_model", "step_000002"]
+    for k in (1, 2):
+        kept = tmp_path / f"eval-{k}"
+        assert json.loads((kept / "eval.json").read_text()) == {
+            "prompts": k,
+            "files": {"samples": str(kept / "samples.jsonl"), "elsewhere": str(tmp_path / "x.png")},
+        }
+        assert (kept / "best_of_n.png").read_text() == f"best_of_n.png {k}"
+    monkeypatch.chdir(out)  # --out .: numbered beside the current directory
+    (out / "samples.jsonl").write_text("")
+    assert keep_earlier_report(Path(".")) == tmp_path / "eval-3"
 
 
 def test_a_recorded_module_that_cannot_be_imported_is_one_line(
