@@ -227,56 +227,6 @@ def test_bad_prompt_file_fails_in_setup_before_ray(tmp_path):
 
 # -- 3. --import from the current directory -------------------------------------------------------------------
 
-ENV_MODULE = '''
-import os
-from pathlib import Path
-
-import gymnasium as gym
-import numpy as np
-
-import rlfabric
-
-MARKS = Path({marks!r})
-
-
-class Corridor(gym.Env):
-    """Walk right to the end; each process that builds one leaves a mark with its pid."""
-
-    def __init__(self, length=4):
-        MARKS.mkdir(exist_ok=True)
-        (MARKS / str(os.getpid())).touch()
-        self.length, self.pos = length, 0
-        self.observation_space = gym.spaces.Box(0.0, 1.0, shape=(1,), dtype=np.float32)
-        self.action_space = gym.spaces.Discrete(2)
-
-    def reset(self, *, seed=None, options=None):
-        super().reset(seed=seed)
-        self.pos = 0
-        return np.array([0.0], np.float32), {{}}
-
-    def step(self, action):
-        self.pos = max(0, self.pos + (1 if action == 1 else -1))
-        done = self.pos >= self.length
-        return np.array([self.pos / self.length], np.float32), float(done) - 0.1, done, False, {{}}
-
-
-rlfabric.register_env({name!r}, lambda **kw: Corridor(**kw))
-'''
-
-
-@pytest.fixture
-def cwd_env_module(tmp_path, monkeypatch):
-    """A module in a fresh current directory (not on sys.path) that registers an env; (module, env name, marks)."""
-    module = f"bad_input_envs_{os.getpid()}_{time.monotonic_ns()}"
-    name = f"corridor-{module}"
-    marks = tmp_path / "marks"
-    (tmp_path / f"{module}.py").write_text(ENV_MODULE.format(marks=str(marks), name=name))
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(sys, "path", list(sys.path))  # what --import adds is undone after the test
-    monkeypatch.setattr(registry, "_REGISTRY", dict(registry._REGISTRY))
-    yield module, name, marks
-    sys.modules.pop(module, None)
-
 
 def test_import_finds_a_module_in_the_current_directory(cwd_env_module, capsys):
     module, name, _ = cwd_env_module

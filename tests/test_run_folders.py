@@ -267,43 +267,8 @@ def test_a_recorded_module_that_cannot_be_imported_is_one_line(
     assert (code, out, err) == (2, "", [f"rlfabric: config error: --checkpoint {checkpoint!r}: {not_found}"])
 
 
-ENV_MODULE = """
-import gymnasium as gym
-import numpy as np
-
-import rlfabric
-
-
-class Corridor(gym.Env):
-    \"\"\"Walk right to the end.\"\"\"
-
-    def __init__(self, length=4):
-        self.length, self.pos = length, 0
-        self.observation_space = gym.spaces.Box(0.0, 1.0, shape=(1,), dtype=np.float32)
-        self.action_space = gym.spaces.Discrete(2)
-
-    def reset(self, *, seed=None, options=None):
-        super().reset(seed=seed)
-        self.pos = 0
-        return np.array([0.0], np.float32), {{}}
-
-    def step(self, action):
-        self.pos = max(0, self.pos + (1 if action == 1 else -1))
-        done = self.pos >= self.length
-        return np.array([self.pos / self.length], np.float32), float(done) - 0.1, done, False, {{}}
-
-
-rlfabric.register_env({name!r}, lambda **kw: Corridor(**kw))
-"""
-
-
-def test_a_ppo_run_on_an_imported_env_resumes_with_its_module_imported_again(local_ray, tmp_path, monkeypatch, capsys):
-    module = f"run_folder_envs_{os.getpid()}_{time.monotonic_ns()}"
-    name = f"corridor-{module}"
-    (tmp_path / f"{module}.py").write_text(ENV_MODULE.format(name=name))
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(sys, "path", list(sys.path))
-    monkeypatch.setattr(env_registry, "_REGISTRY", dict(env_registry._REGISTRY))
+def test_a_ppo_run_on_an_imported_env_resumes_with_its_module_imported_again(local_ray, cwd_env_module, capsys):
+    module, name, _ = cwd_env_module
     small = ["runners.num_runners=1", "training.eval_episodes=1", "ppo.num_epochs=1", "--quiet"]
     argv = ["train", "algo=ppo", f"env.id={name}", "training.total_env_steps=256", *small, "--import", module]
     argv += ["--run-dir", "run"]
@@ -315,7 +280,6 @@ def test_a_ppo_run_on_an_imported_env_resumes_with_its_module_imported_again(loc
     code, _, err = run_cli(["train", "--resume", "run", "training.total_env_steps=512", *small], capsys)
     assert code == 0, err
     assert json.loads(Path("run/summary.json").read_text())["env_steps"] >= 512
-    sys.modules.pop(module)
 
 
 # -- (d) train-rm on bad input leaves no folder -------------------------------------------------------------------
