@@ -99,7 +99,10 @@ def check_game_config(cfg: Config) -> tuple[dict[str, str], dict[str, dict[str, 
                 plan = plan_game(env, cfg.multi_agent)
             except ValueError as exc:
                 raise ConfigError(f"env.id = {cfg.env.id!r}: {exc}") from None
-            _check_scripted_rules(cfg, plan, lambda agent: env.observe(agent) if reset is None else reset[agent])
+            to_move = None if reset is not None else env.agent_selection  # a turn-based game's mover
+            _check_scripted_rules(
+                cfg, plan, lambda agent: env.observe(agent) if reset is None else reset[agent], to_move
+            )
         finally:
             env.close()
     frozen = {}
@@ -121,11 +124,12 @@ def check_game_config(cfg: Config) -> tuple[dict[str, str], dict[str, dict[str, 
     return plan.mapping, frozen
 
 
-def _check_scripted_rules(cfg: Config, plan: Any, first_obs: Any) -> None:
+def _check_scripted_rules(cfg: Config, plan: Any, first_obs: Any, to_move: str | None) -> None:
     """Each scripted rule a game config names (a scripted policy's, and a self-play evaluation opponent's) tried
-    on the first observation of an agent it would play, ``first_obs(agent)``: a rule written for another game is
-    one ConfigError here, not runners that fail every sample or an evaluation skipped after the whole run. A rule
-    that cannot be resolved is left to ``user_callables``, which names it."""
+    on the first observation of an agent it would play, ``first_obs(agent)`` (in a turn-based game, the agent
+    ``to_move`` when it plays it: another's mask allows no move yet): a rule written for another game is one
+    ConfigError here, not runners that fail every sample or an evaluation skipped after the whole run. A rule that
+    cannot be resolved is left to ``user_callables``, which names it."""
     ma = cfg.multi_agent
     plays: list[tuple[str, str, str]] = [  # (field, its value, the policy whose seats the rule plays)
         (f"multi_agent.policies.{name}.rule", spec.rule, name)
@@ -140,15 +144,18 @@ def _check_scripted_rules(cfg: Config, plan: Any, first_obs: Any) -> None:
         ]
     for field, value, policy in plays:
         seats = [agent for agent, p in plan.mapping.items() if p == policy]
+        if to_move is not None:
+            seats = [agent for agent in seats if agent == to_move]
         try:
             resolved = scripted_rule(value.removeprefix("scripted:"))
-            raw = first_obs(seats[0])
-        except (ValueError, KeyError, IndexError):  # unresolvable: user_callables names it; no seat or no
+            seat = seats[0]
+            raw = first_obs(seat)
+        except (ValueError, KeyError, IndexError):  # unresolvable: user_callables names it; no seat to try, or no
             continue  # observation at reset (an agent that joins later): its runner meets the rule as it plays
-        if (why := rule_misfit(resolved, plan.spaces[seats[0]], raw)) is not None:
+        if (why := rule_misfit(resolved, plan.spaces[seat], raw)) is not None:
             raise ConfigError(
                 f"{field} = {value!r} is not valid for env.id = {cfg.env.id!r}: on the first observation of "
-                f"{seats[0]!r} {why}"
+                f"{seat!r} {why}"
             )
 
 

@@ -230,10 +230,10 @@ def test_centralized_critic_sees_the_global_state_and_the_agent():
         (  # a rule whose move is not a legal action (a cell index of 9 on a 9-cell board)
             [
                 "multi_agent.policies={main: {}, opp: {kind: scripted, rule: 'game_envs:out_of_range'}}",
-                "multi_agent.policy_mapping={player_1: main, player_2: opp}",
+                "multi_agent.policy_mapping={player_1: opp, player_2: main}",  # opp moves first: tried at reset
             ],
             r"multi_agent.policies.opp.rule = 'game_envs:out_of_range' is not valid for env.id = "
-            r"'pettingzoo:classic.tictactoe_v3': on the first observation of 'player_2' it returned 9, not one of the "
+            r"'pettingzoo:classic.tictactoe_v3': on the first observation of 'player_1' it returned 9, not one of the "
             r"9 actions its mask allows",
         ),
         (

@@ -119,6 +119,8 @@ def rule_misfit(rule: Any, spaces: AgentSpaces, raw_obs: Any) -> str | None:
     """Why ``rule`` (resolved by ``scripted_rule``) cannot play an agent with ``spaces``, tried on one of its raw
     observations: what it raised, or the move it returned that is not one legal action; None when it can."""
     obs, mask = spaces.encode(raw_obs)
+    if mask is not None and not mask.any():  # no move is legal for it now: nothing to try the rule on
+        return None
     try:
         actions = np.asarray(rule(obs[None], mask[None] if mask is not None else [None]))
     except Exception as exc:  # noqa: BLE001 - the rule's own failure, reported with its words
