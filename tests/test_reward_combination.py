@@ -148,7 +148,7 @@ def test_component_names_no_reward_gave_are_named_by_field_and_misspellings_get_
         ),
     ],
 )
-def test_a_name_no_declared_reward_gives_is_refused_before_any_actor_starts(tmp_path, rewards, says):
+def test_a_name_no_declared_reward_gives_is_refused_before_any_actor_starts(no_ray, tmp_path, rewards, says):
     """Every function declares its components (the arithmetic reward: correct, format), so a misspelt name is one
     line at construction; it was a note at the first scored step, after Ray, the evaluation and a step ran."""
     import ray
