@@ -11,7 +11,7 @@ from __future__ import annotations
 import difflib
 from collections.abc import Callable, Collection
 
-from rlfabric.config_base import ConfigError
+from rlfabric.rewards.registry import check_names_given
 
 # How close a name must be to a given component to be taken for its misspelling (difflib's ratio 2M / T).
 MISSPELLING_RATIO = 0.8
@@ -56,9 +56,4 @@ def check_references_declared(references: list[tuple[str, str]], declared: Colle
     if not unknown:
         return
     where, name = unknown[0]
-    close = difflib.get_close_matches(name, sorted(declared), n=1)
-    hint = f" (did you mean {close[0]!r}?)" if close else ""
-    raise ConfigError(
-        f"{where} names {name!r}{hint}: the reward functions give only {', '.join(sorted(declared))} "
-        "(rlfabric rewards list shows what each gives)"
-    )
+    check_names_given([name], declared, where, "the run's reward set", "rlfabric rewards list shows what each gives")

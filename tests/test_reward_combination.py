@@ -139,7 +139,7 @@ def test_component_names_no_reward_gave_are_named_by_field_and_misspellings_get_
     [
         (
             {"weights": {"corect": 1.0}},
-            "rewards.weights names 'corect' (did you mean 'correct'?): the reward functions give only correct, format "
+            "rewards.weights names 'corect' (did you mean 'correct'?): the run's reward set gives only correct, format "
             "(rlfabric rewards list shows what each gives)",
         ),
         (

@@ -206,9 +206,11 @@ def components_of(functions: Mapping[str, Callable[..., Any]]) -> dict[str, str]
     return owners if complete else None
 
 
-def check_names_given(names: Iterable[str], given: Collection[str], field: str, source: str) -> None:
+def check_names_given(
+    names: Iterable[str], given: Collection[str], field: str, source: str, where_to_look: str = ""
+) -> None:
     """ConfigError naming ``field`` when one of ``names`` is not in ``given`` (the components ``source``
-    declares), with the given component it resembles."""
+    declares), with the given component it resembles and, when given, ``where_to_look`` for the names."""
     unknown = [name for name in names if name not in given]
     if not unknown:
         return
@@ -216,6 +218,7 @@ def check_names_given(names: Iterable[str], given: Collection[str], field: str, 
     hint = f" (did you mean {close[0]!r}?)" if close else ""
     raise ConfigError(
         f"{field} names {', '.join(map(repr, unknown))}{hint}: {source} gives only {', '.join(sorted(given))}"
+        + (f" ({where_to_look})" if where_to_look else "")
     )
 
 
