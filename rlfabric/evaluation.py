@@ -43,7 +43,8 @@ from rlfabric.grpo_config import LLMConfig, episode_source, episode_source_field
 from rlfabric.llm_actors import judge_request, reward_resources, reward_weights, start_generator
 from rlfabric.llm_resources import SETUP_TIMEOUT_S, openmp_env
 from rlfabric.llm_run_state import FINAL_MODEL_DIR, INITIAL_MODEL_DIR, latest_checkpoint, read_trainer_state
-from rlfabric.models.hf import check_model_source, encode_prompt, model_max_positions
+from rlfabric.llm_setup import check_reward_columns, encode_prompts
+from rlfabric.models.hf import check_model_source, model_max_positions
 from rlfabric.placement import ActorRequest, check_fits
 from rlfabric.policies.served import GeneratorsFailed, ServedLLMPolicy
 from rlfabric.reward_config import RewardFunctionConfig, parse_split
@@ -257,9 +258,12 @@ class BestOfNEval:
             prompt_key=d.prompt_key,
             count_field="--num-prompts (default data.num_eval)",
         )
+        # the setting the rows came from: data.eval, or the rows of data.train that training leaves
+        source = ("data.eval", d.eval) if d.eval else ("data.train", d.train)
+        check_reward_columns(self.cfg, {source[0]: (source[1], rows)}, skip=[])  # as train checks them
         tokenizer = load_tokenizer(model_dir)
         self.decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)  # as the generator decodes
-        ids = [encode_prompt(tokenizer, r[d.prompt_key], d.chat_template) for r in rows]
+        ids = encode_prompts(self.cfg, tokenizer, rows, f"{source[0]} = {source[1]!r}", "held-out row")
         check_prompt_lengths(
             {"data.eval": ids},
             max_new_tokens=self.cfg.sampling.max_new_tokens,
@@ -512,10 +516,11 @@ class BestOfNEval:
     def close(self) -> None:
         for pool in self.pools.values():
             pool.shutdown()
-        try:  # engines stop their schedulers before the processes go
-            ray.get([gen.shutdown.remote() for gen in self.generators], timeout=10)
-        except Exception:  # a dead or stuck generator is killed below either way
-            pass
+        if self.generators:  # ray.get([]) would start Ray for an evaluation that stopped before it
+            try:  # engines stop their schedulers before the processes go
+                ray.get([gen.shutdown.remote() for gen in self.generators], timeout=10)
+            except Exception:  # a dead or stuck generator is killed below either way
+                pass
         for gen in self.generators:
             ray.kill(gen, no_restart=True)
         self.pools, self.generators = {}, []

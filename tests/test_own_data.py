@@ -188,6 +188,39 @@ def test_a_reward_answer_column_with_several_candidates_lists_them_for_data_eval
 
 
 @pytest.mark.parametrize(
+    ("sections", "says"),
+    [
+        (
+            {"rewards": {"functions": [{"name": "arithmetic"}]}},
+            "rewards.functions[0] = 'arithmetic' is not valid for data.train = {train!r}: it reads metadata['answer'] "
+            "(the column its kwargs answer_key names), which the rows lack; set its kwargs answer_key: solution",
+        ),
+        (
+            {"data": {"eval": "{heldout}"}},
+            "model.builtin.alphabet = 'default' has no '&', which the 'question' column of data.eval = {heldout!r} "
+            "(held-out row 3: 'Twice 3 & 4?') uses: no named alphabet (default, tool) has them: set it to a string "
+            "of every character needed",
+        ),
+    ],
+    ids=["reward answer column", "held-out spelling"],
+)
+def test_rlfabric_eval_checks_the_files_columns_and_spelling_as_train_does(tmp_path, capsys, no_ray, sections, says):
+    train = write_jsonl(tmp_path / "train.jsonl", doubles(40))
+    rows = doubles(10, "Twice {i}?")
+    rows[3]["question"] = "Twice 3 & 4?"
+    heldout = write_jsonl(tmp_path / "eval.jsonl", rows)
+    if "data" in sections:
+        sections = {"data": {"eval": heldout}}
+    cfg = config(tmp_path, train, **sections)
+    capsys.readouterr()
+    code = main(["eval", str(cfg), "--n", "1", "--out", str(tmp_path / "out"), "--quiet"])
+    out, err = capsys.readouterr()
+    assert code == 2 and out == "", err
+    assert err.splitlines() == ["rlfabric: config error: " + says.format(train=train, heldout=heldout)], err
+    assert not ray.is_initialized() and not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
     ("reward", "metadata", "fix"),
     [
         (arithmetic_reward, {"solution": "2"}, "set its kwargs answer_key: solution"),
