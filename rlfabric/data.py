@@ -9,7 +9,8 @@ A data spec (``data.train``, ``data.eval``) is one of:
   (local files only). File rows keep their order; ``num_rows`` takes the first rows and the seed is not used.
 
 Every row must hold a string under the prompt key; every other column is per-sample metadata that the reward
-functions receive (``row_metadata``).
+functions receive (``row_metadata``). The rows of a text env or an agent are its tasks (``TASK_FIELDS``): the env's
+reset writes the prompt, so a task needs no prompt column, and one without it is told apart by its whole content.
 """
 
 from __future__ import annotations
@@ -41,9 +42,11 @@ class RowFields:
     heldout: str = "data.eval"  # the setting naming a file of held-out rows ("": they always come from the same file)
     prompt_key: str = "data.prompt_key"  # the setting naming the prompt column ("": the columns are fixed)
     columns: tuple[str, ...] = ()  # with prompt_key "": the text columns every row needs, the prompt's first
+    tasks: bool = False  # rows are a text env's or an agent's tasks: a prompt column is optional
 
 
 PROMPT_FIELDS = RowFields()
+TASK_FIELDS = RowFields(tasks=True)
 
 
 def load_prompts(
@@ -119,17 +122,18 @@ def load_heldout(
     A generated task draws them with seeds derived from ``seed`` (so the same spec as training gives other rows),
     round after round until ``num_rows`` new prompts turn up; a file keeps its rows whose prompt is new.
     """
-    seen = {row[prompt_key] for row in train_rows}
+    seen = {row_identity(row, prompt_key) for row in train_rows}
     if not spec.startswith(TASK_PREFIX):
         file_rows = load_prompts(spec, prompt_key=prompt_key, field=field, fields=fields)
         rows = _new_rows(file_rows, seen, prompt_key, num_rows)
+        kind = "task is not a training task" if fields.tasks else "prompt is not a training prompt"
         if num_rows is not None and len(rows) < num_rows:
             fixes = [f"lower {count_field} to at most {len(rows)}"] if rows else []
             fixes.append(f"train on fewer rows ({fields.count}: {len(train_rows)} now) to leave more out")
             if fields.heldout:
                 fixes.append(f"set {fields.heldout} to a file of held-out prompts")
             raise ConfigError(
-                f"{field} = {spec!r}: has {_rows(len(rows))} whose prompt is not a training prompt, "
+                f"{field} = {spec!r}: has {_rows(len(rows))} whose {kind}, "
                 f"fewer than the {num_rows} asked for ({count_field}): {', '.join(fixes[:-1])}"
                 f"{', or ' if len(fixes) > 1 else ''}{fixes[-1]}"
             )
@@ -294,6 +298,8 @@ def _check_columns(rows: list[dict[str, Any]], spec: str, prompt_key: str, field
     if not rows:
         return
     has = ", ".join(map(repr, rows[0]))
+    if fields.tasks:  # the env writes the prompt: any columns will do
+        return
     if fields.prompt_key:
         if prompt_key not in rows[0]:
             raise ConfigError(
@@ -311,6 +317,8 @@ def _check_columns(rows: list[dict[str, Any]], spec: str, prompt_key: str, field
 
 
 def _check_rows(rows: list[dict[str, Any]], spec: str, prompt_key: str, field: str, fields: RowFields) -> None:
+    if fields.tasks:
+        return
     where = f"{fields.prompt_key}: {prompt_key}" if fields.prompt_key else "the prompt column"
     for i, row in enumerate(rows):
         if prompt_key not in row:  # a generated task's row (a file's columns are checked before)
@@ -328,13 +336,22 @@ def _check_rows(rows: list[dict[str, Any]], spec: str, prompt_key: str, field: s
             raise ConfigError(f"{field} = {spec!r}: row {i}: {prompt_key!r} is a {type(prompt).__name__}, not a string")
 
 
+def row_identity(row: dict[str, Any], prompt_key: str) -> str:
+    """What tells ``row`` apart from the others: its prompt, else (a task with no prompt column) its whole content."""
+    if prompt_key in row:
+        return row[prompt_key]
+    return json.dumps(row, sort_keys=True, default=str)
+
+
 def _new_rows(rows: list[dict[str, Any]], seen: set[str], prompt_key: str, limit: int | None) -> list[dict[str, Any]]:
-    """Rows whose prompt is not in ``seen`` (which grows as they are taken), at most ``limit`` of them."""
+    """Rows whose identity (``row_identity``) is not in ``seen`` (which grows as they are taken), at most ``limit``
+    of them."""
     out = []
     for row in rows:
         if limit is not None and len(out) >= limit:
             break
-        if row[prompt_key] not in seen:
-            seen.add(row[prompt_key])
+        identity = row_identity(row, prompt_key)
+        if identity not in seen:
+            seen.add(identity)
             out.append(row)
     return out

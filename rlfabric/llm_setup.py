@@ -23,7 +23,7 @@ from rlfabric import rewards
 from rlfabric.actor_slots import ActorSlots, RunAbortedError
 from rlfabric.actors.llm_rollout import PromptSet
 from rlfabric.config import ConfigError
-from rlfabric.data import check_prompt_lengths, load_heldout, load_prompts
+from rlfabric.data import PROMPT_FIELDS, TASK_FIELDS, check_prompt_lengths, load_heldout, load_prompts
 from rlfabric.driver import ensure_ray
 from rlfabric.grpo_config import LLMConfig, plays_episodes
 from rlfabric.llm_actors import (
@@ -134,8 +134,9 @@ class GRPOSetup:
             return
         # data.eval '': the held-out rows are the file's rows training leaves, so a short file is split between them
         keep_out = 0 if d.eval else d.num_eval
+        fields = TASK_FIELDS if plays_episodes(cfg) else PROMPT_FIELDS  # a text env's reset writes the prompt
         self.train_rows = load_prompts(
-            d.train, num_rows=d.num_train, seed=seed, prompt_key=d.prompt_key, keep_out=keep_out
+            d.train, num_rows=d.num_train, seed=seed, prompt_key=d.prompt_key, keep_out=keep_out, fields=fields
         )
         if not self.train_rows:
             raise ConfigError(f"data.train = {d.train!r}: holds no prompts")
@@ -146,6 +147,7 @@ class GRPOSetup:
             seed=seed,
             prompt_key=d.prompt_key,
             field="data.eval" if d.eval else "data.train",  # the setting whose value is the spec read
+            fields=fields,
         )
         self.rollouts.num_train_prompts = len(self.train_rows)
 

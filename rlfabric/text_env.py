@@ -36,6 +36,12 @@ class TextStep:
     info: dict[str, Any] = field(default_factory=dict)
 
 
+# what a step that returned something else is told (a Gymnasium-style tuple is the usual mistake)
+TEXT_STEP_HINT = (
+    " (from rlfabric.text_env import TextStep; TextStep(observation, rewards, terminated, truncated, info))"
+)
+
+
 @runtime_checkable
 class TextEnv(Protocol):
     """See the module docstring. ``system_prompt`` (optional attribute): a system message for every episode."""
@@ -102,7 +108,7 @@ def check_text_env(env: Any, task: dict[str, Any], action: str = "") -> str:
     if not isinstance(observation, str):
         raise TypeError(f"reset returned {type(observation).__name__}, expected str (the first observation)")
     if not isinstance(step, TextStep):
-        raise TypeError(f"step returned {type(step).__name__}, expected rlfabric.text_env.TextStep")
+        raise TypeError(f"step returned {type(step).__name__}, expected a TextStep{TEXT_STEP_HINT}")
     bad = {k: v for k, v in step.rewards.items() if not isinstance(k, str) or not isinstance(v, (int, float))}
     if bad:
         raise TypeError(f"step rewards {bad} are not str -> number components")

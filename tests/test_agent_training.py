@@ -59,6 +59,35 @@ def test_an_env_that_cannot_reset_stops_setup_before_ray_with_its_error(tmp_path
     assert t.generators is None  # no actor was started
 
 
+class ShowsItsTask:
+    """A user's text env whose tasks have no prompt column: its reset writes the prompt from the task."""
+
+    def reset(self, task):
+        raise RuntimeError(f"reset on {task}")
+
+    def step(self, action):
+        return TextStep("x")
+
+
+def test_a_text_envs_task_file_needs_no_prompt_column_and_tells_tasks_apart_by_their_content(tmp_path):
+    register_env("shows-its-task", ShowsItsTask)
+    tasks = tmp_path / "words.jsonl"
+    tasks.write_text("".join(f'{{"word": "w{i % 4}"}}\n' for i in range(8)))  # four tasks, each twice
+    data = {"train": str(tasks), "eval": "", "num_train": 2, "num_eval": 2}
+    t = trainer(tmp_path, env={"id": "shows-its-task"}, data=data)
+    # the rows were read as tasks (no 'prompt' column asked for): setup got as far as resetting the env on one
+    with pytest.raises(ConfigError, match=r"env.id = 'shows-its-task': .*reset on \{'word': 'w0'\}"):
+        t.setup()
+    # with all four tasks trained on, the rows left repeat them: none is held out
+    t = trainer(tmp_path, env={"id": "shows-its-task"}, data={**data, "num_train": 4})
+    with pytest.raises(ConfigError) as info:
+        t.setup()
+    assert str(info.value).startswith(
+        f"data.train = {str(tasks)!r}: has 0 rows whose task is not a training task, fewer than the 2 asked for"
+    ), info.value
+    assert t.generators is None
+
+
 @pytest.mark.parametrize(
     ("changes", "message"),
     [
@@ -106,6 +135,22 @@ def test_envs_check_plays_one_turn_of_a_text_env(capsys):
     register_env("broken-board", Broken)
     assert main(["envs", "check", "broken-board", "--task", "{}"]) == 1
     assert capsys.readouterr().out == "FAIL broken-board (text env): RuntimeError: no board\n"
+    register_env("gymnasium-shaped", GymnasiumShaped)
+    assert main(["envs", "check", "gymnasium-shaped", "--task", "{}"]) == 1
+    assert capsys.readouterr().out == (
+        "FAIL gymnasium-shaped (text env): TypeError: step returned tuple, expected a TextStep (from "
+        "rlfabric.text_env import TextStep; TextStep(observation, rewards, terminated, truncated, info))\n"
+    )
+
+
+class GymnasiumShaped:
+    """A text env whose step returns Gymnasium's five values rather than a TextStep."""
+
+    def reset(self, task):
+        return "hi"
+
+    def step(self, action):
+        return "bye", {"correct": 1.0}, True, False, {}
 
 
 def test_sft_warm_up_on_a_scripted_players_episodes(local_ray, tmp_path):

@@ -228,11 +228,17 @@ class _Instance:
     cls: type
 
 
-def _doc_block(name: str) -> str:
-    """The README block that starts with the comment ``# <name>`` (the file the README tells the user to write)."""
-    blocks = [code for _, code in _python_blocks(ROOT / "README.md") if code.startswith(f"# {name}\n")]
-    assert len(blocks) == 1, f"README.md: no python block starting with '# {name}'"
+def _doc_block(name: str, doc: Path = ROOT / "README.md") -> str:
+    """The block of ``doc`` that starts with the comment ``# <name>`` (a file the docs tell the user to write)."""
+    blocks = [code for _, code in _python_blocks(doc) if code.startswith(f"# {name}")]
+    assert len(blocks) == 1, f"{doc.name}: no python block starting with '# {name}'"
     return blocks[0]
+
+
+def _is_users_file(code: str) -> bool:
+    """A block that is a file the user writes (it opens with ``# <name>.py``), not a listing of rlfabric's classes."""
+    first = code.split("\n", 1)[0]
+    return first.startswith("# ") and ".py" in first.split()[1]
 
 
 def _cli_train_line(text: str, marker: str) -> tuple[Path | None, list[str], list[str]]:
@@ -336,7 +342,7 @@ def _documented_classes() -> dict[str, tuple[list[tuple[str, bool]], list[tuple[
     classes = {}
     for path in DOC_FILES:
         for _, code in _python_blocks(path):
-            tree = _parse_listing(code)
+            tree = None if _is_users_file(code) else _parse_listing(code)
             for node in tree.body if tree else []:
                 if not isinstance(node, ast.ClassDef):
                     continue
@@ -458,6 +464,23 @@ def test_readme_env_example_registers_an_env_the_trainer_builds(tmp_path, monkey
     assert isinstance(namespace["cfg"], Config) and namespace["cfg"].env.id == "my-env"
     trainer = Trainer(namespace["cfg"], tmp_path / "run")  # resolves the registered env; starts nothing yet
     assert trainer.pool is None
+
+
+def test_the_agents_guides_text_env_passes_envs_check_as_shown(monkeypatch, capsys):
+    """docs/agents.md's my_text.py, imported as its command line does, plays one turn through rlfabric envs check."""
+    from rlfabric.cli import main
+
+    doc = ROOT / "docs" / "agents.md"
+    module = types.ModuleType("my_text")
+    exec(_doc_block("my_text.py", doc), module.__dict__)
+    monkeypatch.setitem(sys.modules, "my_text", module)
+    line = next(line for line in doc.read_text().splitlines() if line.startswith("rlfabric envs check echo"))
+    words = shlex.split(line, comments=True)
+    assert words[:3] == ["rlfabric", "envs", "check"] and "--import" in words, words
+    assert main(words[1:]) == 0
+    assert capsys.readouterr().out == (
+        "OK echo (text env): reset -> 'Say cab:'; step('cab') -> 'bye', rewards {'correct': 1.0}\n"
+    )
 
 
 def test_llm_guide_python_api_example_configures_and_scores_as_shown():
