@@ -280,6 +280,12 @@ def resolve(spec: str, field: str = "env.id") -> EnvFactory:
     if pettingzoo_module is not None:
         return pettingzoo_module
     known = sorted(_REGISTRY) + sorted(eps)
+    module, _, attr = spec.partition(":")
+    if module and attr and "/" not in spec:  # meant as package.module:factory: say which part is missing
+        raise EnvNotFoundError(
+            f"{field} = {spec!r} is not valid: {shipping.why_not_importable(spec)} (nor a registered name; see "
+            "`rlfabric envs list`)"
+        )
     raise EnvNotFoundError(
         f"{field} = {spec!r} is not valid: not a registered name"
         f"{' (' + ', '.join(known) + ')' if known else ''}, not 'gym:<id>' or 'pettingzoo:<family>.<name>', and not "

@@ -62,8 +62,15 @@ def test_import_error_inside_a_user_module_is_not_hidden(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(tmp_path))
     with pytest.raises(ModuleNotFoundError, match="rl_module_that_does_not_exist"):
         registry.resolve("rl_broken_mod:make")
-    with pytest.raises(EnvNotFoundError, match="not an importable"):
-        registry.resolve("rl_no_such_mod:make")
+    # a module:factory spec says which part is missing: the module, or the factory in a module that exists
+    with pytest.raises(EnvNotFoundError) as info:
+        registry.resolve("rl_no_such_pkg.envs:make")
+    assert str(info.value) == (
+        "env.id = 'rl_no_such_pkg.envs:make' is not valid: no module 'rl_no_such_pkg.envs' in the current directory "
+        "or on the Python path (nor a registered name; see `rlfabric envs list`)"
+    )
+    with pytest.raises(EnvNotFoundError, match="module 'rlfabric.envs.guess_number' has no function 'make_it'"):
+        registry.resolve("rlfabric.envs.guess_number:make_it")
 
 
 def test_specs_resolve_in_order():
