@@ -16,7 +16,14 @@ from ray.exceptions import RayError
 
 from rlfabric.actor_slots import RunAbortedError, error_summary
 from rlfabric.cli_inspect import cmd_envs_check, cmd_envs_list, cmd_rewards_list, cmd_tools_check, cmd_tools_list
-from rlfabric.cli_support import IMPORT_HELP, default_run_dir, import_user_modules, record_imports, saved_algo
+from rlfabric.cli_support import (
+    IMPORT_HELP,
+    RESUME_COMMAND_ENV,
+    default_run_dir,
+    import_user_modules,
+    record_imports,
+    saved_algo,
+)
 from rlfabric.config import ConfigError, load_config
 from rlfabric.submit import add_submit_parser, cmd_submit
 
@@ -134,7 +141,8 @@ def train_or_exit_code(
     def what_is_left() -> str:
         if newest_checkpoint(trainer.run_dir) is None:
             return "no checkpoint was saved yet (training.checkpoint_every)"
-        return f"the latest checkpoint is kept (continue with --resume {trainer.run_dir})"
+        resume = os.environ.get(RESUME_COMMAND_ENV) or f"--resume {trainer.run_dir}"  # in a job: its submit's
+        return f"the latest checkpoint is kept (continue with {resume})"
 
     try:
         trainer.setup()  # the run's folder and actors (a config error found on the way leaves no new folder)

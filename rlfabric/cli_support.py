@@ -18,6 +18,9 @@ IMPORT_HELP = "module to import first, from the current directory or the Python 
 # Beside a run's config.yaml: the modules it was started with (--import), one name a line, which --resume and
 # eval --run-dir import again.
 IMPORTS_FILE = "imports.txt"
+# Set by rlfabric submit in its job's environment: the command that resumes the job's run (a new job), which a run
+# stopped inside the job names instead of `rlfabric train --resume`.
+RESUME_COMMAND_ENV = "RLFABRIC_RESUME_COMMAND"
 
 
 def import_user_modules(names: list[str] | None, run_dir: Path | None = None, field: str = "") -> list[str]:

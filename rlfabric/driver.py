@@ -24,7 +24,7 @@ from rlfabric.actor_slots import evaluation_failure, lost_object
 from rlfabric.actors.env_runner import EnvRunner
 from rlfabric.actors.learner import Learner
 from rlfabric.config import Config, ConfigError, RayConfig
-from rlfabric.placement import ActorRequest, RoleGroups, record_plan
+from rlfabric.placement import ActorRequest, RoleGroups, check_fits, record_plan
 from rlfabric.ppo_config import PPO_ROLES
 from rlfabric.run.checkpoints import CHECKPOINT_DIR, CheckpointStore
 from rlfabric.run.interrupts import stop_requests
@@ -204,14 +204,21 @@ class Trainer:
         """What one runner asks Ray for: its bundle, and what a replacement needs a node to have."""
         return {"CPU": self.cfg.runners.num_cpus, **self.cfg.runners.resources}
 
-    def _make_placement_group(self) -> None:
+    def _actor_requests(self) -> list[ActorRequest]:
+        """The runners and learners the run starts, each with what it asks Ray for."""
         r, lc = self.cfg.runners, self.cfg.learner
         learner_bundle = {"CPU": lc.num_cpus, **({"GPU": lc.num_gpus} if lc.num_gpus else {}), **lc.resources}
-        learners = self._num_learners()
+        return [
+            ActorRequest("runners", r.num_runners, self._runner_resources()),
+            ActorRequest("learner", self._num_learners(), learner_bundle),
+        ]
+
+    def _make_placement_group(self) -> None:
+        r = self.cfg.runners
+        requests = self._actor_requests()
+        learner_bundle, learners = requests[1].resources, requests[1].count
         if self.cfg.ray.placement:
-            runners = ActorRequest("runners", r.num_runners, self._runner_resources())
-            learner = ActorRequest("learner", learners, learner_bundle)
-            self.role_groups = RoleGroups([runners, learner], self.cfg.ray.placement, SETUP_TIMEOUT_S)
+            self.role_groups = RoleGroups(requests, self.cfg.ray.placement, SETUP_TIMEOUT_S)
         strategy = self.cfg.ray.placement_strategy
         if strategy is None:
             return
@@ -248,6 +255,8 @@ class Trainer:
         checkpoint = self._read_checkpoint() if self.resume else None
         r = self.cfg.runners
         ensure_ray(self.cfg.ray, self._cpus_wanted())
+        # a joined cluster too small for the run: one line now, not a wait for actors that cannot start
+        check_fits(self._actor_requests(), [node["Resources"] for node in ray.nodes() if node.get("Alive")])
         self.registry_blob = registry.snapshot()
         self._make_placement_group()
         self.pool = RunnerPool(

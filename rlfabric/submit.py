@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from rlfabric.cli_support import IMPORT_HELP, default_run_dir, import_user_modules, run_name
+from rlfabric.cli_support import IMPORT_HELP, RESUME_COMMAND_ENV, default_run_dir, import_user_modules, run_name
 from rlfabric.config import ConfigError, load_config
 from rlfabric.run.log import CONFIG_FILE
 
@@ -139,6 +139,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
             f"--address {address}: no Ray dashboard answers there ({exc.__class__.__name__}); start a cluster with "
             "`ray start --head`, or pass its dashboard's address"
         ) from None
+    resume = shlex.join(["rlfabric", "submit", "--resume", str(run_dir), *_address_words(address)])
     excludes = list(UPLOAD_EXCLUDES)
     if run_dir.is_relative_to(working_dir):
         excludes.append(str(run_dir.relative_to(working_dir)))
@@ -148,7 +149,11 @@ def cmd_submit(args: argparse.Namespace) -> int:
         "runtime_env": {
             "working_dir": str(working_dir),
             "excludes": excludes,
-            "env_vars": {"RAY_JOB_STOP_WAIT_TIME_S": str(args.stop_timeout_s), "PYTHONUNBUFFERED": "1"},
+            "env_vars": {
+                "RAY_JOB_STOP_WAIT_TIME_S": str(args.stop_timeout_s),
+                "PYTHONUNBUFFERED": "1",
+                RESUME_COMMAND_ENV: resume,  # what the run, stopped in the job, says to continue with
+            },
         },
         "metadata": {"run_dir": str(run_dir)},
     }
@@ -163,7 +168,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
         f"  logs:   {job_command('logs -f', job_id, address, token)}\n"
         f"  stop:   {job_command('stop', job_id, address, token)}   (the run checkpoints first, up to "
         f"{args.stop_timeout_s}s)\n"
-        f"  resume: {shlex.join(['rlfabric', 'submit', '--resume', str(run_dir), *_address_words(address)])}",
+        f"  resume: {resume}",
         file=sys.stderr,
     )
     if args.no_wait:

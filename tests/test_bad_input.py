@@ -492,6 +492,23 @@ def test_env_of_an_imported_cwd_module_runs_on_the_joined_cluster(cluster, cwd_e
     assert len(worker_pids) >= 2  # the two runners built it in their own processes
 
 
+def test_a_run_the_joined_cluster_cannot_hold_is_one_line_at_once(cluster, monkeypatch, capsys, tmp_path):
+    """The example's runners and a 2-CPU learner (2 runners x 1 CPU + 2) on the 3-CPU cluster: refused when Ray is
+    joined, not after a two-minute wait for a learner that cannot start."""
+    monkeypatch.setenv("RAY_ADDRESS", cluster.address)
+    argv = ["train", str(ROOT / "examples/cartpole_ppo.yaml"), "learner.num_cpus=2", "--run-dir", str(tmp_path)]
+    started = time.monotonic()
+    code, out, err = run_cli([*argv, "--quiet"], capsys)
+    assert err[0].startswith("rlfabric: training gym:CartPole-v1 -> ")  # the run's own first line, then the error
+    assert_one_config_error(
+        code,
+        out,
+        err[1:],
+        "the run's actors ask for CPU=4 in all (runners: 2 x CPU=1; learner: 1 x CPU=2) but the cluster has CPU=3",
+    )
+    assert time.monotonic() - started < 60
+
+
 def test_a_config_error_after_ray_started_leaves_no_new_run_directory(tmp_path, capsys):
     """A tool server that cannot start is found once Ray runs (its supervisor is an actor): the run stops with one
     line, exit 2, and the new run's folder (config snapshot, initial model, empty metrics) is removed, as for bad

@@ -171,6 +171,12 @@ def test_a_stopped_job_leaves_a_checkpoint_and_a_resubmitted_one_continues(ray_h
     assert checkpoints, "ray job stop left no checkpoint"  # written on the way out (SIGTERM is a stop request)
     stopped_at = read_metrics(run_dir)[-1]["env_steps"]
     assert stopped_at < 200_000
+    # the stopped run's last line, in the job's log, gives the resume command submit printed (a new job), not train's
+    logs_command = next(line for line in started.stderr.splitlines() if line.strip().startswith("logs:"))
+    logs = subprocess.run(logs_command.split("logs:", 1)[1].strip(), shell=True, env=env, capture_output=True,
+                          text=True, timeout=120)  # fmt: skip
+    resume = next(line for line in started.stderr.splitlines() if line.strip().startswith("resume:"))
+    assert f"continue with {resume.split('resume:', 1)[1].strip()})" in logs.stdout, logs.stdout[-2000:]
 
     resumed = cli("submit", "--resume", str(run_dir), "training.total_env_steps=" + str(stopped_at + 640),
                   "--import", "corridor_env", "--address", address, cwd=project, env=env)  # fmt: skip
