@@ -15,6 +15,24 @@ import ray
 os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 
 
+# Modules that share one session fixture (``rm_example_run``: two minutes of training) run on one xdist worker.
+SHARED_SCOPES = {"tests/test_reward_models.py": "tests/test_reward_model_grpo.py"}
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
+    """Under ``pytest -n N`` (pytest-xdist), a module's tests run on one worker, in order, so its module fixtures
+    (a Ray instance, a trained run) are made once; ``SHARED_SCOPES`` puts modules sharing a session fixture
+    together."""
+    from xdist.scheduler import LoadFileScheduling
+
+    class ModuleScheduling(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:  # xdist's hook for what runs together
+            scope = super()._split_scope(nodeid)
+            return SHARED_SCOPES.get(scope, scope)
+
+    return ModuleScheduling(config, log)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Modules marked ``own_ray`` start Ray clusters of their own, stopping the shared local instance: they run
     last (in their usual order), so the shared instance starts once rather than again after each of them."""

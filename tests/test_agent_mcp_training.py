@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
 import threading
 import time
 from pathlib import Path
 
 import pytest
 import yaml
+from processes import own_processes
 
 from rlfabric.config import config_from_dict
 from rlfabric.llm_driver import train_llm
@@ -22,8 +22,7 @@ EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "agent_mcp_grpo.
 
 
 def server_pids(name: str) -> list[int]:
-    found = subprocess.run(["pgrep", "-f", f"rlfabric.envs.{name}_server --http"], capture_output=True, text=True)
-    return [int(pid) for pid in found.stdout.split()]
+    return own_processes(f"rlfabric.envs.{name}_server --http")
 
 
 def kill_once_grpo_starts(run_dir: Path, name: str, killed: list[int], stop: threading.Event) -> None:

@@ -8,13 +8,13 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
 from http_servers import free_port, module_over_http
+from processes import own_processes
 
 from rlfabric.agent_loop import EpisodeLimits, ScriptedTurns, run_episodes
 from rlfabric.mcp_tools import McpSession, McpSessionLost, McpStartError
@@ -53,8 +53,7 @@ def recall_player(task: dict, messages: list[dict]) -> str:
 
 
 def notes_servers_running() -> int:
-    found = subprocess.run(["pgrep", "-f", "rlfabric.envs.notes_server"], capture_output=True, text=True)
-    return len(found.stdout.split())
+    return len(own_processes("rlfabric.envs.notes_server"))
 
 
 def play_recall(server: str, episodes: int) -> tuple[list, ChatTokens]:

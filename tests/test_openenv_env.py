@@ -8,13 +8,13 @@ from __future__ import annotations
 import os
 import signal
 import socket
-import subprocess
 import threading
 import time
 
 import pytest
 import ray
 from grpo_runs import BASE, example_stopped_by_config_error, merged, run_grpo
+from processes import own_processes
 
 from rlfabric.config import ConfigError, config_from_dict
 from rlfabric.llm_driver import GRPOTrainer
@@ -158,8 +158,7 @@ def test_a_server_that_never_answers_is_stopped_with_its_host(local_ray, tmp_pat
     with pytest.raises(ConfigError, match=r"did not answer /health within 3s"):
         t.setup()
     assert not [name for name in ray.util.list_named_actors() if name.startswith("rlfabric-openenv-")]
-    left = subprocess.run(["pgrep", "-f", "sleep 300 && "], capture_output=True, text=True).stdout.split()
-    assert left == []
+    assert own_processes("sleep 300 && ") == []
 
 
 def test_a_server_dies_with_its_host_actor(local_ray):
