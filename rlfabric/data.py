@@ -295,11 +295,9 @@ def _holds_no_rows(path: Path) -> bool:
 def _check_columns(rows: list[dict[str, Any]], spec: str, prompt_key: str, field: str, fields: RowFields) -> None:
     """A file's rows share their columns: refuse a file without the prompt column (or, for fixed columns, without
     one of them), naming the columns it has and the setting to change."""
-    if not rows:
+    if not rows or fields.tasks:  # a task's env writes the prompt: any columns will do
         return
     has = ", ".join(map(repr, rows[0]))
-    if fields.tasks:  # the env writes the prompt: any columns will do
-        return
     if fields.prompt_key:
         if prompt_key not in rows[0]:
             raise ConfigError(

@@ -215,23 +215,22 @@ class Trainer:
 
     def _make_placement_group(self) -> None:
         r = self.cfg.runners
-        requests = self._actor_requests()
-        learner_bundle, learners = requests[1].resources, requests[1].count
+        runners, learner = self._actor_requests()
         if self.cfg.ray.placement:
-            self.role_groups = RoleGroups(requests, self.cfg.ray.placement, SETUP_TIMEOUT_S)
+            self.role_groups = RoleGroups([runners, learner], self.cfg.ray.placement, SETUP_TIMEOUT_S)
         strategy = self.cfg.ray.placement_strategy
         if strategy is None:
             return
         from ray.util.placement_group import placement_group
 
         runner_bundles = [self._runner_resources() for _ in range(r.num_runners)]
-        pg = placement_group([*[learner_bundle] * learners, *runner_bundles], strategy=strategy)
+        pg = placement_group([*[learner.resources] * learner.count, *runner_bundles], strategy=strategy)
         try:
             ray.get(pg.ready(), timeout=SETUP_TIMEOUT_S)
         except ray.exceptions.GetTimeoutError:
             ray.util.remove_placement_group(pg)
             raise ConfigError(
-                f"ray.placement_strategy = {strategy!r}: the cluster cannot place {learners} learner(s) and "
+                f"ray.placement_strategy = {strategy!r}: the cluster cannot place {learner.count} learner(s) and "
                 f"{r.num_runners} runners with the requested resources within {SETUP_TIMEOUT_S:g} s"
             ) from None
         self.placement_group = pg

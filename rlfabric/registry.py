@@ -279,13 +279,13 @@ def resolve(spec: str, field: str = "env.id") -> EnvFactory:
     pettingzoo_module = _package_module_factory(spec, field)
     if pettingzoo_module is not None:
         return pettingzoo_module
-    known = sorted(_REGISTRY) + sorted(eps)
     module, _, attr = spec.partition(":")
     if module and attr and "/" not in spec:  # meant as package.module:factory: say which part is missing
         raise EnvNotFoundError(
             f"{field} = {spec!r} is not valid: {shipping.why_not_importable(spec)} (nor a registered name; see "
             "`rlfabric envs list`)"
         )
+    known = sorted(_REGISTRY) + sorted(eps)
     raise EnvNotFoundError(
         f"{field} = {spec!r} is not valid: not a registered name"
         f"{' (' + ', '.join(known) + ')' if known else ''}, not 'gym:<id>' or 'pettingzoo:<family>.<name>', and not "
