@@ -7,8 +7,6 @@ weights -> every runner reads it. The driver reads only fragment metadata (versi
 
 from __future__ import annotations
 
-import math
-import os
 import threading
 import time
 from dataclasses import dataclass, field
@@ -23,9 +21,10 @@ from rlfabric import registry
 from rlfabric.actor_slots import evaluation_failure, lost_object
 from rlfabric.actors.env_runner import EnvRunner
 from rlfabric.actors.learner import Learner
-from rlfabric.config import Config, ConfigError, RayConfig
+from rlfabric.config import Config, ConfigError
 from rlfabric.placement import ActorRequest, RoleGroups, check_fits, record_plan
 from rlfabric.ppo_config import PPO_ROLES
+from rlfabric.ray_connect import ensure_ray
 from rlfabric.run.checkpoints import CHECKPOINT_DIR, CheckpointStore
 from rlfabric.run.interrupts import stop_requests
 from rlfabric.run.log import CONFIG_FILE, RunLog, write_summary
@@ -75,49 +74,6 @@ def checkpoints(run_dir: Path) -> CheckpointStore:
 
 def latest_checkpoint(run_dir: Path) -> Path | None:
     return checkpoints(Path(run_dir)).latest()
-
-
-def ensure_ray(ray_cfg: RayConfig, wanted_cpus: float, env_vars: dict[str, str] | None = None) -> None:
-    """Join the cluster at ``ray.address`` (else at ``$RAY_ADDRESS``, as ``ray.init`` reads it), or start a local
-    Ray instance with at least ``wanted_cpus``. A cluster that is not there is a one-line ConfigError.
-
-    ``env_vars`` are set in every worker process of a local instance. ``ray.num_cpus`` sizes only a local instance;
-    a cluster has the CPUs its nodes were started with.
-    """
-    import socket
-    import sys
-
-    if ray.is_initialized():
-        return
-    address = ray_cfg.address or os.environ.get("RAY_ADDRESS") or None
-    if address is not None and address != "local":
-        where = f"ray.address = {address!r}" if ray_cfg.address else f"RAY_ADDRESS={address!r} (from the environment)"
-        hint = (
-            "start a cluster there (`ray start --head`), or unset it (ray.address: null, no RAY_ADDRESS) to run on "
-            "a local Ray instance"
-        )
-        host, _, port = address.removeprefix("ray://").rpartition(":")
-        if host and port.isdigit():  # Ray would wait minutes on an address where nothing listens: look first
-            try:
-                socket.create_connection((host, int(port)), timeout=10).close()
-            except OSError as exc:
-                raise ConfigError(f"{where}: no Ray cluster answers there ({exc.strerror or exc}); {hint}") from None
-        if ray_cfg.num_cpus is not None:
-            print(
-                f"rlfabric: joining the Ray cluster at {where}; ray.num_cpus = {ray_cfg.num_cpus} sizes only a local "
-                "instance and is ignored",
-                file=sys.stderr,
-            )
-        try:
-            ray.init(address=address, log_to_driver=True)
-        except ConnectionError as exc:  # "auto" with no cluster on this machine
-            raise ConfigError(f"{where}: {str(exc).strip().splitlines()[0]}; {hint}") from None
-        return
-    num_cpus = ray_cfg.num_cpus or max(os.cpu_count() or 1, math.ceil(wanted_cpus))
-    runtime_env = {"env_vars": env_vars} if env_vars else None
-    # address="local": a new instance even where a cluster (`ray start`) runs on this machine, which ray.init()
-    # would join and then refuse num_cpus for
-    ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=True, runtime_env=runtime_env)
 
 
 class Trainer:

@@ -37,7 +37,6 @@ from rlfabric.algorithms.reward_combination import combine_rewards
 from rlfabric.algorithms.step_credit import efficiency_penalty
 from rlfabric.config import ConfigError, load_config
 from rlfabric.data import check_prompt_lengths, load_heldout, load_prompts, row_metadata
-from rlfabric.driver import ensure_ray
 from rlfabric.eval_selectors import VERIFIER, Selector, check_selectors
 from rlfabric.grpo_config import LLMConfig, episode_source, episode_source_fields
 from rlfabric.llm_actors import judge_request, reward_resources, reward_weights, start_generator
@@ -47,6 +46,7 @@ from rlfabric.llm_setup import check_reward_columns, encode_prompts
 from rlfabric.models.hf import check_model_source, model_max_positions
 from rlfabric.placement import ActorRequest, check_fits
 from rlfabric.policies.served import GeneratorsFailed, ServedLLMPolicy
+from rlfabric.ray_connect import ensure_ray
 from rlfabric.reward_config import RewardFunctionConfig, parse_split
 from rlfabric.reward_model_stage import (
     point_at_run_reward_model,

@@ -31,7 +31,7 @@ from rlfabric.actors.game_runner import GameRunner
 from rlfabric.actors.learner import Learner
 from rlfabric.config import Config, ConfigError, config_from_dict
 from rlfabric.config_base import changed_keys, raised_by_user_code
-from rlfabric.driver import SETUP_TIMEOUT_S, Trainer, ensure_ray, latest_checkpoint, next_episode_id_range
+from rlfabric.driver import SETUP_TIMEOUT_S, Trainer, latest_checkpoint, next_episode_id_range
 from rlfabric.game_llm_servers import LLMServers
 from rlfabric.models import ActionSpec, ActorCritic
 from rlfabric.models.hf import check_model_source
@@ -47,6 +47,7 @@ from rlfabric.multiagent.config import (
 from rlfabric.multiagent.games import is_parallel
 from rlfabric.multiagent.mapping import plan_game
 from rlfabric.multiagent.selfplay import OpponentPool
+from rlfabric.ray_connect import ensure_ray
 from rlfabric.run.plots import plot_self_play
 from rlfabric.runner_pool import Completed
 

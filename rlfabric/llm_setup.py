@@ -24,7 +24,6 @@ from rlfabric.actor_slots import ActorSlots, RunAbortedError
 from rlfabric.actors.llm_rollout import PromptSet
 from rlfabric.config import ConfigError
 from rlfabric.data import PROMPT_FIELDS, TASK_FIELDS, check_prompt_lengths, load_heldout, load_prompts
-from rlfabric.driver import ensure_ray
 from rlfabric.grpo_config import LLMConfig, plays_episodes
 from rlfabric.llm_actors import (
     actor_requests,
@@ -43,6 +42,7 @@ from rlfabric.llm_text_env import rows_spelling_error, start_tool_servers
 from rlfabric.models.chat_tokens import UnspellableText, spelled
 from rlfabric.models.hf import encode_prompt, model_max_positions
 from rlfabric.placement import RoleGroups, check_fits, record_plan
+from rlfabric.ray_connect import ensure_ray
 from rlfabric.reward_model_stage import REWARD_MODEL_DIR, ensure_reward_model
 from rlfabric.rewards.builtin import column_fix, columns_read
 from rlfabric.run.log import RunLog

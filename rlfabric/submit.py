@@ -23,6 +23,7 @@ from typing import Any
 
 from rlfabric.cli_support import IMPORT_HELP, RESUME_COMMAND_ENV, default_run_dir, import_user_modules, run_name
 from rlfabric.config import ConfigError, load_config
+from rlfabric.ray_connect import use_cluster_token
 from rlfabric.run.log import CONFIG_FILE
 
 DEFAULT_DASHBOARD = "http://127.0.0.1:8265"
@@ -63,15 +64,6 @@ def dashboard_address(given: str | None) -> str:
         if candidate and (candidate is given or candidate.startswith(("http://", "https://"))):
             return candidate if "://" in candidate else f"http://{candidate}"
     return DEFAULT_DASHBOARD
-
-
-def use_cluster_token() -> bool:
-    """Send the cluster's token when one is at hand (``$RAY_AUTH_TOKEN``, ``$RAY_AUTH_TOKEN_PATH`` or
-    ``~/.ray/auth_token``, where ``ray start`` writes it) and ``RAY_AUTH_MODE`` is not set: whether it will be.
-    Ray's own switch, the one ``ray.init`` uses, since Ray caches its auth mode when it is imported."""
-    from ray._private.authentication.authentication_token_setup import maybe_enable_token_auth_if_token_available
-
-    return maybe_enable_token_auth_if_token_available(warn_if_disabled=False)
 
 
 def job_entrypoint(args: argparse.Namespace, config: str | None, run_dir: Path) -> str:

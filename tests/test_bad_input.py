@@ -28,9 +28,9 @@ from rlfabric import registry
 from rlfabric.cli import build_parser, main
 from rlfabric.config import ConfigError, RayConfig, load_config
 from rlfabric.data import check_prompt_lengths, load_prompts
-from rlfabric.driver import ensure_ray
 from rlfabric.llm_driver import GRPOTrainer
 from rlfabric.models.hf import check_model_source
+from rlfabric.ray_connect import ensure_ray
 
 # Clusters of its own: it stops the shared local instance, so it runs after every module that uses it.
 pytestmark = pytest.mark.own_ray

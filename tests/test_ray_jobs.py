@@ -71,11 +71,12 @@ def ray_head():
     """A one-node cluster from `ray start --head --block`, with a temp folder of its own (so jobs' drivers find this
     cluster, not another on the machine), token authentication on with a token of its own (RAY_AUTH_TOKEN_PATH:
     clients find it there, as they find ~/.ray/auth_token); its processes are one process group, stopped at the
-    end. Yields the dashboard's address and the environment a user's shell would have (the token's path only)."""
+    end. Yields the dashboard's address, the environment a user's shell would have (the token's path only) and the
+    cluster's own address (the one `ray.init` and RAY_ADDRESS take)."""
     temp_dir = tempfile.mkdtemp(prefix="rfjob-")
     token = Path(temp_dir) / "auth_token"
     token.write_text(secrets.token_hex(32))
-    dashboard = free_port()
+    dashboard, gcs_port = free_port(), free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_ADDRESS", "RAY_AUTH"))}
     env["RAY_AUTH_TOKEN_PATH"] = str(token)
     head = subprocess.Popen(
@@ -84,7 +85,7 @@ def ray_head():
             "start",
             "--head",
             "--block",
-            f"--port={free_port()}",
+            f"--port={gcs_port}",
             "--num-cpus=2",
             "--include-dashboard=true",
             f"--dashboard-port={dashboard}",
@@ -112,7 +113,7 @@ def ray_head():
             time.sleep(1)
         else:
             pytest.fail(f"no Ray dashboard at {address} after 120 s")
-        yield address, env
+        yield address, env, f"127.0.0.1:{gcs_port}"
     finally:
         for sig in (signal.SIGTERM, signal.SIGKILL):
             try:
@@ -134,7 +135,7 @@ def project(tmp_path):
 
 
 def test_a_submitted_job_trains_a_users_env_and_its_logs_show_progress(ray_head, project):
-    address, env = ray_head
+    address, env, _ = ray_head
     (project / "ppo.yaml").write_text(CONFIG.format(steps=640, checkpoint_every=1))
     done = cli("submit", "ppo.yaml", "--import", "corridor_env", "--address", address, cwd=project, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -148,7 +149,7 @@ def test_a_submitted_job_trains_a_users_env_and_its_logs_show_progress(ray_head,
 
 
 def test_a_stopped_job_leaves_a_checkpoint_and_a_resubmitted_one_continues(ray_head, project):
-    address, env = ray_head
+    address, env, _ = ray_head
     # checkpoint_every 0: a checkpoint at the end only, so the one left is the stop's
     (project / "ppo.yaml").write_text(CONFIG.format(steps=200_000, checkpoint_every=0))
     run_dir = project / "run"
@@ -186,3 +187,29 @@ def test_a_stopped_job_leaves_a_checkpoint_and_a_resubmitted_one_continues(ray_h
     env_steps = [r["env_steps"] for r in rows if "env_steps" in r]
     assert env_steps == sorted(env_steps)  # continued from the checkpoint, not started over
     assert env_steps[-1] >= stopped_at + 640
+
+
+def test_train_joins_a_token_cluster_at_ray_address_with_the_token_this_machine_has(ray_head, project):
+    """`ray start` turned token authentication on; `ray.init` alone would not send the token (Ray's retries, then
+    "Failed to connect"), so rlfabric sends it when the machine has one, as `ray start` does, and says in one line,
+    before Ray's retries, when the token is missing or not the cluster's."""
+    _, env, gcs_address = ray_head
+    (project / "ppo.yaml").write_text(CONFIG.format(steps=640, checkpoint_every=0))
+    env = {**env, "RAY_ADDRESS": gcs_address}  # no RAY_AUTH_MODE: the shell of the recipe in docs/cluster.md
+    done = cli("train", "ppo.yaml", "--import", "corridor_env", "--run-dir", "run", cwd=project, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads((project / "run" / "summary.json").read_text())["env_steps"] >= 640
+
+    (project / "wrong_token").write_text(secrets.token_hex(32))
+    no_token = {k: v for k, v in env.items() if k != "RAY_AUTH_TOKEN_PATH"} | {"HOME": str(project / "home")}
+    for shell, says in [
+        ({**env, "RAY_AUTH_TOKEN_PATH": str(project / "wrong_token")}, "that cluster refused this machine's token"),
+        (no_token, "that cluster uses token authentication and this machine has no token: set RAY_AUTH_TOKEN"),
+    ]:
+        refused = cli("train", "ppo.yaml", "--import", "corridor_env", "--run-dir", "run2", cwd=project, env=shell)
+        assert refused.returncode == 2, refused.stderr[-3000:]
+        lines = [line for line in refused.stderr.splitlines() if line.startswith("rlfabric:")]
+        assert lines[-1].startswith(f"rlfabric: config error: RAY_ADDRESS='{gcs_address}' (from the environment): ")
+        assert says in lines[-1] and "`ray get-auth-token` on the head prints it" in lines[-1]
+        assert "InvalidAuthToken" not in refused.stderr  # said before Ray's retries
+        assert not (project / "run2").exists()
