@@ -17,6 +17,7 @@ import numpy as np
 import ray
 import torch
 
+from rlfabric import objectives
 from rlfabric.algorithms.grpo import aggregate_denominator, logprob_drifted, policy_objective, row_logprob_gaps
 from rlfabric.compact import FloatFields
 from rlfabric.models.hf import load_causal_lm, load_tokenizer, save_pretrained
@@ -123,9 +124,13 @@ class LLMLearnerCore:
         matmul_dtype: str | None = None,
         batch_spec: dict[str, Any] | None = None,
         sequence_packing: str = "auto",
+        parts: bytes | None = None,
     ) -> None:
         """``batch_spec``: how trajectory records become the packed batch (``grpo_batch``'s keyword options);
-        ``sequence_packing``: how its rows reach the model (``rlfabric.models.sequences.response_logprobs``)."""
+        ``sequence_packing``: how its rows reach the model (``rlfabric.models.sequences.response_logprobs``);
+        ``parts``: the advantage estimators, losses and the like the driver's user code added
+        (``rlfabric.objectives.snapshot``)."""
+        objectives.load_snapshot(parts)
         if num_threads:
             torch.set_num_threads(num_threads)
         torch.manual_seed(seed)

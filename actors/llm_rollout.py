@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 import ray
 
-from rlfabric import registry, rewards
+from rlfabric import objectives, registry, rewards
 from rlfabric.actors.llm_episodes import EpisodeRollouts
 from rlfabric.actors.rollout_meta import (
     MAX_ERRORS_IN_META,
@@ -117,6 +117,7 @@ class LLMRolloutCore(EpisodeRollouts):
         reward_gpus: float = 0.0,
         reward_resources: dict[str, float] | None = None,
         reward_placement: list[dict[str, Any]] | None = None,
+        parts: bytes | None = None,
     ) -> None:
         """``text_env`` / ``agent``: where episodes come from when the run plays a text env or an outside agent
         (None: single-turn completions); ``process``: the ``rewards.process`` section (None: off); ``model_dir``:
@@ -124,8 +125,10 @@ class LLMRolloutCore(EpisodeRollouts):
         completions into steps; ``step_credit``: the learner's batch options when it credits steps
         (``grpo.step_credit``), so a group whose steps get advantages has signal even when its outcomes are equal
         (``step_credit_signal``); None: outcome rewards alone decide. ``reward_placement``: each reward worker's
-        scheduling options (``ray.placement.rewards``), the training reward's workers first, then the shadow's."""
+        scheduling options (``ray.placement.rewards``), the training reward's workers first, then the shadow's;
+        ``parts``: what the driver's user code added to ``rlfabric.objectives`` (a step credit)."""
         rewards.load_snapshot(reward_registry)
+        objectives.load_snapshot(parts)
         self.pool = (
             RewardPool(
                 reward_functions,

@@ -12,6 +12,7 @@ import numpy as np
 import ray
 import torch
 
+from rlfabric import objectives
 from rlfabric.models.hf import load_causal_lm
 from rlfabric.models.llm_batch import grpo_batch
 from rlfabric.models.prefix_packing import check_maskable, maskable
@@ -34,7 +35,11 @@ class Reference:
         batch_spec: dict[str, Any] | None = None,
         pad_id: int = 0,
         sequence_packing: str = "auto",
+        parts: bytes | None = None,
     ) -> None:
+        """``parts``: what the driver's user code added to ``rlfabric.objectives`` (its advantage estimator: the
+        batch is the learner's)."""
+        objectives.load_snapshot(parts)
         if num_threads:
             torch.set_num_threads(num_threads)
         self.model = load_causal_lm(model_dir, dtype=dtype, device=device)

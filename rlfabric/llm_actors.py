@@ -10,7 +10,7 @@ from typing import Any
 
 import ray
 
-from rlfabric import rewards
+from rlfabric import objectives, rewards
 from rlfabric.actor_slots import RunAbortedError
 from rlfabric.grpo_config import LLMConfig
 from rlfabric.judge import JUDGE_CPUS
@@ -179,6 +179,7 @@ def start_learners(
     lc = cfg.learner
     device = lc.device if lc.device != "auto" else ("cuda" if lc.num_gpus > 0 else "cpu")
     grpo = {**dataclasses.asdict(cfg.grpo), "norm_length": cfg.sampling.max_new_tokens}
+    parts = objectives.snapshot()  # the user's own advantage estimators and losses, to every learner
     learners = [
         LLMLearner.options(
             num_cpus=lc.num_cpus, num_gpus=lc.num_gpus, resources=lc.resources, **(placement(rank) if placement else {})
@@ -199,6 +200,7 @@ def start_learners(
             matmul_dtype=lc.matmul_dtype,
             batch_spec=batch_spec(cfg),
             sequence_packing=lc.sequence_packing,
+            parts=parts,
         )
         for rank in range(lc.num_learners)
     ]
@@ -237,6 +239,7 @@ def start_reference(
         batch_spec=batch_spec(cfg),
         pad_id=pad_id,
         sequence_packing=lc.sequence_packing,
+        parts=objectives.snapshot(),
     )
 
 
@@ -268,6 +271,7 @@ def start_rollout_worker(
         reward_resources=r.resources,
         reward_placement=[reward_placement(i) for i in range(r.num_actors)] if reward_placement else None,
         reward_registry=rewards.snapshot(),
+        parts=objectives.snapshot(),
         prompt_key=cfg.data.prompt_key,
         text_env=text_env,
         agent=agent,

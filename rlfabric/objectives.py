@@ -12,7 +12,9 @@ A new part is one pure function and one ``add`` call, e.g. an advantage estimato
     from rlfabric.objectives import ADVANTAGE_ESTIMATORS
     ADVANTAGE_ESTIMATORS.add("my_baseline", "my_package.advantages:my_baseline", "reward minus a learned baseline")
 
-(the module must be importable on the learners' nodes).
+in a module the run imports (``rlfabric train ... --import my_package.advantages``). The learners and rollout
+workers are other processes: the driver's additions reach them with the function itself (``snapshot``, through
+``rlfabric.shipping``: by value where its module is not installed), so the module need not be importable there.
 """
 
 from __future__ import annotations
@@ -47,6 +49,12 @@ class PartTable:
             raise ValueError(f"{self.kind} {name!r}: target {target!r} must be 'package.module:function'")
         self._parts[name] = Part(name, target, summary)
         self._resolved.pop(name, None)
+
+    def install(self, part: Part, fn: Callable[..., Any] | None) -> None:
+        """Add a part shipped from another process (``snapshot``), with its function where that came along."""
+        self.add(part.name, part.target, part.summary)
+        if fn is not None:
+            self._resolved[part.name] = fn
 
     def remove(self, name: str) -> None:
         """Forget ``name`` (a no-op for a name never added)."""
@@ -135,6 +143,43 @@ STEP_CREDITS.add("gigpo", f"{_STEPS}:gigpo_advantages", "episode advantage + ome
 STEP_CREDITS.add("step_mix", f"{_STEPS}:step_mix_advantages", "episode advantage + omega * step return over the group")
 # Step credits that group steps by env state, so they need the record's state_keys.
 STATE_KEYED_STEP_CREDITS = frozenset({"gigpo"})
+
+
+ALL_TABLES = (*TABLES, STEP_CREDITS)
+
+
+def snapshot() -> bytes | None:
+    """The parts added in this process beyond rlfabric's own, each with its function, for the actors that
+    resolve them (``load_snapshot`` there); None when there are none. A function whose module does not import
+    here travels by name, for an actor whose node has it."""
+    from rlfabric import shipping
+
+    parts = [(table.field, part) for table in ALL_TABLES for part in table.parts()]
+    added = [(field, part) for field, part in parts if not part.target.startswith("rlfabric.")]
+    if not added:
+        return None
+    functions: dict[str, Any] = {}
+    for field, part in added:
+        try:
+            functions[f"{field}:{part.name}"] = _TABLES_BY_FIELD[field].resolve(part.name)
+        except (ImportError, AttributeError):
+            pass
+    return shipping.dumps_with_user_code({**functions, _PARTS_KEY: added})
+
+
+def load_snapshot(blob: bytes | None) -> None:
+    """Add the parts a ``snapshot`` holds to this process's tables."""
+    if not blob:
+        return
+    from rlfabric import shipping
+
+    shipped = shipping.loads(blob)
+    for field, part in shipped.pop(_PARTS_KEY):
+        _TABLES_BY_FIELD[field].install(part, shipped.get(f"{field}:{part.name}"))
+
+
+_TABLES_BY_FIELD = {table.field: table for table in ALL_TABLES}
+_PARTS_KEY = "parts"  # beside "field:name" keys, which hold a colon
 
 
 def check_step_credit(name: str) -> None:

@@ -1,5 +1,9 @@
 """The GRPO family's named parts: one table per kind, read by config validation, the docs and the learner's math."""
 
+import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -49,6 +53,54 @@ def test_a_registered_estimator_is_valid_config_and_runs_in_the_math():
         ADVANTAGE_ESTIMATORS.remove("leave_one_out")
     with pytest.raises(ConfigError, match="grpo.advantage = 'leave_one_out' is not valid"):
         config_from_dict({"algo": "grpo", "grpo": {"advantage": "leave_one_out"}})
+
+
+MEDIAN_BASELINE = """
+import os
+
+import torch
+
+from rlfabric.objectives import ADVANTAGE_ESTIMATORS
+
+
+def median_baseline(rewards, group_ids, *, scale_by_std=True):
+    \"\"\"A_i = r_i - median of r over i's group.\"\"\"
+    with open({calls!r}, "a") as calls:
+        calls.write(f"{{os.getpid()}}\\n")
+    out = torch.zeros(rewards.shape, dtype=torch.float32)
+    for group in torch.unique(group_ids):
+        rows = group_ids == group
+        out[rows] = rewards[rows].float() - rewards[rows].float().median()
+    return out
+
+
+ADVANTAGE_ESTIMATORS.add("median", "median_adv:median_baseline", "reward minus its group's median")
+"""
+
+
+def test_an_estimator_a_users_module_adds_is_the_one_the_learner_runs(tmp_path):
+    """Added by a module of the current directory given to --import: the learner is another process, which never
+    imported that module; the driver's addition reaches it with the function."""
+    calls = tmp_path / "calls"
+    (tmp_path / "median_adv.py").write_text(MEDIAN_BASELINE.format(calls=str(calls)))
+    overrides = [
+        "model.builtin={num_layers: 1, hidden_size: 32, num_heads: 2, max_positions: 64}",
+        "sft.steps=0",
+        "data.num_eval=4",
+        "training.total_steps=2",
+        "grpo.advantage=median",
+    ]
+    done = subprocess.run(
+        [sys.executable, "-m", "rlfabric.cli", "train", *overrides, "--import", "median_adv", "--run-dir", "run"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": "", "RAY_ADDRESS": ""},
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["steps"] == 2
+    assert len(calls.read_text().split()) >= 2  # once per step at least, in the learner's process
 
 
 def test_aggregation_denominators_by_hand():
