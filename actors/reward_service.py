@@ -13,10 +13,10 @@ or process. Failures stay as small as they can be:
   call are still scored;
 * a group that overruns ``group_timeout_s`` fails with "timed out after Xs" and the call goes on with the next
   group. The stuck thread cannot be killed, so the service then reports itself poisoned and the pool replaces
-  it once the call has returned; the groups it finished are kept. After ``MAX_TIMEOUTS_IN_A_ROW`` groups in a
-  row time out, the call's remaining groups are not tried here (a reward that hangs on every call would cost a
-  deadline per group, minutes of silence for a large batch); the service reports them skipped, and the pool
-  scores them once more on the replacement.
+  it once the call has returned; the groups it finished are kept. Once more than half the groups tried have
+  timed out, at least ``MIN_TIMEOUTS_TO_GIVE_UP`` of them, the call's remaining groups are not tried here (a
+  reward that hangs on every call would cost a deadline per group, minutes of silence for a large batch); the
+  service reports them skipped, and the pool scores them once more on the replacement.
 
 Pointwise functions (``rlfabric.rewards.pointwise``: reward models) run once per call on the samples of all its
 groups together, so their forward passes batch across groups, under a deadline of ``group_timeout_s`` per group;
@@ -47,9 +47,16 @@ from rlfabric.rewards import (
     is_process_reward,
 )
 
-# Groups of one call that time out one after another before the service skips the call's remaining groups: a
-# reward that hangs now and then rarely hangs three times running, one that always hangs does at once.
-MAX_TIMEOUTS_IN_A_ROW = 3
+# Timed-out groups of one call before the service may skip the call's remaining groups, which it does once more
+# than half the groups it tried timed out: a reward that always hangs is given up on after 3 deadlines, one that
+# hangs on some groups (three running is likely somewhere in a call of a hundred groups) never is.
+MIN_TIMEOUTS_TO_GIVE_UP = 3
+
+
+def gives_up(timeouts: int, tried: int) -> bool:
+    """Whether a call that saw ``timeouts`` of its first ``tried`` groups time out skips the rest:
+    timeouts >= MIN_TIMEOUTS_TO_GIVE_UP and timeouts > tried / 2."""
+    return timeouts >= MIN_TIMEOUTS_TO_GIVE_UP and 2 * timeouts > tried
 
 
 class TimedOut(str):
@@ -175,28 +182,30 @@ class RewardServiceCore:
         ]
         self.group_timeout_s = group_timeout_s
         self.poisoned = False  # a group's thread is stuck: this process should be replaced
-        self.skipped: list[int] = []  # the last call's groups not tried after timeouts in a row
+        self.skipped: list[int] = []  # the last call's groups not tried once it gave up (``gives_up``)
 
     def score(self, groups: list[list[RewardInput]]) -> list[list[RewardResult]]:
         """Results per group, per completion; a failed group's samples carry its error and no components. The
-        groups skipped after ``MAX_TIMEOUTS_IN_A_ROW`` timeouts fail too, and their indices are in ``skipped``."""
+        groups skipped once the call ``gives_up`` fail too, and their indices are in ``skipped``."""
         per_sample = [(n, f) for n, f in self.functions if is_pointwise(f)]
         per_group = [(n, f) for n, f in self.functions if not is_pointwise(f)]
         across = self._score_across(groups, per_sample) if per_sample else [None] * len(groups)
         out = []
-        self.skipped, in_a_row, last_timeout = [], 0, ""
+        self.skipped, timeouts, tried, last_timeout = [], 0, 0, ""
         for index, (group, first) in enumerate(zip(groups, across, strict=True)):
             if isinstance(first, str):  # the pointwise run failed: so does every group of the call
                 out.append(failed(group, first))
                 continue
-            if in_a_row >= MAX_TIMEOUTS_IN_A_ROW:
+            if gives_up(timeouts, tried):
                 self.skipped.append(index)
-                out.append(failed(group, f"not scored: the {in_a_row} groups before it {last_timeout}"))
+                out.append(
+                    failed(group, f"not scored: {timeouts} of the {tried} groups tried before it {last_timeout}")
+                )
                 continue
             results = (
                 self._run(per_group, group, self.group_timeout_s) if per_group else [RewardResult({}) for _ in group]
             )
-            in_a_row = in_a_row + 1 if isinstance(results, TimedOut) else 0
+            tried, timeouts = tried + 1, timeouts + int(isinstance(results, TimedOut))
             if isinstance(results, str):
                 last_timeout = results if isinstance(results, TimedOut) else last_timeout
                 results = failed(group, str(results))

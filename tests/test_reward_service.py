@@ -155,15 +155,15 @@ def test_a_stuck_process_hits_the_driver_deadline(local_ray):
 
 
 def test_a_reward_that_hangs_on_every_group_costs_a_few_deadlines_per_call_not_one_per_group(local_ray):
-    """Three groups in a row time out: the call's other groups are not tried on that worker but once more on its
-    replacement, where three time out again and the rest fail unscored. Before, every group waited its deadline
+    """Three groups time out of three tried: the call's other groups are not tried on that worker but once more on
+    its replacement, where three time out again and the rest fail unscored. Before, every group waited its deadline
     (here 7 seconds per worker, at rewards.timeout_s = 30 an evaluation of 200 groups took 100 minutes)."""
     pool = make_pool(timeout_s=1.0)
     try:
         pool.pids()
         results = pool.score([group("hang") for _ in range(14)])  # 7 per worker
         timed_out = "timed out after 1s in reward 'tagged'"
-        skipped = f"not scored: the 3 groups before it {timed_out}"
+        skipped = f"not scored: 3 of the 3 groups tried before it {timed_out}"
         for first in (0, 7):  # each worker's share: 3 timed out, 4 skipped; on the replacement 3 + 1
             errors = [g[0].error for g in results[first : first + 7]]
             assert errors == [timed_out] * 3 + [timed_out] * 3 + [skipped], errors
@@ -174,7 +174,22 @@ def test_a_reward_that_hangs_on_every_group_costs_a_few_deadlines_per_call_not_o
         pool.shutdown()
 
 
-def test_groups_skipped_after_timeouts_in_a_row_are_scored_on_the_replacement(local_ray):
+def test_a_reward_that_hangs_on_some_groups_costs_only_those_even_three_running(local_ray):
+    """Twice three groups running time out, among twenty that did not: under half the groups tried, so the call
+    goes on and every other group is scored (before, three in a row gave up on the rest of the call, and on the
+    replacement the second three did so again: at a 15% hang rate, about half of a 200-prompt evaluation)."""
+    pool = RewardPool(["tagged"], num_workers=1, timeout_s=0.5, num_cpus_per_worker=0.5, grace_s=10.0)
+    try:
+        hung = [10, 11, 12, 18, 19, 20]
+        results = pool.score([group("hang" if i in hung else f"g{i}") for i in range(26)])
+        assert scored(results) == [i not in hung for i in range(26)]
+        assert {g[0].error for i, g in enumerate(results) if i in hung} == {"timed out after 0.5s in reward 'tagged'"}
+        assert pool.failed_samples == 12 and pool.worker_restarts == 1  # poisoned, replaced after the call
+    finally:
+        pool.shutdown()
+
+
+def test_groups_skipped_after_timeouts_are_scored_on_the_replacement(local_ray):
     """A reward that hung on three groups in a row: the call's other groups, skipped there, are scored on the
     fresh worker, each in its own place."""
     pool = RewardPool(["tagged"], num_workers=1, timeout_s=1.0, num_cpus_per_worker=0.5, grace_s=10.0)
