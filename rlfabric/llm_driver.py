@@ -608,6 +608,7 @@ class GRPOTrainer(GRPOSetup):
             self.reference,
             self.weights.shared_files,
         )
+        self.weights.abandon()  # after the generators stopped: a publication the run stopped before finishing
         self.scorers.close()
         if self.role_groups is not None:
             self.role_groups.remove()

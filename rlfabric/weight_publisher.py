@@ -60,6 +60,7 @@ class WeightPublisher:
         self.published: Any = None  # the latest published weights' handle (an ObjectRef)
         self.shared_files: set[str] = set()  # shared-memory files learner 0 wrote (removed at close)
         self.weights_via: str | None = None  # how the last publication reached the generators
+        self.unfinished: Publishing | None = None  # started, not yet finished: a run that stops leaves it here
 
     def attach(
         self, learner: Any, generators: ActorSlots, reference: Any = None, scorers: ActorSlots | None = None
@@ -79,17 +80,20 @@ class WeightPublisher:
         name some), behind whatever learner 0 is doing."""
         assert self.generators is not None
         handle, version, path = self.learner.publish.remote(self.transport)
-        return Publishing(
+        self.unfinished = Publishing(
             handle,
             version,
             path,
             _queue_loads(self.generators, slots, handle, version),
             _queue_loads(self.scorers, scorer_slots, handle, version),
         )
+        return self.unfinished
 
     def finish(self, publishing: Publishing, timeout: float | None = None) -> int:
         """Wait for the loads; a generator or scorer that dies or hangs while loading is replaced (and given the
         weights). Returns the published policy version."""
+        if publishing is self.unfinished:
+            self.unfinished = None
         version, shared_path = self._fetch([publishing.version, publishing.shared_path])
         self.published = publishing.handle
         if shared_path is not None:
@@ -112,6 +116,21 @@ class WeightPublisher:
             self._note(self._transport_note(used))
         self.weights_via = used
         return int(version)
+
+    def abandon(self, timeout_s: float = 5.0) -> None:
+        """Collect the answers of a publication a stopped run left unfinished, once its actors are stopped: its
+        loads fail when their generators shut down, and Ray reports a failure nobody collected as an "Unhandled
+        error" traceback after the run's own last line."""
+        if self.unfinished is None:
+            return
+        p, self.unfinished = self.unfinished, None
+        refs = [p.handle, p.version, p.shared_path, *(load for _, _, load in [*p.loads, *p.scorer_loads])]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+        for ref in ready:
+            try:
+                ray.get(ref, timeout=0)
+            except Exception:  # noqa: BLE001 - collected to be dropped: the run has stopped already
+                pass
 
     def _wait(self, loads: list[tuple[int, int, ray.ObjectRef]], deadline: float) -> list[tuple[int, int, str]]:
         """(slot, generation, reason) of each load that failed or missed ``deadline``."""
