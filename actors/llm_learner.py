@@ -39,11 +39,12 @@ from rlfabric.models.weights import FlatWeights, flatten_state_dict
 from rlfabric.trajectory import Trajectories
 
 OPTIMIZER_FILE = "optimizer.pt"
+# Reported from an update's last pass over its batch: the first pass's ratio is 1 by construction.
+MOVED_BY_THE_UPDATE = ("clip_fraction", "ratio_mean", "approx_kl")
 # What ``train_on`` reports, in the order the driver unpacks it (absent ones, e.g. kl without a reference, NaN).
 LEARNER_METRICS = FloatFields(
     "pg_loss",
     "clip_fraction",
-    "clip_fraction_last_epoch",
     "ratio_mean",
     "approx_kl",
     "entropy",
@@ -391,8 +392,9 @@ class LLMLearnerCore:
                 for rows, layout in zip(slices, layouts, strict=True):
                     for key, value in layout_positions(layout, ids[rows], prompt_len).items():
                         metrics[f"trained_{key}"] = metrics.get(f"trained_{key}", 0.0) + value
-            else:
-                metrics.update({f"{k}_last_epoch": v for k, v in sums.items() if k == "clip_fraction"})
+            # How far the update moved the policy: the last pass's ratio to the batch's weights (the first pass's
+            # is 1 exactly, its "old" logprobs being its own), so with one epoch these stay 1, 0 and 0.
+            metrics.update({k: v for k, v in sums.items() if k in MOVED_BY_THE_UPDATE})
         self.version += 1  # one policy version per batch, however many epochs it took
         return metrics
 

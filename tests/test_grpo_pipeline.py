@@ -352,6 +352,26 @@ def test_skipping_zero_advantage_rows_gives_the_same_update(dp_setup, zero_group
     assert m_all["skipped_rows"] == 0
 
 
+def test_ratio_clip_and_kl_metrics_say_how_far_the_update_moved_the_policy(dp_setup):
+    """The "old" logprobs are the learner's own at the batch's weights, so the first pass's ratio is 1: with one
+    epoch the metrics are 1, 0 and 0 exactly; with three at a large learning rate they are the last pass's, after
+    two optimizer steps: the ratio has moved, approx_kl is positive and the clip bites."""
+    model_dir, batch = dp_setup
+    threads = torch.get_num_threads()
+
+    def metrics(epochs: int) -> dict[str, float]:
+        learner = LLMLearnerCore(**learner_kwargs(model_dir, "token_mean", 64))
+        learner.g.update(epochs=epochs, max_grad_norm=None)
+        return learner.train_step(batch, 3e-2)
+
+    try:
+        one, three = metrics(1), metrics(3)
+    finally:
+        torch.set_num_threads(threads)
+    assert (one["ratio_mean"], one["clip_fraction"], one["approx_kl"]) == (1.0, 0.0, 0.0)
+    assert three["ratio_mean"] != 1.0 and three["approx_kl"] > 1e-4 and three["clip_fraction"] > 0.0
+
+
 def test_gradients_are_clipped_to_max_grad_norm_and_untouched_within_it(dp_setup):
     """With ratio 1 and no KL or entropy term the loss is linear in the advantages, so clipping the gradient by
     c = max_norm / (||g|| + 1e-6) gives the update of advantages scaled by c, unclipped. The bound is tiny, so the
