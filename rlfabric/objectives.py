@@ -19,6 +19,7 @@ workers are other processes: the driver's additions reach them with the function
 
 from __future__ import annotations
 
+import difflib
 import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -70,7 +71,9 @@ class PartTable:
     def check(self, name: str) -> None:
         """Raise a one-line ConfigError naming the field and the valid names when ``name`` is not one."""
         if name not in self._parts:
-            raise ConfigError(f"{self.field} = {name!r} is not valid: must be one of {', '.join(self._parts)}")
+            close = difflib.get_close_matches(name, list(self._parts), n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ConfigError(f"{self.field} = {name!r} is not valid{hint}: must be one of {', '.join(self._parts)}")
 
     def resolve(self, name: str) -> Callable[..., Any]:
         """The function registered under ``name`` (imported at the first call)."""

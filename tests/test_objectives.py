@@ -34,6 +34,12 @@ def test_config_validation_names_the_field_and_the_registered_names(table):
     assert all(name in message for name in table.names())
 
 
+def test_a_misspelt_name_gets_the_closest_one():
+    with pytest.raises(ConfigError) as info:
+        config_from_dict({"algo": "grpo", "grpo": {"advantage": "rlo"}})
+    assert str(info.value).startswith("grpo.advantage = 'rlo' is not valid (did you mean 'rloo'?): must be one of ")
+
+
 @pytest.mark.parametrize("table", TABLES, ids=lambda t: t.field)
 def test_the_config_reference_lists_every_name(table):
     row = next(line for line in CONFIG_DOC.read_text().splitlines() if line.startswith(f"| `{table.field}` |"))
