@@ -368,6 +368,9 @@ class LLMRolloutWorker:
     def rollout(self, request: RolloutRequest) -> tuple[tuple, Trajectories | None]:
         """(metadata encoded for the driver, ``decode_meta`` reads it; the record, or None)."""
         meta, trajectories = self.core.rollout(request)
+        replaced = self.core.pool.take_replaced() if self.core.pool is not None else []
+        if replaced:  # printed by the driver, as generators' replacements are
+            meta["reward_replaced"] = replaced
         return encode_meta(meta), trajectories
 
     def reward_pids(self) -> list[int]:

@@ -101,6 +101,7 @@ class RewardPool:
         self.busy_until = [0.0] * num_workers  # when each worker's queued calls must be done, at the latest
         self.failed_samples = 0
         self.last_errors: list[str] = []  # the most recent distinct errors, newest last
+        self.replaced: list[str] = []  # "reward worker N replaced (why)" since the last take_replaced()
 
     @property
     def workers(self) -> list[Any]:
@@ -112,6 +113,11 @@ class RewardPool:
 
     def __len__(self) -> int:
         return len(self.workers)
+
+    def take_replaced(self) -> list[str]:
+        """The replacements since the last call, one line each (for the run's console), and forget them."""
+        taken, self.replaced = self.replaced, []
+        return taken
 
     def _start_worker(self, slot: int) -> Any:
         from rlfabric.actors.reward_service import RewardService
@@ -214,6 +220,7 @@ class RewardPool:
         """
         if self.slots.replace(call.worker, call.generation, reason, failure=failure):
             self.busy_until[call.worker] = time.monotonic()
+            self.replaced.append(f"reward worker {call.worker} replaced ({reason})")
 
     def _note_error(self, error: str) -> None:
         if error in self.last_errors:

@@ -106,7 +106,7 @@ class RolloutScheduler:
         self.order: list[int] = []  # train prompt indices still to draw this pass (drawn from the end)
         self.group_counter = 0  # the next group id
         self.in_flight: deque[Pending] = deque()  # rollouts generating ahead (max_policy_lag > 0)
-        self.errors_seen: set[str] = set()  # reward errors already printed (the first of each kind is)
+        self.errors_seen: set[str] = set()  # reward errors and worker replacements already printed
         self.flat_steps = 0  # steps in a row whose every chosen group had equal rewards
 
     def attach(self, generators: ActorSlots, workers: ActorSlots) -> None:
@@ -237,6 +237,10 @@ class RolloutScheduler:
         for key in ("generate_time_s", "reward_time_s"):
             self._add_to_step(key, meta.get(key, 0.0))
         c.reward_worker_restarts += meta.get("reward_restarts", 0)
+        for replaced in meta.get("reward_replaced", []):
+            if replaced not in self.errors_seen:  # a worker poisoned by each call's hung group: said once
+                self.errors_seen.add(replaced)
+                self._note(replaced)
         for error in meta.get("errors", []):
             self.note_reward_error(error)
         stats = meta.get("group_stats")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -46,9 +47,9 @@ def same_for_everyone(inputs: list[RewardInput]) -> list[dict[str, float]]:
 register_reward("test_faults_constant", same_for_everyone)
 
 
-def train_in_process(cfg, run_dir: Path, during=None) -> tuple[dict, list[dict]]:
+def train_in_process(cfg, run_dir: Path, during=None, quiet: bool = True) -> tuple[dict, list[dict]]:
     """Train to the end; ``during(trainer)`` runs on a thread once the actors are up."""
-    trainer = GRPOTrainer(cfg, run_dir, quiet=True)
+    trainer = GRPOTrainer(cfg, run_dir, quiet=quiet)
     try:
         trainer.setup()
         helper = threading.Thread(target=during, args=(trainer,), daemon=True) if during else None
@@ -233,9 +234,10 @@ def test_a_generator_and_a_rollout_worker_killed_mid_agent_episode_cost_no_episo
     assert all(r["turns_mean"] == 3 and r["rewrites"] == 0 for r in steps)
 
 
-def test_a_reward_that_hangs_on_every_call_is_survived(local_ray, tmp_path):
+def test_a_reward_that_hangs_on_every_call_is_survived(local_ray, tmp_path, capsys):
     """One prompt in eight hangs its reward on every step's call (rewards.timeout_s=2): that group fails, the
-    service is replaced once per call, and the run goes on, since each replacement returned the other groups."""
+    service is replaced once per call, and the run goes on, since each replacement returned the other groups. The
+    console says why the worker was replaced, once, not every step."""
     prompts = ["1+1=", "2+5=", "3+3=", "4+1=", "2+2=", "6+3=", "5+3=", HANGING_PROMPT]
     cfg = config_from_dict(
         merged(
@@ -253,10 +255,18 @@ def test_a_reward_that_hangs_on_every_call_is_survived(local_ray, tmp_path):
             },
         )
     )
-    summary, rows = train_in_process(cfg, tmp_path / "run")
+    summary, rows = train_in_process(cfg, tmp_path / "run", quiet=False)
     steps = [r for r in rows if r.get("phase") == "grpo"]
     assert len(steps) == 6  # more replacements in a row than the limit of 5, and no abort
     assert summary["reward_worker_restarts"] >= 6
+    replaced = [line for line in capsys.readouterr().err.splitlines() if " replaced (" in line]
+    assert replaced and len(replaced) <= cfg.rewards.num_workers, replaced
+    assert all(
+        re.fullmatch(
+            r"rlfabric: reward worker (\d) replaced \(reward worker \1 was poisoned by a timed-out group\)", line
+        )
+        for line in replaced
+    ), replaced
     group = cfg.grpo.group_size
     assert [r["trained_samples"] for r in steps] == [7 * group] * 6  # all but the hanging group, every step
     assert summary["failed_samples"] == 6 * group
