@@ -195,7 +195,8 @@ class GeneratorConfig:
 class GRPOConfig:
     prompts_per_step: int = 32
     group_size: int = 8
-    # The names of advantage, ratio_level, loss_aggregation and kl_estimator are rlfabric.objectives' tables.
+    # The names of advantage, ratio_level, policy_loss, loss_aggregation and kl_estimator are rlfabric.objectives'
+    # tables.
     # "grpo" (group mean/std), "rloo" (leave-one-out), "reinforce_pp" (batch-normalised), "reinforce_pp_baseline".
     advantage: str = "grpo"
     # Divide by the group std (GRPO); false is Dr. GRPO.
@@ -205,6 +206,8 @@ class GRPOConfig:
     clip_high: float = 0.2
     # "token" (PPO/GRPO) or "sequence" (GSPO's sequence-level ratio).
     ratio_level: str = "token"
+    # "clip" (PPO's clipped surrogate) or "cispo" (REINFORCE with clipped, detached importance weights).
+    policy_loss: str = "clip"
     # "token_mean" (DAPO), "seq_mean_token_mean" (GRPO), "seq_mean_token_sum_norm" (Dr. GRPO).
     loss_aggregation: str = "token_mean"
     kl_coef: float = 0.0
@@ -343,7 +346,7 @@ def validate_llm(cfg: LLMConfig) -> LLMConfig:
     ):
         require(value >= 1, path, value, "must be at least 1")
     require(g.group_size >= 2, "grpo.group_size", g.group_size, "must be at least 2 (advantages compare a group)")
-    for table in TABLES:  # advantage, ratio_level, loss_aggregation, kl_estimator, lr_schedule: registered names
+    for table in TABLES:  # advantage, ratio_level, policy_loss, ..., lr_schedule: registered names
         table.check(getattr(g, table.field.removeprefix("grpo.")))
     for path, value in (
         ("grpo.lr", g.lr),

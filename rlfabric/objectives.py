@@ -1,5 +1,5 @@
-"""The GRPO family's named parts: advantage estimators, policy-loss ratios, loss aggregations, KL estimators,
-learning-rate schedules.
+"""The GRPO family's named parts: advantage estimators, policy-loss ratios, policy losses, loss aggregations, KL
+estimators, learning-rate schedules.
 
 One source of the valid names. Config validation checks a name against its table here, the docs test checks that
 docs/config.md lists every name, and the learner's math (``rlfabric.algorithms.grpo``) resolves the name to the
@@ -105,6 +105,15 @@ POLICY_RATIOS = PartTable(
 POLICY_RATIOS.add("token", f"{_MATH}:token_log_ratio", "per-token ratio (PPO / GRPO / DAPO clipped surrogate)")
 POLICY_RATIOS.add("sequence", f"{_MATH}:sequence_log_ratio", "length-normalised sequence ratio (GSPO)")
 
+POLICY_LOSSES = PartTable(
+    "policy loss",
+    "grpo.policy_loss",
+    "fn(new_logp [N, T], old_logp [N, T], advantages [N] or [N, T], mask [N, T], *, clip_low, clip_high, "
+    "ratio_level) -> (loss [N, T], clip fraction); 0 where the advantage is 0, or set skip_zero_advantage_rows: false",
+)
+POLICY_LOSSES.add("clip", f"{_MATH}:clipped_policy_loss", "PPO's clipped surrogate (PPO, GRPO, DAPO, GSPO)")
+POLICY_LOSSES.add("cispo", f"{_MATH}:cispo_policy_loss", "REINFORCE with clipped, detached importance weights (CISPO)")
+
 LOSS_AGGREGATIONS = PartTable(
     "loss aggregation",
     "grpo.loss_aggregation",
@@ -130,7 +139,7 @@ LR_SCHEDULES.add("constant", f"{_SCHEDULES}:constant_lr", "grpo.lr after the war
 LR_SCHEDULES.add("linear", f"{_SCHEDULES}:linear_lr", "linear decay from grpo.lr after the warm-up to 0 at the end")
 LR_SCHEDULES.add("cosine", f"{_SCHEDULES}:cosine_lr", "half a cosine from grpo.lr after the warm-up to 0 at the end")
 
-TABLES = (ADVANTAGE_ESTIMATORS, POLICY_RATIOS, LOSS_AGGREGATIONS, KL_ESTIMATORS, LR_SCHEDULES)
+TABLES = (ADVANTAGE_ESTIMATORS, POLICY_RATIOS, POLICY_LOSSES, LOSS_AGGREGATIONS, KL_ESTIMATORS, LR_SCHEDULES)
 
 # Step-level credit (grpo.step_credit): per-step advantages of multi-turn episodes. "none", the default, is not a
 # part: it is GRPO's one advantage per row, unchanged, so this table is checked by the config on its own.

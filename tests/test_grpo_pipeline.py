@@ -352,7 +352,8 @@ def test_skipping_zero_advantage_rows_gives_the_same_update(dp_setup, zero_group
     assert m_all["skipped_rows"] == 0
 
 
-def test_ratio_clip_and_kl_metrics_say_how_far_the_update_moved_the_policy(dp_setup):
+@pytest.mark.parametrize("policy_loss", ["clip", "cispo"])
+def test_ratio_clip_and_kl_metrics_say_how_far_the_update_moved_the_policy(dp_setup, policy_loss):
     """The "old" logprobs are the learner's own at the batch's weights, so the first pass's ratio is 1: with one
     epoch the metrics are 1, 0 and 0 exactly; with three at a large learning rate they are the last pass's, after
     two optimizer steps: the ratio has moved, approx_kl is positive and the clip bites."""
@@ -361,7 +362,7 @@ def test_ratio_clip_and_kl_metrics_say_how_far_the_update_moved_the_policy(dp_se
 
     def metrics(epochs: int) -> dict[str, float]:
         learner = LLMLearnerCore(**learner_kwargs(model_dir, "token_mean", 64))
-        learner.g.update(epochs=epochs, max_grad_norm=None)
+        learner.g.update(epochs=epochs, max_grad_norm=None, policy_loss=policy_loss)
         return learner.train_step(batch, 3e-2)
 
     try:

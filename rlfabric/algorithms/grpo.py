@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from rlfabric.objectives import ADVANTAGE_ESTIMATORS, KL_ESTIMATORS, LOSS_AGGREGATIONS, POLICY_RATIOS
+from rlfabric.objectives import ADVANTAGE_ESTIMATORS, KL_ESTIMATORS, LOSS_AGGREGATIONS, POLICY_LOSSES, POLICY_RATIOS
 
 LOG_RATIO_CLAMP = 20.0  # |log ratio| beyond this would overflow exp in float32 long before it means anything
 
@@ -174,6 +174,46 @@ def clipped_policy_loss(
     return loss, clip_fraction
 
 
+def cispo_policy_loss(
+    new_logp: Tensor,
+    old_logp: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    clip_low: float,
+    clip_high: float,
+    ratio_level: str = "token",
+) -> tuple[Tensor, Tensor]:
+    """CISPO (MiniMax-M1, 2025): REINFORCE weighted by the clipped importance ratio, held constant.
+
+    loss_{i,t} = -sg(clip(r, 1 - clip_low, 1 + clip_high)) A_i logp_{i,t},  r = exp(clamp(log r, -20, 20))
+    Unlike the clipped surrogate, every token keeps a gradient (-w A through logp); clipping bounds only its
+    weight. Returns ([N, T] loss, 0 at masked positions; clip fraction = masked share of tokens whose weight was
+    clipped). ``advantages`` is [N] (or [N, T]).
+    """
+    if advantages.dim() == 1:
+        advantages = advantages.unsqueeze(-1)
+    ratio = log_ratio(new_logp, old_logp, mask, ratio_level).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp().detach()
+    weight = ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
+    loss = _zero_masked(-weight * advantages * new_logp, mask)
+    clip_fraction = masked_mean((weight != ratio).to(loss.dtype), mask)
+    return loss, clip_fraction
+
+
+def policy_loss(
+    name: str,
+    new_logp: Tensor,
+    old_logp: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    clip_low: float,
+    clip_high: float,
+    ratio_level: str = "token",
+) -> tuple[Tensor, Tensor]:
+    """The policy loss by its name in ``rlfabric.objectives.POLICY_LOSSES``: ([N, T] loss, clip fraction)."""
+    fn = POLICY_LOSSES.resolve(name)
+    return fn(new_logp, old_logp, advantages, mask, clip_low=clip_low, clip_high=clip_high, ratio_level=ratio_level)
+
+
 # -- aggregation ---------------------------------------------------------------------------------------------
 
 
@@ -314,6 +354,7 @@ def policy_objective(
     clip_low: float = 0.2,
     clip_high: float = 0.2,
     ratio_level: str = "token",
+    loss: str = "clip",
     aggregation: str = "token_mean",
     norm_length: int | None = None,
     ref_logp: Tensor | None = None,
@@ -323,7 +364,8 @@ def policy_objective(
     entropy_coef: float = 0.0,
     denominator: float | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
-    """loss = agg(clipped pg loss) + kl_coef * agg(kl(new || ref)) - entropy_coef * agg(entropy), one aggregation.
+    """loss = agg(pg loss) + kl_coef * agg(kl(new || ref)) - entropy_coef * agg(entropy), one aggregation; the pg
+    loss is ``loss``'s (``POLICY_LOSSES``: the clipped surrogate by default).
 
     Metrics (python floats): pg_loss, kl (with ref_logp), entropy (with entropy) are aggregated like the loss, so
     with a shared ``denominator`` they add up over micro-batches; clip_fraction, ratio_mean, approx_kl are token
@@ -339,17 +381,17 @@ def policy_objective(
     def agg(per_token: Tensor) -> Tensor:
         return aggregate_loss(per_token, mask, aggregation, norm_length, denominator)
 
-    pg, clip_fraction = clipped_policy_loss(new_logp, old_logp, advantages, mask, clip_low, clip_high, ratio_level)
-    loss = agg(pg)
-    metrics = {"pg_loss": loss.item(), "clip_fraction": clip_fraction.item()}
+    pg, clip_fraction = policy_loss(loss, new_logp, old_logp, advantages, mask, clip_low, clip_high, ratio_level)
+    total = agg(pg)
+    metrics = {"pg_loss": total.item(), "clip_fraction": clip_fraction.item()}
     metrics.update(_ratio_metrics(new_logp, old_logp, mask, ratio_level))
     if ref_logp is not None:
         kl = agg(kl_penalty(new_logp, ref_logp, kl_estimator))
-        loss, metrics["kl"] = loss + kl_coef * kl, kl.item()
+        total, metrics["kl"] = total + kl_coef * kl, kl.item()
     if entropy is not None:
         ent = agg(entropy)
-        loss, metrics["entropy"] = loss - entropy_coef * ent, ent.item()
-    return loss, metrics
+        total, metrics["entropy"] = total - entropy_coef * ent, ent.item()
+    return total, metrics
 
 
 # -- sample filters and reward shaping (DAPO) -------------------------------------------------------------------
