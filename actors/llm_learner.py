@@ -39,6 +39,8 @@ from rlfabric.models.weights import FlatWeights, flatten_state_dict
 from rlfabric.trajectory import Trajectories
 
 OPTIMIZER_FILE = "optimizer.pt"
+# What the batch's builder measured (each present when its setting is on): reported as they are.
+BATCH_STATISTICS = ("efficiency_penalty", "step_group_share", "overlong_filtered")
 # Reported from an update's last pass over its batch: the first pass's ratio is 1 by construction.
 MOVED_BY_THE_UPDATE = ("clip_fraction", "ratio_mean", "approx_kl")
 # What ``train_on`` reports, in the order the driver unpacks it (absent ones, e.g. kl without a reference, NaN).
@@ -60,6 +62,7 @@ LEARNER_METRICS = FloatFields(
     "drifted_trajectories",  # rows whose tokens (or logprobs) were not what the generator sampled: never trained
     "efficiency_penalty",  # the batch rows' mean efficiency penalty (rewards.efficiency.weight > 0)
     "step_group_share",  # grpo.step_credit gigpo: the share of steps in a step group of more than one
+    "overlong_filtered",  # grpo.overlong_filter: the batch's rows cut at the length limit, given no loss
     "batch_time_s",  # inside the learner: the records read and turned into the batch
     "compute_time_s",  # inside the learner: forward, backward and optimizer step
 )
@@ -277,7 +280,7 @@ class LLMLearnerCore:
             print(f"rlfabric learner: rejected a trajectory whose tokens drifted from the sampled ones: {report}")
         drifted = float(batch.pop("drifted_rows", 0))
         # the batch's own statistics, present when their setting is on (every rank builds the same batch)
-        built_metrics = {k: float(batch.pop(k)) for k in ("efficiency_penalty", "step_group_share") if k in batch}
+        built_metrics = {k: float(batch.pop(k)) for k in BATCH_STATISTICS if k in batch}
         built = time.perf_counter()
         metrics = self.train_step(batch, lr)
         drifted += metrics.pop("logprob_drifted_rows", 0.0)

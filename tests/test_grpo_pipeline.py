@@ -621,8 +621,9 @@ def test_overlong_filter_takes_truncated_completions_out_of_the_loss(dp_setup, o
 
     filtered, masked = learner(spec), learner({**spec, "overlong_filter": False})
     before = filtered.state_dict_cpu()
-    filtered.train_on([record], None, 1e-2)
+    reported = filtered.train_on([record], None, 1e-2)
     masked.train_on([by_hand], None, 1e-2)
+    assert reported.get("overlong_filtered") == (1.0 if overlong_filter else None)  # the row it took out
     assert max_abs_diff(before, masked.state_dict_cpu()) > 1e-6  # the two kept rows did train
     same = max_abs_diff(filtered.state_dict_cpu(), masked.state_dict_cpu()) < 1e-7
     assert same == overlong_filter

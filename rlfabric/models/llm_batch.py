@@ -52,8 +52,9 @@ def grpo_batch(
     Rows that fail the trace check (``drifted_rows``: their tokens are not what the generator sampled) get no loss;
     ``batch["drifted_rows"]`` counts them and ``batch["drift_report"]`` describes the first. ``episode_id`` and
     ``sampled_version`` (``rlfabric.trajectory.sampled_version``) go along for the learner's logprob check.
-    ``batch["efficiency_penalty"]`` (the rows' mean penalty) and ``batch["step_group_share"]`` (gigpo: the share
-    of steps in a step group of more than one) are scalars for the learner's metrics."""
+    ``batch["efficiency_penalty"]`` (the rows' mean penalty), ``batch["step_group_share"]`` (gigpo: the share
+    of steps in a step group of more than one) and ``batch["overlong_filtered"]`` (the rows the filter took out)
+    are scalars for the learner's metrics."""
     traj = select_groups(trajectories, groups)
     batch = pack_trajectories(traj, pad_id)
     rewards, penalty = outcome_rewards(traj, reward_weights, combine, efficiency)
@@ -80,7 +81,9 @@ def grpo_batch(
                 step_group_share(traj.step_spans[:, 0], traj.group_id, traj.state_keys)
             )
     if overlong_filter:
-        batch["response_mask"][traj.truncated.any(axis=1)] = 0.0
+        cut = traj.truncated.any(axis=1)
+        batch["response_mask"][cut] = 0.0
+        batch["overlong_filtered"] = np.int64(cut.sum())
     batch["episode_id"] = traj.episode_id.astype(np.int64)
     batch["sampled_version"] = sampled_version(traj)
     drifted, report = drifted_rows(traj)
