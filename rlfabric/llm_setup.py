@@ -292,7 +292,11 @@ class GRPOSetup:
         if "rewards" in self.cfg.ray.placement:  # else not waited for: a reward model may still be loading
             worker = self.rollout_workers.handles[0]
             actors["rewards"] = ray.get(worker.reward_workers.remote(), timeout=SETUP_TIMEOUT_S)
-        for line in record_plan(self.run_dir, {**actors, "learner": self.learners}, self.cfg.ray.placement):
+        placed, strategies = {**actors, "learner": self.learners}, dict(self.cfg.ray.placement)
+        if self.reference is not None:  # in the learners' group, after them
+            placed["reference"] = [self.reference]
+            strategies["reference"] = strategies.get("learner")
+        for line in record_plan(self.run_dir, placed, strategies):
             self.log.note(f"placement: {line}")
         self.weights.attach(self.learners[0], self.generators, self.reference, self.scorers.slots)
         self.weights.choose_transport()

@@ -574,6 +574,16 @@ def test_a_run_without_checkpointing_leaves_no_checkpoint(sync_run):
     assert sync_run.summary["steps"] == 3 and not (sync_run.run_dir / "checkpoints").exists()  # checkpoint_every 0
 
 
+def test_the_placement_plan_names_every_role_the_reference_actor_included(sync_run):
+    plan = json.loads((sync_run.run_dir / "placement.json").read_text())
+    assert {role: len(where["nodes"]) for role, where in plan.items()} == {
+        "generator": 1,
+        "rollout worker": 1,
+        "learner": 1,
+        "reference": 1,
+    }
+
+
 def test_dynamic_sampling_drops_groups_without_signal(sync_run):
     s, rows = sync_run.summary, sync_run.phase("grpo")
     assert s["steps"] == 3
