@@ -3,6 +3,7 @@ instance it starts itself; with the cluster's token sent when this machine has o
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import socket
@@ -89,9 +90,19 @@ def ensure_ray(ray_cfg: RayConfig, wanted_cpus: float, env_vars: dict[str, str] 
         return
     num_cpus = ray_cfg.num_cpus or max(os.cpu_count() or 1, math.ceil(wanted_cpus))
     runtime_env = {"env_vars": env_vars} if env_vars else None
-    # address="local": a new instance even where a cluster (`ray start`) runs on this machine, which ray.init()
-    # would join and then refuse num_cpus for
-    ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=True, runtime_env=runtime_env)
+    # Ray warns on every local start that token authentication is on (a token exists once any local instance ran):
+    # true of this run's private instance, and no news to its user
+    auth_log = logging.getLogger("ray._private.authentication.authentication_token_setup")
+    level = auth_log.level
+    auth_log.setLevel(logging.ERROR)
+    try:
+        # address="local": a new instance even where a cluster (`ray start`) runs on this machine, which ray.init()
+        # would join and then refuse num_cpus for
+        ray.init(
+            address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=True, runtime_env=runtime_env
+        )
+    finally:
+        auth_log.setLevel(level)
 
 
 def join_cluster(address: str, ray_cfg: RayConfig) -> None:
