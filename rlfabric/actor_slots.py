@@ -25,10 +25,20 @@ from ray.exceptions import GetTimeoutError, ObjectLostError, RayError, RayTaskEr
 MAX_CONSECUTIVE_FAILURES = 5
 
 
+MAX_SUMMARY = 300  # characters of an error said on one line
+
+
 def error_summary(exc: BaseException) -> str:
-    """The last line of an exception's text (for a remote error: the original exception), at most 300 chars."""
+    """The last line of an exception's text (for a remote error: the original exception), at most 300 chars: a
+    longer one ends at its last full sentence within them (Ray's dead-actor text goes on with a list of causes)."""
     text = str(exc).strip()
-    return text.splitlines()[-1].strip()[:300] if text else exc.__class__.__name__
+    if not text:
+        return exc.__class__.__name__
+    line = text.splitlines()[-1].strip()
+    if len(line) <= MAX_SUMMARY:
+        return line
+    end = line.rfind(". ", 0, MAX_SUMMARY)
+    return line[: end + 1] if end > 0 else line[: MAX_SUMMARY - 3] + "..."
 
 
 def remote_cause(exc: BaseException) -> str:

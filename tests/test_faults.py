@@ -156,3 +156,23 @@ def test_episode_ids_stay_unique_across_runners_and_a_resumed_run(local_ray, tmp
     assert len(ids) == len(later) == 2 * 4  # a row per env copy, 4 copies per runner
     assert len(set(ids)) == len(ids) and len(set(later)) == len(later)
     assert not set(ids) & set(later)
+
+
+def test_a_long_actor_death_is_said_to_its_last_whole_sentence():
+    """Ray's text for a killed actor ends in a 600-character line of possible causes: the one-line summary a run
+    prints ends at a sentence, not inside "(2) ray stop --force was"."""
+    from rlfabric.actor_slots import error_summary
+
+    died = RuntimeError(
+        "The actor died unexpectedly before finishing this task.\n\tclass_name: Generator\n"
+        "The actor is dead because its worker process has died. Worker exit type: SYSTEM_ERROR Worker exit detail: "
+        "Worker unexpectedly exits with a connection error code 2. End of file. Some common causes include: (1) the "
+        "process was killed by the OOM killer due to high memory usage, (2) ray stop --force was called, or (3) the "
+        "worker crashed unexpectedly due to SIGSEGV or another unexpected error."
+    )
+    assert error_summary(died) == (
+        "The actor is dead because its worker process has died. Worker exit type: SYSTEM_ERROR Worker exit detail: "
+        "Worker unexpectedly exits with a connection error code 2. End of file."
+    )
+    assert error_summary(RuntimeError("short\nlast line")) == "last line"
+    assert error_summary(RuntimeError("x" * 400)) == "x" * 297 + "..."
