@@ -197,6 +197,13 @@ class LLMRolloutCore(EpisodeRollouts):
         self.prompt_sets[name] = prompts
         return len(prompts.rows)
 
+    def take_replaced(self) -> list[str]:
+        """The reward workers replaced since the last call, one line each, the shadow verifier's said so."""
+        lines = self.pool.take_replaced() if self.pool is not None else []
+        if self.shadow_pool is not None:
+            lines += [f"shadow {line}" for line in self.shadow_pool.take_replaced()]
+        return lines
+
     def _check_with_shadow(
         self, inputs: list[RewardInput], results: list[RewardResult], group_size: int, seed: int
     ) -> dict[str, int]:
@@ -368,7 +375,7 @@ class LLMRolloutWorker:
     def rollout(self, request: RolloutRequest) -> tuple[tuple, Trajectories | None]:
         """(metadata encoded for the driver, ``decode_meta`` reads it; the record, or None)."""
         meta, trajectories = self.core.rollout(request)
-        replaced = self.core.pool.take_replaced() if self.core.pool is not None else []
+        replaced = self.core.take_replaced()
         if replaced:  # printed by the driver, as generators' replacements are
             meta["reward_replaced"] = replaced
         return encode_meta(meta), trajectories

@@ -608,8 +608,8 @@ class GRPOTrainer(GRPOSetup):
             self.reference,
             self.weights.shared_files,
         )
-        self.weights.abandon()  # after the generators stopped: a publication the run stopped before finishing
         self.scorers.close()
+        self.weights.abandon()  # once its loaders are stopped: a publication the run stopped before finishing
         if self.role_groups is not None:
             self.role_groups.remove()
         self.generators, self.rollout_workers, self.learners, self.reference = None, None, [], None

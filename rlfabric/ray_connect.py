@@ -3,11 +3,13 @@ instance it starts itself; with the cluster's token sent when this machine has o
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
 import socket
 import sys
+from collections.abc import Iterator
 
 import ray
 
@@ -31,8 +33,10 @@ def refused_by(gcs_address: str, with_token: bool) -> bool | None:
     from ray._raylet import AuthenticationTokenLoader
     from ray.core.generated import gcs_service_pb2, gcs_service_pb2_grpc
 
-    metadata = tuple(AuthenticationTokenLoader.instance().get_token_for_http_header().items()) if with_token else ()
-    with grpc.insecure_channel(gcs_address) as channel:
+    loader = AuthenticationTokenLoader.instance()
+    metadata = tuple(loader.get_token_for_http_header(ignore_auth_mode=True).items()) if with_token else ()
+    # straight to the GCS, as Ray's own clients go (an http_proxy in the environment would swallow the call)
+    with grpc.insecure_channel(gcs_address, options=[("grpc.enable_http_proxy", 0)]) as channel:
         try:
             gcs_service_pb2_grpc.NodeInfoGcsServiceStub(channel).GetClusterId(
                 gcs_service_pb2.GetClusterIdRequest(), timeout=10, metadata=metadata
@@ -46,20 +50,23 @@ def match_cluster_auth(gcs_address: str, where: str) -> None:
     """Send this machine's token to a cluster under token authentication (``ray start`` turns it on by itself
     where a token exists, and ``ray.init`` would not send one), and not to a cluster without it (whose workers
     could not then answer this driver: its actors would never start); a one-line ConfigError where the token is
-    missing, refused, or switched off by ``RAY_AUTH_MODE``."""
-    from ray._raylet import AuthenticationTokenLoader
-
+    missing, refused, or switched off by ``RAY_AUTH_MODE``. A Ray without token authentication (before 2.52) has
+    nothing to match."""
+    try:
+        from ray._raylet import AuthenticationTokenLoader
+    except ImportError:
+        return
     wants_token = refused_by(gcs_address, with_token=False)
     mode = os.environ.get("RAY_AUTH_MODE")
     get_it = "`ray get-auth-token` on the head prints it"
-    if wants_token is False and mode == "token":
+    if wants_token is False and mode is not None and mode.lower() == "token":
         raise ConfigError(
-            f"{where}: RAY_AUTH_MODE=token, but that cluster does not use token authentication (its workers could "
+            f"{where}: RAY_AUTH_MODE={mode}, but that cluster does not use token authentication (its workers could "
             "not answer this driver): unset RAY_AUTH_MODE"
         )
     if not wants_token:
         return
-    if mode is not None and mode != "token":
+    if mode is not None and mode.lower() != "token":
         raise ConfigError(f"{where}: that cluster uses token authentication: unset RAY_AUTH_MODE={mode}")
     if not AuthenticationTokenLoader.instance().has_token(ignore_auth_mode=True):
         raise ConfigError(
@@ -71,7 +78,20 @@ def match_cluster_auth(gcs_address: str, where: str) -> None:
             f"{where}: that cluster refused this machine's token (from RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH or "
             f"~/.ray/auth_token): give it the cluster's ({get_it})"
         )
-    use_cluster_token()
+    with quiet_auth_log():  # Ray's "set RAY_AUTH_MODE=disabled to opt out" would be wrong advice here
+        use_cluster_token()
+
+
+@contextlib.contextmanager
+def quiet_auth_log() -> Iterator[None]:
+    """Ray's token-authentication notices silenced: it says on every start that authentication is on."""
+    auth_log = logging.getLogger("ray._private.authentication.authentication_token_setup")
+    level = auth_log.level
+    auth_log.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        auth_log.setLevel(level)
 
 
 def ensure_ray(ray_cfg: RayConfig, wanted_cpus: float, env_vars: dict[str, str] | None = None) -> None:
@@ -90,19 +110,13 @@ def ensure_ray(ray_cfg: RayConfig, wanted_cpus: float, env_vars: dict[str, str] 
         return
     num_cpus = ray_cfg.num_cpus or max(os.cpu_count() or 1, math.ceil(wanted_cpus))
     runtime_env = {"env_vars": env_vars} if env_vars else None
-    # Ray warns on every local start that token authentication is on (a token exists once any local instance ran):
-    # true of this run's private instance, and no news to its user
-    auth_log = logging.getLogger("ray._private.authentication.authentication_token_setup")
-    level = auth_log.level
-    auth_log.setLevel(logging.ERROR)
-    try:
-        # address="local": a new instance even where a cluster (`ray start`) runs on this machine, which ray.init()
-        # would join and then refuse num_cpus for
+    # quiet: token authentication is on for every local instance once a token exists, no news to this run's user.
+    # address="local": a new instance even where a cluster (`ray start`) runs on this machine, which ray.init()
+    # would join and then refuse num_cpus for
+    with quiet_auth_log():
         ray.init(
             address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=True, runtime_env=runtime_env
         )
-    finally:
-        auth_log.setLevel(level)
 
 
 def join_cluster(address: str, ray_cfg: RayConfig) -> None:
@@ -114,6 +128,7 @@ def join_cluster(address: str, ray_cfg: RayConfig) -> None:
         "local Ray instance"
     )
     host, _, port = address.removeprefix("ray://").rpartition(":")
+    host = host.removeprefix("[").removesuffix("]")  # [::1]:6379
     if host and port.isdigit():
         try:
             socket.create_connection((host, int(port)), timeout=10).close()

@@ -202,6 +202,10 @@ class RolloutScheduler:
             meta = {"samples": len(request.indices) * request.group_size, "worker_failure": reason}
         else:
             self.workers.succeeded(pending.worker_slot, pending.worker_generation)
+        for replaced in meta.get("reward_replaced", []):  # every rollout's, evaluations' and retried ones' too
+            if replaced not in self.errors_seen:  # a worker poisoned by each call's hung group: said once
+                self.errors_seen.add(replaced)
+                self._note(replaced)
         for slot, generation, reason in meta.get("generator_failures", []):
             self._replace_generator(slot, generation, reason)
         if "generator_failures" not in meta and "worker_failure" not in meta:
@@ -237,10 +241,6 @@ class RolloutScheduler:
         for key in ("generate_time_s", "reward_time_s"):
             self._add_to_step(key, meta.get(key, 0.0))
         c.reward_worker_restarts += meta.get("reward_restarts", 0)
-        for replaced in meta.get("reward_replaced", []):
-            if replaced not in self.errors_seen:  # a worker poisoned by each call's hung group: said once
-                self.errors_seen.add(replaced)
-                self._note(replaced)
         for error in meta.get("errors", []):
             self.note_reward_error(error)
         stats = meta.get("group_stats")

@@ -92,8 +92,6 @@ class WeightPublisher:
     def finish(self, publishing: Publishing, timeout: float | None = None) -> int:
         """Wait for the loads; a generator or scorer that dies or hangs while loading is replaced (and given the
         weights). Returns the published policy version."""
-        if publishing is self.unfinished:
-            self.unfinished = None
         version, shared_path = self._fetch([publishing.version, publishing.shared_path])
         self.published = publishing.handle
         if shared_path is not None:
@@ -111,6 +109,8 @@ class WeightPublisher:
         for slot, generation, reason in failed_scorers:
             assert self._replace_scorer is not None, "scorers attached without replace_scorer"
             self._replace_scorer(slot, generation, reason)
+        if publishing is self.unfinished:  # only now: a failure above leaves its loads for abandon() to collect
+            self.unfinished = None
         used = "object_store" if shared_path is None else "shared_memory"
         if used != self.weights_via:  # the first time, and after any change
             self._note(self._transport_note(used))

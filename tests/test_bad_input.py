@@ -465,6 +465,22 @@ def test_ray_address_from_the_environment_joins_that_cluster(cluster, monkeypatc
     assert "ray.num_cpus = 8 sizes only a local instance and is ignored" in capsys.readouterr().err
 
 
+def test_token_mode_against_a_cluster_without_authentication_is_one_line(cluster, monkeypatch):
+    """Its actors would never start (the cluster's workers cannot answer a driver that wants tokens): said before
+    ray.init, with what to change."""
+    if ray.is_initialized():
+        ray.shutdown()
+    monkeypatch.setenv("RAY_ADDRESS", cluster.address)
+    monkeypatch.setenv("RAY_AUTH_MODE", "Token")  # Ray reads the mode in any case
+    with pytest.raises(ConfigError) as info:
+        ensure_ray(RayConfig(), wanted_cpus=1)
+    assert str(info.value) == (
+        f"RAY_ADDRESS={cluster.address!r} (from the environment): RAY_AUTH_MODE=Token, but that cluster does not use "
+        "token authentication (its workers could not answer this driver): unset RAY_AUTH_MODE"
+    )
+    assert not ray.is_initialized()
+
+
 def test_env_of_an_imported_cwd_module_runs_on_the_joined_cluster(cluster, cwd_env_module, monkeypatch, capsys):
     """A plain `rlfabric train` joins the cluster RAY_ADDRESS names, and its workers run the env registered by an
     --import'ed module of the current directory (options and overrides intermixed)."""
