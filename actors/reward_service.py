@@ -13,10 +13,10 @@ or process. Failures stay as small as they can be:
   call are still scored;
 * a group that overruns ``group_timeout_s`` fails with "timed out after Xs" and the call goes on with the next
   group. The stuck thread cannot be killed, so the service then reports itself poisoned and the pool replaces
-  it once the call has returned; the groups it finished are kept. Once more than half the groups tried have
-  timed out, at least ``MIN_TIMEOUTS_TO_GIVE_UP`` of them, the call's remaining groups are not tried here (a
-  reward that hangs on every call would cost a deadline per group, minutes of silence for a large batch); the
-  service reports them skipped, and the pool scores them once more on the replacement.
+  it once the call has returned; the groups it finished are kept. Once the call ``gives_up`` (more than half the
+  groups tried timed out, 3 at least, or 6 in a row), its remaining groups are not tried here (a reward that hangs
+  on every call would cost a deadline per group, minutes of silence for a large batch); the service reports them
+  skipped, and the pool scores them once more on the replacement.
 
 Pointwise functions (``rlfabric.rewards.pointwise``: reward models) run once per call on the samples of all its
 groups together, so their forward passes batch across groups, under a deadline of ``group_timeout_s`` per group;
@@ -47,16 +47,18 @@ from rlfabric.rewards import (
     is_process_reward,
 )
 
-# Timed-out groups of one call before the service may skip the call's remaining groups, which it does once more
-# than half the groups it tried timed out: a reward that always hangs is given up on after 3 deadlines, one that
-# hangs on some groups (three running is likely somewhere in a call of a hundred groups) never is.
+# When a service skips the rest of a call's groups: once more than half the groups it tried timed out, 3 at
+# least (a reward that always hangs costs 3 deadlines, one that hangs on some groups never trips it: three running
+# is likely somewhere in a call of a hundred groups), or after 6 in a row (a reward backend that went down after
+# many good groups; 6 running at a 15% hang rate is a chance in 100,000).
 MIN_TIMEOUTS_TO_GIVE_UP = 3
+TIMEOUTS_IN_A_ROW_TO_GIVE_UP = 6
 
 
-def gives_up(timeouts: int, tried: int) -> bool:
-    """Whether a call that saw ``timeouts`` of its first ``tried`` groups time out skips the rest:
-    timeouts >= MIN_TIMEOUTS_TO_GIVE_UP and timeouts > tried / 2."""
-    return timeouts >= MIN_TIMEOUTS_TO_GIVE_UP and 2 * timeouts > tried
+def gives_up(timeouts: int, tried: int, in_a_row: int) -> bool:
+    """Whether a call that saw ``timeouts`` of its first ``tried`` groups time out, the last ``in_a_row`` of them
+    one after another, skips the rest: (timeouts >= 3 and timeouts > tried / 2) or in_a_row >= 6."""
+    return (timeouts >= MIN_TIMEOUTS_TO_GIVE_UP and 2 * timeouts > tried) or in_a_row >= TIMEOUTS_IN_A_ROW_TO_GIVE_UP
 
 
 class TimedOut(str):
@@ -191,12 +193,12 @@ class RewardServiceCore:
         per_group = [(n, f) for n, f in self.functions if not is_pointwise(f)]
         across = self._score_across(groups, per_sample) if per_sample else [None] * len(groups)
         out = []
-        self.skipped, timeouts, tried, last_timeout = [], 0, 0, ""
+        self.skipped, timeouts, tried, in_a_row, last_timeout = [], 0, 0, 0, ""
         for index, (group, first) in enumerate(zip(groups, across, strict=True)):
             if isinstance(first, str):  # the pointwise run failed: so does every group of the call
                 out.append(failed(group, first))
                 continue
-            if gives_up(timeouts, tried):
+            if gives_up(timeouts, tried, in_a_row):
                 self.skipped.append(index)
                 out.append(
                     failed(group, f"not scored: {timeouts} of the {tried} groups tried before it {last_timeout}")
@@ -205,7 +207,8 @@ class RewardServiceCore:
             results = (
                 self._run(per_group, group, self.group_timeout_s) if per_group else [RewardResult({}) for _ in group]
             )
-            tried, timeouts = tried + 1, timeouts + int(isinstance(results, TimedOut))
+            timed_out = isinstance(results, TimedOut)
+            tried, timeouts, in_a_row = tried + 1, timeouts + int(timed_out), in_a_row + 1 if timed_out else 0
             if isinstance(results, str):
                 last_timeout = results if isinstance(results, TimedOut) else last_timeout
                 results = failed(group, str(results))

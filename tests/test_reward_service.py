@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from rlfabric.actors.reward_service import RewardServiceCore
+from rlfabric.actors.reward_service import RewardServiceCore, gives_up
 from rlfabric.reward_pool import RewardPool
 from rlfabric.rewards import RewardInput, Unscored, gives, pointwise, register_reward
 
@@ -187,6 +187,21 @@ def test_a_reward_that_hangs_on_some_groups_costs_only_those_even_three_running(
         assert pool.failed_samples == 12 and pool.worker_restarts == 1  # poisoned, replaced after the call
     finally:
         pool.shutdown()
+
+
+@pytest.mark.parametrize(
+    ("timeouts", "tried", "in_a_row", "expected"),
+    [
+        (3, 3, 3, True),  # a reward that always hangs: three deadlines
+        (3, 5, 1, True),  # more than half
+        (3, 6, 3, False),  # half is not more than half
+        (2, 2, 2, False),  # fewer than three
+        (6, 60, 6, True),  # went down after 54 good groups: six running
+        (5, 60, 5, False),
+    ],
+)
+def test_when_a_call_gives_up_on_its_remaining_groups(timeouts, tried, in_a_row, expected):
+    assert gives_up(timeouts, tried, in_a_row) is expected
 
 
 def test_groups_skipped_after_timeouts_are_scored_on_the_replacement(local_ray):
