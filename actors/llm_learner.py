@@ -366,7 +366,7 @@ class LLMLearnerCore:
                     clip_low=g["clip_low"],
                     clip_high=g["clip_high"],
                     ratio_level=g["ratio_level"],
-                    loss=g["policy_loss"],
+                    policy_loss=g["policy_loss"],
                     aggregation=g["loss_aggregation"],
                     norm_length=g["norm_length"],
                     ref_logp=None if ref_logp is None else ref_logp[rows],

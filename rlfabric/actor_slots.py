@@ -37,7 +37,7 @@ def error_summary(exc: BaseException) -> str:
     line = text.splitlines()[-1].strip()
     if len(line) <= MAX_SUMMARY:
         return line
-    end = line.rfind(". ", 0, MAX_SUMMARY)
+    end = line.rfind(". ", MAX_SUMMARY // 3, MAX_SUMMARY)  # a sentence end that keeps most of what fits
     return line[: end + 1] if end > 0 else line[: MAX_SUMMARY - 3] + "..."
 
 

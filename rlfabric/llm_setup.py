@@ -19,7 +19,7 @@ from typing import Any
 
 import ray
 
-from rlfabric import rewards
+from rlfabric import objectives, rewards
 from rlfabric.actor_slots import ActorSlots, RunAbortedError
 from rlfabric.actors.llm_rollout import PromptSet
 from rlfabric.config import ConfigError
@@ -251,6 +251,7 @@ class GRPOSetup:
     def _start_actors(self, state: dict[str, Any] | None) -> None:
         """Ray, then every actor of the run (an env, agent or server found bad on the way is a ConfigError);
         ``state``: the checkpoint's trainer state when resuming."""
+        objectives.snapshot()  # a user's advantage estimator or loss that does not load: said before Ray starts
         ensure_ray(self.cfg.ray, wanted_cpus(self.cfg), openmp_env())
         check_fits(actor_requests(self.cfg), [n["Resources"] for n in ray.nodes() if n.get("Alive")])
         groups = self.role_groups = RoleGroups(actor_requests(self.cfg), self.cfg.ray.placement, SETUP_TIMEOUT_S)

@@ -162,8 +162,9 @@ ALL_TABLES = (*TABLES, STEP_CREDITS)
 
 def snapshot() -> bytes | None:
     """The parts added in this process beyond rlfabric's own, each with its function, for the actors that
-    resolve them (``load_snapshot`` there); None when there are none. A function whose module does not import
-    here travels by name, for an actor whose node has it."""
+    resolve them (``load_snapshot`` there); None when there are none. A function whose module is not on this
+    machine's path travels by name, for an actor whose node has it; one whose module fails to load, or lacks it,
+    is a ConfigError."""
     from rlfabric import shipping
 
     parts = [(table.field, part) for table in ALL_TABLES for part in table.parts()]
@@ -172,10 +173,16 @@ def snapshot() -> bytes | None:
         return None
     functions: dict[str, Any] = {}
     for field, part in added:
-        try:
+        module, _, function = part.target.partition(":")
+        if not shipping.module_exists(module):
+            continue  # importable only where the actors run, as an installed package may be
+        try:  # an error inside the user's module, or a function it lacks: said now, not at the first update
             functions[f"{field}:{part.name}"] = _TABLES_BY_FIELD[field].resolve(part.name)
-        except (ImportError, AttributeError):
-            pass
+        except Exception as exc:  # noqa: BLE001 - whatever the user's module raised, on one line
+            raise ConfigError(
+                f"{field} = {part.name!r}: its function {part.target!r} does not load: {exc.__class__.__name__}: "
+                f"{' '.join(str(exc).split())}"
+            ) from None
     return shipping.dumps_with_user_code({**functions, _PARTS_KEY: added})
 
 

@@ -176,3 +176,5 @@ def test_a_long_actor_death_is_said_to_its_last_whole_sentence():
     )
     assert error_summary(RuntimeError("short\nlast line")) == "last line"
     assert error_summary(RuntimeError("x" * 400)) == "x" * 297 + "..."
+    # a sentence that ends early keeps what follows, up to the limit
+    assert error_summary(RuntimeError("CUDA out of memory. " + "y" * 400)) == "CUDA out of memory. " + "y" * 277 + "..."

@@ -246,16 +246,16 @@ def test_cispo_loss_by_hand_keeps_every_tokens_gradient():
     """CISPO: loss = -sg(clip(r, 0.8, 1.2)) A logp. Ratios [2, 1, 0.5] with A = 1: weights [1.2, 1, 0.8]; the
     loss's gradient wrt logp is -w A on every token, the clipped ones included (the clipped surrogate's is 0
     there)."""
-    old = t([[math.log(0.25), math.log(0.5), math.log(0.5)]])
-    new = t([[math.log(0.5), math.log(0.5), math.log(0.25)]]).requires_grad_(True)
-    mask = torch.ones(1, 3, dtype=F64)
+    old = t([[math.log(0.25), math.log(0.5), math.log(0.5), NAN]])  # the last position is padding
+    new = t([[math.log(0.5), math.log(0.5), math.log(0.25), INF]]).requires_grad_(True)
+    mask = t([[1.0, 1.0, 1.0, 0.0]])
     loss, frac = grpo.cispo_policy_loss(new, old, t([1.0]), mask, clip_low=0.2, clip_high=0.2)
-    close(loss, [[1.2 * math.log(2.0), math.log(2.0), 0.8 * math.log(4.0)]])
+    close(loss, [[1.2 * math.log(2.0), math.log(2.0), 0.8 * math.log(4.0), 0.0]])
     close(frac, 2 / 3)
     loss.sum().backward()
-    close(new.grad, [[-1.2, -1.0, -0.8]])
+    close(new.grad, [[-1.2, -1.0, -0.8, 0.0]])  # the padding leaks into neither
     # by its name, through the objective: the same pg loss, token-averaged
-    total, metrics = grpo.policy_objective(new.detach(), old, t([1.0]), mask, loss="cispo")
+    total, metrics = grpo.policy_objective(new.detach(), old, t([1.0]), mask, policy_loss="cispo")
     close(total, (1.2 * math.log(2.0) + math.log(2.0) + 0.8 * math.log(4.0)) / 3)
     assert metrics["clip_fraction"] == pytest.approx(2 / 3)
 

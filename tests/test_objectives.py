@@ -111,6 +111,30 @@ def test_an_estimator_a_users_module_adds_is_the_one_the_learner_runs(tmp_path):
     assert len(set(calls.read_text().split())) == 2  # in the learner's process and the reference's
 
 
+def test_an_estimator_whose_module_fails_to_load_is_one_line_before_ray_starts(tmp_path):
+    """A module of the current directory that registers a target in a module that raises on import: the run
+    stops before its actors start, naming the field and the error (not at the learner's first update)."""
+    (tmp_path / "adv_register.py").write_text(
+        "from rlfabric.objectives import ADVANTAGE_ESTIMATORS\n"
+        'ADVANTAGE_ESTIMATORS.add("mine", "adv_impl:mine", "needs a package this machine lacks")\n'
+    )
+    (tmp_path / "adv_impl.py").write_text("import no_such_package_here\n")
+    done = subprocess.run(
+        [sys.executable, "-m", "rlfabric.cli", "train", "grpo.advantage=mine", "--import", "adv_register"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": "", "RAY_ADDRESS": ""},
+    )
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert done.stderr.strip().splitlines()[-1] == (
+        "rlfabric: config error: grpo.advantage = 'mine': its function 'adv_impl:mine' does not load: "
+        "ModuleNotFoundError: No module named 'no_such_package_here'"
+    )
+    assert "Started a local Ray instance" not in done.stderr
+
+
 def test_aggregation_denominators_by_hand():
     mask = torch.tensor([[1.0, 1.0, 0.0], [0.0, 0.0, 0.0], [1.0, 0.0, 0.0]])  # the middle row is all masked
     loss = torch.tensor([[1.0, 3.0, 9.0], [5.0, 5.0, 5.0], [4.0, 9.0, 9.0]])

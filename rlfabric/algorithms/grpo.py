@@ -199,7 +199,7 @@ def cispo_policy_loss(
     return loss, clip_fraction
 
 
-def policy_loss(
+def named_policy_loss(
     name: str,
     new_logp: Tensor,
     old_logp: Tensor,
@@ -354,7 +354,7 @@ def policy_objective(
     clip_low: float = 0.2,
     clip_high: float = 0.2,
     ratio_level: str = "token",
-    loss: str = "clip",
+    policy_loss: str = "clip",
     aggregation: str = "token_mean",
     norm_length: int | None = None,
     ref_logp: Tensor | None = None,
@@ -365,7 +365,7 @@ def policy_objective(
     denominator: float | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
     """loss = agg(pg loss) + kl_coef * agg(kl(new || ref)) - entropy_coef * agg(entropy), one aggregation; the pg
-    loss is ``loss``'s (``POLICY_LOSSES``: the clipped surrogate by default).
+    loss is ``policy_loss``'s (``POLICY_LOSSES``: the clipped surrogate by default).
 
     Metrics (python floats): pg_loss, kl (with ref_logp), entropy (with entropy) are aggregated like the loss, so
     with a shared ``denominator`` they add up over micro-batches; clip_fraction, ratio_mean, approx_kl are token
@@ -381,7 +381,9 @@ def policy_objective(
     def agg(per_token: Tensor) -> Tensor:
         return aggregate_loss(per_token, mask, aggregation, norm_length, denominator)
 
-    pg, clip_fraction = policy_loss(loss, new_logp, old_logp, advantages, mask, clip_low, clip_high, ratio_level)
+    pg, clip_fraction = named_policy_loss(
+        policy_loss, new_logp, old_logp, advantages, mask, clip_low, clip_high, ratio_level
+    )
     total = agg(pg)
     metrics = {"pg_loss": total.item(), "clip_fraction": clip_fraction.item()}
     metrics.update(_ratio_metrics(new_logp, old_logp, mask, ratio_level))
