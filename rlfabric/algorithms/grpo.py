@@ -149,6 +149,16 @@ def log_ratio(new_logp: Tensor, old_logp: Tensor, mask: Tensor, level: str = "to
     return POLICY_RATIOS.resolve(level)(new_logp, old_logp, mask)
 
 
+def clamped_ratio(new_logp: Tensor, old_logp: Tensor, mask: Tensor, level: str = "token") -> Tensor:
+    """The importance ratio the policy losses use: r = exp(clamp(log r, -20, 20)), log r at ``level``."""
+    return log_ratio(new_logp, old_logp, mask, level).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()
+
+
+def _per_token(advantages: Tensor) -> Tensor:
+    """[N] advantages as [N, 1], broadcasting over tokens; [N, T] ones as they are."""
+    return advantages.unsqueeze(-1) if advantages.dim() == 1 else advantages
+
+
 def clipped_policy_loss(
     new_logp: Tensor,
     old_logp: Tensor,
@@ -164,9 +174,7 @@ def clipped_policy_loss(
     Returns ([N, T] loss, 0 at masked positions; clip fraction = masked share of tokens where the clipped term
     wins, i.e. whose gradient is zero). ``advantages`` is [N] (or [N, T] for per-token advantages).
     """
-    if advantages.dim() == 1:
-        advantages = advantages.unsqueeze(-1)
-    ratio = log_ratio(new_logp, old_logp, mask, ratio_level).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()
+    advantages, ratio = _per_token(advantages), clamped_ratio(new_logp, old_logp, mask, ratio_level)
     unclipped = -advantages * ratio
     clipped = -advantages * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
     loss = _zero_masked(torch.maximum(unclipped, clipped), mask)
@@ -190,9 +198,7 @@ def cispo_policy_loss(
     weight. Returns ([N, T] loss, 0 at masked positions; clip fraction = masked share of tokens whose weight was
     clipped). ``advantages`` is [N] (or [N, T]).
     """
-    if advantages.dim() == 1:
-        advantages = advantages.unsqueeze(-1)
-    ratio = log_ratio(new_logp, old_logp, mask, ratio_level).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp().detach()
+    advantages, ratio = _per_token(advantages), clamped_ratio(new_logp, old_logp, mask, ratio_level).detach()
     weight = ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
     loss = _zero_masked(-weight * advantages * new_logp, mask)
     clip_fraction = masked_mean((weight != ratio).to(loss.dtype), mask)
