@@ -62,12 +62,8 @@ from rlfabric.models.packed_batch import pad_rows_for_learners
 from rlfabric.objectives import LR_SCHEDULES
 from rlfabric.placement import RoleGroups
 from rlfabric.reward_model_stage import point_at_run_reward_model
-from rlfabric.reward_names import (
-    check_references_declared,
-    misspelling_note,
-    names_by_field,
-    unknown_components,
-)
+from rlfabric.reward_names import check_references_declared
+from rlfabric.reward_watch import RewardWatch, failing_part
 from rlfabric.rollout_scheduler import RolloutScheduler, StepBatch
 from rlfabric.run.checkpoints import CHECKPOINT_DIR
 from rlfabric.run.interrupts import stop_requests
@@ -78,7 +74,6 @@ from rlfabric.run.resume import refuse_run_over
 from rlfabric.weight_publisher import WeightPublisher
 
 MAX_GENERATION_RETRIES = 3
-MAX_STEPS_WITHOUT_SCORES = 3  # steps in a row in which every sample failed its reward: the run stops
 STOP_NOTICE = "rlfabric: stopping after this step, with a checkpoint when checkpointing is on (Ctrl-C again: at once)"
 
 
@@ -160,8 +155,7 @@ class GRPOTrainer(GRPOSetup):
         )
         # The likelihood scorer (a policy likelihood reward): a named actor the reward services find by name.
         self.scorers = LikelihoodScorers(cfg, self.weights, self._note)
-        self._steps_without_scores = 0
-        self._components_given: set[str] = set()
+        self.reward_watch = RewardWatch(cfg, self._component_references, self._note)
         # a generator lost with its node during a step's weight load that could not be replaced: raised once that
         # step (which the learners did train) is counted and logged
         self._unplaced: PlacementError | None = None
@@ -381,7 +375,7 @@ class GRPOTrainer(GRPOSetup):
             self.rollouts.note_reward_error(error)
         row = eval_row(meta, label)
         if row["eval_failed"] == meta["samples"] > 0 and meta.get("errors"):
-            raise RunAbortedError(f"every held-out sample failed {self._failing_part()}: {meta['errors'][0]}")
+            raise RunAbortedError(f"every held-out sample failed {failing_part(self.cfg)}: {meta['errors'][0]}")
         self._log(row)
         self._last_shown = meta.get("shown", [])
         return row
@@ -433,7 +427,7 @@ class GRPOTrainer(GRPOSetup):
                 f"trained on no sample in {self.counters.step} steps ({self.counters.failed_samples} failed, "
                 f"{self.counters.stale_samples} stale, {self.counters.filtered_groups} groups filtered)"
             )
-        self._note_components_never_given()
+        self.reward_watch.at_end()
         final = self.evaluate("final")
         return self._finish(initial, final)
 
@@ -461,8 +455,7 @@ class GRPOTrainer(GRPOSetup):
             self._log(self._step_row(step, metrics, started))
             if self._unplaced is not None:
                 raise self._unplaced
-            self._check_scoring(step)
-            self._check_component_names(step)
+            self.reward_watch.after_step(step.scored, self.rollouts.errors_seen)
             if t.eval_every and self.counters.step % t.eval_every == 0 and self.counters.step < t.total_steps:
                 self.evaluate(f"step_{self.counters.step}")
             if t.checkpoint_every and self.counters.step % t.checkpoint_every == 0:
@@ -473,43 +466,6 @@ class GRPOTrainer(GRPOSetup):
         if self.counters.trained_samples:
             self._checkpoint_unless_saved()
         self._stop_if_asked(stop)  # asked during the last step: the final evaluation is not waited for either
-
-    def _check_scoring(self, step: StepBatch) -> None:
-        """Stop a run whose rewards fail on every sample, step after step, instead of training on nothing."""
-        if any(m["rows"] for m in step.scored) or not self.rollouts.errors_seen:
-            self._steps_without_scores = 0
-            return
-        self._steps_without_scores += 1
-        if self._steps_without_scores >= MAX_STEPS_WITHOUT_SCORES:
-            first = next(iter(self.rollouts.errors_seen))
-            steps, part = MAX_STEPS_WITHOUT_SCORES, self._failing_part()
-            raise RunAbortedError(f"every sample of the last {steps} steps failed {part}; first error: {first}")
-
-    def _check_component_names(self, step: StepBatch) -> None:
-        """At the first step with scored rows, a note naming each component the reward config names that
-        resembles one the rewards gave (``rlfabric.reward_names``: a misspelling, silent otherwise)."""
-        given = {name for m in step.scored if m["rows"] for name in m["component_means"]}
-        if given and not self._components_given:
-            misspelt = misspelling_note(self._component_references, given)
-            if misspelt:
-                self._note(misspelt)
-        self._components_given |= given
-
-    def _note_components_never_given(self) -> None:
-        """At the end, a note naming each component the reward config names that no reward gave in this session."""
-        unknown = unknown_components(self._component_references, self._components_given)
-        if unknown and self._components_given:
-            given = ", ".join(sorted(self._components_given))
-            self._note(
-                f"{names_by_field(unknown)}: no reward gave such a component in the steps this command ran (they "
-                f"gave {given}): a penalty that never fired, or a wrong name"
-            )
-
-    def _failing_part(self) -> str:
-        """What fails a sample of this run, for the errors that stop it."""
-        if not plays_episodes(self.cfg):
-            return "its reward"
-        return "its episode or its reward" if self.cfg.rewards.functions else "its episode"
 
     def _stop_if_asked(self, stop: threading.Event) -> None:
         if not stop.is_set():

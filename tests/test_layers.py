@@ -107,6 +107,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "rlfabric.evaluation",  # rlfabric eval: best-of-N with any reward as the selector, reward by length
             "rlfabric.eval_report",  # the eval's table and plots
             "rlfabric.rollout_scheduler",  # which prompts go out, which groups come back to train on
+            "rlfabric.reward_watch",  # rewards failing on every sample, misspelt or never-given component names
             "rlfabric.weight_publisher",  # learner 0's weights to the generators
             "rlfabric.run",  # the run skeleton: outputs, checkpoints, resume, progress, plots, Ctrl-C
             "rlfabric.cli_support",  # what the subcommands share: user modules, default run directories
