@@ -30,6 +30,9 @@ DEFAULT_DASHBOARD = "http://127.0.0.1:8265"
 # Left out of the upload: version control, outputs, environments, caches (Ray also honours .gitignore files).
 UPLOAD_EXCLUDES = [".git", "runs", ".venv", "venv", "**/__pycache__", "*.egg-info", ".pytest_cache", ".ruff_cache"]
 EXIT_CODES = {"SUCCEEDED": 0, "FAILED": 1, "STOPPED": 130}
+# How long a submission waits for the head's job agent, which comes up after the dashboard; Ray's words for it.
+AGENT_WAIT_S = 60.0
+NO_AGENT = "No available agent"
 
 
 def add_submit_parser(sub: Any, func: Any) -> None:
@@ -152,7 +155,14 @@ def cmd_submit(args: argparse.Namespace) -> int:
     try:
         job_id = _submit(client, job)
     except RuntimeError as exc:  # the Jobs API's refusals: one line, not a traceback
-        print(f"rlfabric: {address} did not take the job: {str(exc).strip()}", file=sys.stderr)
+        said = " ".join(str(exc).split())
+        if NO_AGENT in said:  # still, after AGENT_WAIT_S
+            said += (
+                f" (the head's job agent did not come up within {AGENT_WAIT_S:g}s: its log is dashboard_agent.log in "
+                "the head's Ray session logs, /tmp/ray/session_latest/logs by default; restarting the head with "
+                "`ray stop` and `ray start --head` starts it again)"
+            )
+        print(f"rlfabric: {address} did not take the job: {said}", file=sys.stderr)
         return 1
     print(
         f"rlfabric: submitted {job_id} to {address}\n"
@@ -184,15 +194,15 @@ def job_command(verb: str, job_id: str, address: str, token: bool) -> str:
     return ("RAY_AUTH_MODE=token " if token else "") + shlex.join(words)
 
 
-def _submit(client: Any, job: dict[str, Any], wait_s: float = 60.0) -> str:
-    """``client.submit_job(**job)``, asked again for up to ``wait_s`` while the head's job agent is not up yet (right
-    after ``ray start``, the dashboard answers before the agent that runs jobs does)."""
-    deadline = time.monotonic() + wait_s
+def _submit(client: Any, job: dict[str, Any]) -> str:
+    """``client.submit_job(**job)``, asked again for up to ``AGENT_WAIT_S`` while the head's job agent is not up yet
+    (right after ``ray start``, the dashboard answers before the agent that runs jobs does)."""
+    deadline = time.monotonic() + AGENT_WAIT_S
     while True:
         try:
             return client.submit_job(**job)
         except RuntimeError as exc:
-            if "No available agent" not in str(exc) or time.monotonic() > deadline:
+            if NO_AGENT not in str(exc) or time.monotonic() > deadline:
                 raise
             time.sleep(1.0)
 

@@ -64,3 +64,25 @@ def test_submits_printed_commands_at_the_local_default_need_no_address(tmp_path,
     assert lines["logs"][:4] == ["ray", "job", "logs", "-f"] and len(lines["logs"]) == 5
     assert lines["stop"][:3] == ["ray", "job", "stop"] and len(lines["stop"]) == 4
     assert "--address" not in lines["resume"]
+
+
+class AgentlessJobClient(FakeJobClient):
+    """A head whose dashboard answers but whose job agent never comes up: Ray's Jobs API refuses every job so."""
+
+    def submit_job(self, **job) -> str:
+        raise RuntimeError("Request failed with status code 503: No available agent to submit job, please try later.")
+
+
+def test_a_head_whose_job_agent_never_comes_up_is_one_line_pointing_at_its_log(tmp_path, monkeypatch, capsys):
+    shutil.copy(ROOT / "examples/cartpole_ppo.yaml", tmp_path / "ppo.yaml")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(ray.job_submission, "JobSubmissionClient", AgentlessJobClient)
+    monkeypatch.setattr(rlfabric.submit, "use_cluster_token", lambda: False)
+    monkeypatch.setattr(rlfabric.submit, "AGENT_WAIT_S", 0.0)  # Ray's agent has 60 s to come up; this one never does
+    args = build_parser().parse_args(["submit", "ppo.yaml", "--no-wait", "--address", "http://head:8265"])
+    assert args.func(args) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(
+        "rlfabric: http://head:8265 did not take the job: Request failed with status code 503: No available agent"
+    )
+    assert "the head's job agent did not come up within 0s: its log is dashboard_agent.log" in err[0]
