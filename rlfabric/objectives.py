@@ -173,8 +173,7 @@ def snapshot() -> bytes | None:
         return None
     functions: dict[str, Any] = {}
     for field, part in added:
-        module, _, function = part.target.partition(":")
-        if not shipping.module_exists(module):
+        if not shipping.module_exists(part.target.partition(":")[0]):
             continue  # importable only where the actors run, as an installed package may be
         try:  # an error inside the user's module, or a function it lacks: said now, not at the first update
             functions[f"{field}:{part.name}"] = _TABLES_BY_FIELD[field].resolve(part.name)
