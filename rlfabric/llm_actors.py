@@ -10,7 +10,7 @@ from typing import Any
 
 import ray
 
-from rlfabric import objectives, rewards
+from rlfabric import rewards
 from rlfabric.actor_slots import RunAbortedError
 from rlfabric.grpo_config import LLMConfig
 from rlfabric.judge import JUDGE_CPUS
@@ -169,17 +169,21 @@ def start_generator(cfg: LLMConfig, model_dir: str, seed: int, placement: dict[s
 
 
 def start_learners(
-    cfg: LLMConfig, model_dir: str, reference_dir: str | None, placement: Callable[[int], dict[str, Any]] | None = None
+    cfg: LLMConfig,
+    model_dir: str,
+    reference_dir: str | None,
+    placement: Callable[[int], dict[str, Any]] | None = None,
+    parts: bytes | None = None,
 ) -> list[Any]:
     """``learner.num_learners`` learner actors from ``model_dir``, their data-parallel process group formed (or a
     ``RunAbortedError`` naming what was asked for, after ``SETUP_TIMEOUT_S``); ``placement(rank)``: a learner's
-    placement group scheduling options (``ray.placement``)."""
+    placement group scheduling options (``ray.placement``); ``parts``: the user's additions to
+    ``rlfabric.objectives`` (its ``snapshot``)."""
     from rlfabric.actors.llm_learner import LLMLearner
 
     lc = cfg.learner
     device = lc.device if lc.device != "auto" else ("cuda" if lc.num_gpus > 0 else "cpu")
     grpo = {**dataclasses.asdict(cfg.grpo), "norm_length": cfg.sampling.max_new_tokens}
-    parts = objectives.snapshot()  # the user's own advantage estimators and losses, to every learner
     learners = [
         LLMLearner.options(
             num_cpus=lc.num_cpus, num_gpus=lc.num_gpus, resources=lc.resources, **(placement(rank) if placement else {})
@@ -220,9 +224,14 @@ def start_learners(
 
 
 def start_reference(
-    cfg: LLMConfig, reference_dir: str | None, pad_id: int, placement: dict[str, Any] | None = None
+    cfg: LLMConfig,
+    reference_dir: str | None,
+    pad_id: int,
+    placement: dict[str, Any] | None = None,
+    parts: bytes | None = None,
 ) -> Any:
-    """The reference actor (``grpo.reference: actor`` with a KL term), or None; ``placement``: as the learners'."""
+    """The reference actor (``grpo.reference: actor`` with a KL term), or None; ``placement`` and ``parts``: as the
+    learners'."""
     if not (cfg.grpo.kl_coef > 0 and cfg.grpo.reference == "actor"):
         return None
     from rlfabric.actors.reference import Reference
@@ -239,7 +248,7 @@ def start_reference(
         batch_spec=batch_spec(cfg),
         pad_id=pad_id,
         sequence_packing=lc.sequence_packing,
-        parts=objectives.snapshot(),
+        parts=parts,
     )
 
 
@@ -250,6 +259,7 @@ def start_rollout_worker(
     model_dir: str | None = None,
     agent: Any = None,
     reward_placement: Callable[[int], dict[str, Any]] | None = None,
+    parts: bytes | None = None,
 ) -> Any:
     """The rollout worker, with its reward services (the driver's reward registrations travel with it), playing
     ``text_env`` (a ``TextEnvSource``) or ``agent`` (an ``AgentSource``) when the run trains on one; ``scorer``
@@ -271,7 +281,7 @@ def start_rollout_worker(
         reward_resources=r.resources,
         reward_placement=[reward_placement(i) for i in range(r.num_actors)] if reward_placement else None,
         reward_registry=rewards.snapshot(),
-        parts=objectives.snapshot(),
+        parts=parts,
         prompt_key=cfg.data.prompt_key,
         text_env=text_env,
         agent=agent,

@@ -127,6 +127,7 @@ class GRPOTrainer(GRPOSetup):
         self.episodes = EpisodeSources()
         self.tool_servers: dict[str, Any] = {}  # supervised MCP servers by name (env.tool_servers)
         self.role_groups: RoleGroups | None = None  # ray.placement: a placement group per role
+        self.parts: bytes | None = None  # the user's additions to rlfabric.objectives, shipped to the actors
         self.log: RunLog | None = None
         self._elapsed_before = 0.0  # wall clock of the sessions before a resume
         self._restarts_before: dict[str, int] = {}  # supervised actors' restarts in the sessions before a resume

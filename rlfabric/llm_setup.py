@@ -251,7 +251,9 @@ class GRPOSetup:
     def _start_actors(self, state: dict[str, Any] | None) -> None:
         """Ray, then every actor of the run (an env, agent or server found bad on the way is a ConfigError);
         ``state``: the checkpoint's trainer state when resuming."""
-        objectives.snapshot()  # a user's advantage estimator or loss that does not load: said before Ray starts
+        # the user's additions to the advantage estimators and losses, for every actor that resolves them (one
+        # that does not load is said here, before Ray starts)
+        self.parts = objectives.snapshot()
         ensure_ray(self.cfg.ray, wanted_cpus(self.cfg), openmp_env())
         check_fits(actor_requests(self.cfg), [n["Resources"] for n in ray.nodes() if n.get("Alive")])
         groups = self.role_groups = RoleGroups(actor_requests(self.cfg), self.cfg.ray.placement, SETUP_TIMEOUT_S)
@@ -269,9 +271,13 @@ class GRPOSetup:
             resources=generator_resources(self.cfg),
             placement_wait_s=self.cfg.generator.timeout_s,
         )
-        self.learners = start_learners(self.cfg, self.model_dir, self.reference_dir, partial(groups.options, "learner"))
+        self.learners = start_learners(
+            self.cfg, self.model_dir, self.reference_dir, partial(groups.options, "learner"), self.parts
+        )
         reference_placement = groups.options("learner", self.cfg.learner.num_learners)
-        self.reference = start_reference(self.cfg, self.reference_dir, self.tokenizer.pad_token_id, reference_placement)
+        self.reference = start_reference(
+            self.cfg, self.reference_dir, self.tokenizer.pad_token_id, reference_placement, self.parts
+        )
         self.scorers.start(self.base_model_dir)  # like the generators: the first model, then every published version
         self.rollouts.prompt_refs = {
             "train": ray.put(PromptSet(self.train_rows, self.train_ids)),
@@ -317,6 +323,7 @@ class GRPOSetup:
             model_dir=self.base_model_dir,
             agent=self.episodes.agent,
             reward_placement=partial(self.role_groups.options, "rewards") if self.role_groups else None,
+            parts=self.parts,
         )
         self.rollouts.load_prompts_into(worker)
         return worker
