@@ -210,7 +210,7 @@ class RewardServiceCore:
             timed_out = isinstance(results, TimedOut)
             tried, timeouts, in_a_row = tried + 1, timeouts + int(timed_out), in_a_row + 1 if timed_out else 0
             if isinstance(results, str):
-                last_timeout = results if isinstance(results, TimedOut) else last_timeout
+                last_timeout = results if timed_out else last_timeout
                 results = failed(group, str(results))
             out.append(merge_results(first, results) if first is not None else results)
         return out

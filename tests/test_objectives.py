@@ -61,6 +61,19 @@ def test_a_registered_estimator_is_valid_config_and_runs_in_the_math():
         config_from_dict({"algo": "grpo", "grpo": {"advantage": "leave_one_out"}})
 
 
+def train_in(folder: Path, *args: str) -> subprocess.CompletedProcess:
+    """``rlfabric train ARGS`` in a fresh process whose current directory is ``folder``, the user's modules there
+    and nowhere else on the path, on a local Ray instance of its own."""
+    return subprocess.run(
+        [sys.executable, "-m", "rlfabric.cli", "train", *args],
+        cwd=folder,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": "", "RAY_ADDRESS": ""},
+    )
+
+
 MEDIAN_BASELINE = """
 import os
 
@@ -98,14 +111,7 @@ def test_an_estimator_a_users_module_adds_is_the_one_the_learner_runs(tmp_path):
         "grpo.kl_coef=0.05",  # with a reference actor: it builds the learner's batch, advantages and all
         "grpo.reference=actor",
     ]
-    done = subprocess.run(
-        [sys.executable, "-m", "rlfabric.cli", "train", *overrides, "--import", "median_adv", "--run-dir", "run"],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**os.environ, "PYTHONPATH": "", "RAY_ADDRESS": ""},
-    )
+    done = train_in(tmp_path, *overrides, "--import", "median_adv", "--run-dir", "run")
     assert done.returncode == 0, done.stderr[-3000:]
     assert json.loads((tmp_path / "run" / "summary.json").read_text())["steps"] == 2
     assert len(set(calls.read_text().split())) == 2  # in the learner's process and the reference's
@@ -119,14 +125,7 @@ def test_an_estimator_whose_module_fails_to_load_is_one_line_before_ray_starts(t
         'ADVANTAGE_ESTIMATORS.add("mine", "adv_impl:mine", "needs a package this machine lacks")\n'
     )
     (tmp_path / "adv_impl.py").write_text("import no_such_package_here\n")
-    done = subprocess.run(
-        [sys.executable, "-m", "rlfabric.cli", "train", "grpo.advantage=mine", "--import", "adv_register"],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**os.environ, "PYTHONPATH": "", "RAY_ADDRESS": ""},
-    )
+    done = train_in(tmp_path, "grpo.advantage=mine", "--import", "adv_register")
     assert done.returncode == 2, done.stderr[-3000:]
     assert done.stderr.strip().splitlines()[-1] == (
         "rlfabric: config error: grpo.advantage = 'mine': its function 'adv_impl:mine' does not load: "
