@@ -159,6 +159,8 @@ class OpenEnvHost:
         try:
             await asyncio.to_thread(self._get_health, self.ping_timeout_s)
         except OSError as exc:
+            with contextlib.suppress(subprocess.TimeoutExpired):  # a killed server refuses before it is reaped
+                await asyncio.to_thread(process.wait, 0.5)
             if process.poll() is not None:
                 return _exited(process)
             return f"the server did not answer /health within {self.ping_timeout_s:g}s ({type(exc).__name__})"
