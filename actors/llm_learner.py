@@ -20,6 +20,7 @@ import torch
 from rlfabric import objectives
 from rlfabric.algorithms.grpo import aggregate_denominator, logprob_drifted, policy_objective, row_logprob_gaps
 from rlfabric.compact import FloatFields
+from rlfabric.models.dropout import disable_dropout
 from rlfabric.models.hf import load_causal_lm, load_tokenizer, save_pretrained
 from rlfabric.models.llm_batch import grpo_batch
 from rlfabric.models.packed_batch import is_row_column
@@ -148,6 +149,7 @@ class LLMLearnerCore:
         self.model = load_causal_lm(model_dir, dtype=dtype, device=device)
         if gradient_checkpointing:
             self.model.gradient_checkpointing_enable()
+        disable_dropout(self.model)  # the generators sample without it: the ratio must compare the same function
         self.model.train()
         if sequence_packing == "shared_prefix":
             check_maskable(self.model)

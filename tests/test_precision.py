@@ -102,3 +102,45 @@ def test_loading_a_model_in_an_unknown_dtype_names_the_allowed_ones(tmp_path):
     with pytest.raises(ValueError, match=r"dtype = 'float64': expected one of \['bfloat16', 'float16', 'float32'\]"):
         load_causal_lm(model_dir, dtype="float64")
     assert next(load_causal_lm(model_dir, dtype="bfloat16").parameters()).dtype == torch.bfloat16
+
+
+def test_the_learner_trains_without_dropout_so_its_logprobs_are_the_generators(tmp_path):
+    """A GPT-2 model saved with dropout 0.5 everywhere: the generators' logprobs come from a plain inference
+    forward, and the learner's must equal them (with dropout on they differ by noise on every token), while the
+    saved model keeps its config."""
+    from transformers import AutoModelForCausalLM, GPT2Config
+
+    tokenizer = build_char_tokenizer()
+    config = GPT2Config(
+        vocab_size=len(tokenizer), n_positions=64, n_embd=32, n_layer=2, n_head=2, resid_pdrop=0.5, embd_pdrop=0.5,
+        attn_pdrop=0.5, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "model")
+    tokenizer.save_pretrained(tmp_path / "model")
+    batch = pack_sequences(
+        [tokenizer.encode(t) for t in ("1+2=", "5+5=")], [tokenizer.encode("3"), tokenizer.encode("10")], 0
+    )
+    batch["advantages"] = np.array([1.0, -1.0], dtype=np.float32)
+    inference = load_causal_lm(tmp_path / "model")  # what a generator runs: dropout inactive
+    b = {k: torch.as_tensor(v) for k, v in batch.items()}
+    with torch.no_grad():
+        logits = inference(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits.float()
+    prompt_len = int(b["prompt_len"])
+    targets = b["input_ids"][:, prompt_len:]
+    behaviour = torch.log_softmax(logits[:, prompt_len - 1 : -1], -1).gather(-1, targets[..., None])[..., 0]
+    batch["behaviour_logprobs"] = (behaviour * b["response_mask"]).numpy()
+
+    threads = torch.get_num_threads()
+    try:
+        core = LLMLearnerCore(
+            str(tmp_path / "model"), {**dataclasses.asdict(GRPOConfig(lr=1e-3)), "norm_length": 4},
+            dataclasses.asdict(SFTConfig()), temperature=1.0,
+        )  # fmt: skip
+    finally:
+        torch.set_num_threads(threads)
+    metrics = core.train_step(batch, lr=1e-3)
+    assert metrics["logprob_gap"] < 1e-5, metrics  # with dropout 0.5 on: about 1
+    core.save(str(tmp_path / "saved"), with_optimizer=False)
+    assert GPT2Config.from_pretrained(tmp_path / "saved").attn_pdrop == 0.5
