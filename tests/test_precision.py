@@ -141,6 +141,6 @@ def test_the_learner_trains_without_dropout_so_its_logprobs_are_the_generators(t
     finally:
         torch.set_num_threads(threads)
     metrics = core.train_step(batch, lr=1e-3)
-    assert metrics["logprob_gap"] < 1e-5, metrics  # with dropout 0.5 on: about 1
+    assert metrics["logprob_gap"] < 1e-5, metrics  # with dropout 0.5 on: 0.08
     core.save(str(tmp_path / "saved"), with_optimizer=False)
     assert GPT2Config.from_pretrained(tmp_path / "saved").attn_pdrop == 0.5
