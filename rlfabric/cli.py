@@ -25,6 +25,7 @@ from rlfabric.cli_support import (
     saved_algo,
 )
 from rlfabric.config import ConfigError, load_config
+from rlfabric.run.log import CONFIG_FILE
 from rlfabric.submit import add_submit_parser, cmd_submit
 
 
@@ -219,15 +220,50 @@ def cmd_train_rm(args: argparse.Namespace) -> int:
     return 0
 
 
+def ppo_checkpoint_asked(args: argparse.Namespace) -> bool:
+    """Whether ``rlfabric eval`` names a PPO policy: a checkpoint file (GRPO's are folders), or a run directory
+    whose saved config is not GRPO's."""
+    if args.checkpoint:
+        return Path(args.checkpoint).is_file()
+    if args.run_dir:
+        run = Path(args.run_dir)
+        return (run / CONFIG_FILE).is_file() and saved_algo(run) != "grpo"
+    return False
+
+
+def cmd_eval_ppo(args: argparse.Namespace) -> int:
+    """N episodes with a PPO checkpoint's policy on its run's env; the report printed and written
+    (``rlfabric.ppo_eval``)."""
+    from rlfabric.ppo_eval import checkpoint_file, evaluate, format_report, run_dir_of
+
+    if args.config or args.overrides:
+        given = args.config or args.overrides[0]
+        raise ConfigError(
+            f"{given!r}: eval of a PPO run plays the env its checkpoint was trained on; drop the config and overrides"
+        )
+    file = checkpoint_file(args.run_dir, args.checkpoint)
+    field = f"--run-dir {args.run_dir!r}" if args.run_dir else f"--checkpoint {args.checkpoint!r}"
+    import_user_modules(args.import_modules, run_dir_of(file), field)  # the run's env modules (imports.txt)
+    report, path = evaluate(
+        file, args.episodes, args.seed, deterministic=not args.sample, out=Path(args.out) if args.out else None
+    )
+    print(format_report(report))
+    print(f"  {'report':<16} {path}")
+    return 0
+
+
 def cmd_eval(args: argparse.Namespace) -> int:
-    """Best-of-N accuracy per selector and reward by response length for a run's newest model, a model folder, or
-    the config's initial model (``rlfabric.evaluation``)."""
+    """A PPO run: episodes with its checkpoint's policy (``cmd_eval_ppo``). GRPO: best-of-N accuracy per selector
+    and reward by response length for a run's newest model, a model folder, or the config's initial model
+    (``rlfabric.evaluation``)."""
     from rlfabric.eval_report import format_report
     from rlfabric.eval_selectors import TRAIN_SELECTOR, parse_selector
     from rlfabric.evaluation import BestOfNEval, eval_config, find_policy, parse_n_list
 
     if args.config and "=" in args.config and not os.path.exists(args.config):  # an override, not a file
         args.overrides, args.config = [args.config, *args.overrides], None
+    if ppo_checkpoint_asked(args):
+        return cmd_eval_ppo(args)
     n = parse_n_list(args.n)
     selectors = [parse_selector(text) for text in args.selector or [TRAIN_SELECTOR]]
     policy = find_policy(args.run_dir, args.checkpoint)
@@ -332,14 +368,26 @@ def build_parser() -> argparse.ArgumentParser:
 
     evaluate = sub.add_parser(
         "eval",
-        help="best-of-N accuracy with reward services as selectors, and reward vs response length, for a trained "
-        "policy (a run's newest model, a model folder, or the config's initial model)",
+        help="a PPO run: N episodes with a checkpoint's policy (returns and lengths); GRPO: best-of-N accuracy with "
+        "reward services as selectors, and reward vs response length, for a trained policy (a run's newest model, "
+        "a model folder, or the config's initial model)",
     )
     evaluate.add_argument("config", nargs="?", help="YAML config (default: the run's saved config, else the defaults)")
     evaluate.add_argument("overrides", nargs="*", help="dotted overrides, e.g. sampling.temperature=0.8")
     where = evaluate.add_mutually_exclusive_group()
-    where.add_argument("--run-dir", help="a run directory: evaluate its newest model (final_model/ or checkpoint)")
-    where.add_argument("--checkpoint", metavar="DIR", help="a model folder to evaluate (e.g. a run's checkpoint)")
+    where.add_argument(
+        "--run-dir",
+        help="a run directory: evaluate its newest model (GRPO: final_model/ or checkpoint; PPO: checkpoint)",
+    )
+    where.add_argument(
+        "--checkpoint",
+        metavar="PATH",
+        help="a model folder to evaluate (GRPO, e.g. a run's checkpoint), or a PPO checkpoint file (iter_N.pt)",
+    )
+    evaluate.add_argument("--episodes", type=int, default=10, help="PPO: episodes to play (default 10)")
+    evaluate.add_argument(
+        "--sample", action="store_true", help="PPO: sample actions (default: deterministic, the mean or argmax)"
+    )
     evaluate.add_argument("--n", default="1,2,4,8,16", help="comma-separated N of best-of-N (default 1,2,4,8,16)")
     evaluate.add_argument(
         "--selector",
@@ -351,7 +399,9 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--num-prompts", type=int, help="held-out prompts to use (default data.num_eval)")
     evaluate.add_argument("--samples", type=int, help="completions per prompt, M (default: the largest N)")
     evaluate.add_argument("--correct", default="correct", help="verifier component > 0 marks a correct completion")
-    evaluate.add_argument("--seed", type=int, help="sampling seed (default training.seed)")
+    evaluate.add_argument(
+        "--seed", type=int, help="sampling seed (default training.seed); PPO: episode i resets with seed + i"
+    )
     evaluate.add_argument("--out", help="output folder (default RUN_DIR/eval, else runs/eval-<time>)")
     evaluate.add_argument("--quiet", action="store_true", help="no progress lines")
     evaluate.add_argument("--import", dest="import_modules", action="append", help=IMPORT_HELP)

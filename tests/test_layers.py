@@ -106,6 +106,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "rlfabric.eval_selectors",  # rlfabric eval's selectors: parsed from --selector, checked before actors
             "rlfabric.evaluation",  # rlfabric eval: best-of-N with any reward as the selector, reward by length
             "rlfabric.eval_report",  # the eval's table and plots
+            "rlfabric.ppo_eval",  # rlfabric eval on a PPO run: episodes with a checkpoint's policy; load_policy
             "rlfabric.rollout_scheduler",  # which prompts go out, which groups come back to train on
             "rlfabric.reward_watch",  # rewards failing on every sample, misspelt or never-given component names
             "rlfabric.weight_publisher",  # learner 0's weights to the generators
