@@ -17,11 +17,13 @@ itself unparallelizable), else the AEC env. PettingZoo envs train with a multi_a
 
 Runners on other processes and nodes get the driver's registrations through ``snapshot()``: the factories are
 serialized by value when their module is not installed (a test file, a notebook, ``__main__``), so a remote worker
-never needs to import the user's script.
+never needs to import the user's script. Ids a user module adds to Gymnasium's registry (``gymnasium.register``)
+travel the same way, and ``gym:<id>`` finds them on the runners.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import importlib
 import importlib.metadata
@@ -35,6 +37,7 @@ from types import ModuleType
 from typing import TYPE_CHECKING, Any, Literal
 
 import gymnasium as gym
+from gymnasium.envs.registration import EnvSpec, load_env_creator
 
 from rlfabric import shipping
 from rlfabric.config import ConfigError
@@ -354,11 +357,45 @@ def list_envs() -> dict[str, str]:
 # Shipping registrations to remote workers
 
 
+# The Gymnasium ids a fresh process has once it imports this module (Gymnasium's own, and those of whatever it
+# imported first): what a user module registers with ``gymnasium.register`` later is not among them.
+_GYM_IDS_AT_IMPORT = frozenset(gym.registry)
+
+
+def _gym_specs_to_ship() -> list[EnvSpec]:
+    """The Gymnasium registrations a runner's fresh process lacks: ids registered after this module was imported
+    (``gymnasium.register`` in an ``--import`` module), and ids whose entry point is a callable of a module that
+    is not installed. An entry point string into a module that is not installed is resolved here, so that its
+    callable travels by value (a runner on another node cannot import the user's file)."""
+    shipped = []
+    for env_id, spec in gym.registry.items():
+        entry = spec.entry_point
+        user_callable = callable(entry) and not shipping.is_installed(getattr(entry, "__module__", "") or "")
+        if env_id in _GYM_IDS_AT_IMPORT and not user_callable:
+            continue
+        if isinstance(entry, str):
+            try:
+                creator = load_env_creator(entry)
+            except Exception:  # noqa: BLE001 - an entry point that does not load: the runner meets it as gym.make would
+                creator = None
+            if creator is not None and not shipping.is_installed(getattr(creator, "__module__", "") or ""):
+                spec = dataclasses.replace(spec, entry_point=creator)
+        shipped.append(spec)
+    return shipped
+
+
 def snapshot() -> bytes:
-    """Serialize this process's registrations; modules that are not installed travel by value."""
-    return shipping.dumps_with_user_code(_REGISTRY)
+    """Serialize this process's registrations, and the Gymnasium registrations a runner would lack
+    (``_gym_specs_to_ship``); modules that are not installed travel by value."""
+    specs = _gym_specs_to_ship()
+    entry_points = [spec.entry_point for spec in specs if callable(spec.entry_point)]
+    return shipping.dumps_by_value((dict(_REGISTRY), specs), [*_REGISTRY.values(), *entry_points])
 
 
 def load_snapshot(blob: bytes) -> None:
-    """Install registrations shipped from the driver (on a runner)."""
-    _REGISTRY.update(shipping.loads(blob))
+    """Install registrations shipped from the driver (on a runner): rlfabric's, and Gymnasium ids this process
+    does not have yet."""
+    registrations, specs = shipping.loads(blob)
+    _REGISTRY.update(registrations)
+    for spec in specs:
+        gym.registry.setdefault(spec.id, spec)

@@ -104,11 +104,17 @@ def user_modules(callables: Iterable[Any]) -> dict[str, ModuleType]:
 
 def dumps_with_user_code(registrations: dict[str, Any]) -> bytes:
     """Pickle a name -> callable mapping; the modules of callables that are not installed travel by value."""
-    by_value = user_modules(registrations.values()).values()
+    return dumps_by_value(dict(registrations), registrations.values())
+
+
+def dumps_by_value(payload: Any, callables: Iterable[Any]) -> bytes:
+    """Pickle ``payload``, which holds ``callables``: the modules of those that are not installed travel by
+    value."""
+    by_value = user_modules(callables).values()
     for module in by_value:
         cloudpickle.register_pickle_by_value(module)
     try:
-        return cloudpickle.dumps(dict(registrations))
+        return cloudpickle.dumps(payload)
     finally:
         for module in by_value:
             cloudpickle.unregister_pickle_by_value(module)

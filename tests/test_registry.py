@@ -57,6 +57,48 @@ def test_snapshot_ships_user_modules_a_fresh_process_cannot_import(tmp_path, mon
     assert out.stdout.split() == ["4", "6"]
 
 
+GYM_REGISTERING = """
+import gymnasium as gym
+import numpy as np
+
+class PointReach(gym.Env):
+    def __init__(self, size=1.0):
+        self.size = size
+        self.observation_space = gym.spaces.Box(-size, size, (2,), np.float32)
+        self.action_space = gym.spaces.Box(-1.0, 1.0, (2,), np.float32)
+
+gym.register(id="{env_id}", entry_point="rl_gym_reg_mod:PointReach", max_episode_steps=7, kwargs={{"size": 2.0}})
+"""
+
+
+def test_snapshot_ships_ids_a_user_module_registers_with_gymnasium(tmp_path, monkeypatch):
+    """``gymnasium.register`` in a module a fresh process cannot import: ``gym:<id>`` builds there, with the
+    registration's kwargs and time limit."""
+    import gymnasium as gym
+
+    env_id = f"PointReachGym{tmp_path.name.replace('_', '')}-v0"
+    (tmp_path / "rl_gym_reg_mod.py").write_text(GYM_REGISTERING.format(env_id=env_id))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import rl_gym_reg_mod  # noqa: F401 - registers the id
+
+    try:
+        (tmp_path / "blob.bin").write_bytes(registry.snapshot())
+    finally:
+        gym.registry.pop(env_id, None)
+        sys.modules.pop("rl_gym_reg_mod", None)
+    check = textwrap.dedent(
+        f"""
+        from rlfabric import registry
+        registry.load_snapshot(open("{tmp_path / "blob.bin"}", "rb").read())
+        env = registry.make_env("gym:{env_id}")
+        print(env.unwrapped.size, env.spec.max_episode_steps)
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, cwd="/", timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["2.0", "7"]
+
+
 def test_import_error_inside_a_user_module_is_not_hidden(tmp_path, monkeypatch):
     (tmp_path / "rl_broken_mod.py").write_text("import rl_module_that_does_not_exist\n\ndef make():\n    pass\n")
     monkeypatch.syspath_prepend(str(tmp_path))
