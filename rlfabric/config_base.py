@@ -18,6 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, Union
 
+from rlfabric.config_aliases import alias_for
+
 
 class ConfigError(ValueError):
     """A config value that is missing, unknown, of the wrong type or out of range."""
@@ -146,23 +148,56 @@ def coerce(value: Any, tp: Any, path: str) -> Any:
     raise TypeError(f"unsupported config annotation {tp!r} at {path}")
 
 
-def _unknown_key_error(cls: type, key: Any, path: str) -> ConfigError:
-    names = [f.name for f in dataclasses.fields(cls)]
-    key = str(key)  # YAML reads keys like 2048, null or yes as int, None or bool
-    full = f"{path}.{key}" if path else key
-    hint = difflib.get_close_matches(key, names, n=1)
-    suggestion = f" (did you mean {(f'{path}.' if path else '') + hint[0]!r}?)" if hint else ""
-    return ConfigError(f"unknown config key {full!r}{suggestion}; allowed here: {', '.join(names)}")
+def _key_hint(cls: type, key: str, path: str, algo: str | None) -> str:
+    """What to say beside an unknown key: the rlfabric key a TRL or CleanRL name stands for (it wins over a
+    close spelling: TRL's save_steps is not total_steps), else the closest key of its section."""
+    alias = alias_for(key, algo) if algo else None
+    if alias is not None:
+        return f" ({alias.hint()})"
+    hint = difflib.get_close_matches(key, [f.name for f in dataclasses.fields(cls)], n=1)
+    return f" (did you mean {(f'{path}.' if path else '') + hint[0]!r}?)" if hint else ""
+
+
+def _unknown_keys_error(found: list[tuple[type, str, str]], algo: str | None) -> ConfigError:
+    """One line naming every unknown key of ``found`` ((section class, key, section path)), each with its hint,
+    and the keys allowed where they all are."""
+    named = [f"{(f'{path}.{key}' if path else key)!r}{_key_hint(cls, key, path, algo)}" for cls, key, path in found]
+    sections = {cls for cls, _, _ in found}
+    allowed = (
+        f"allowed here: {', '.join(f.name for f in dataclasses.fields(found[0][0]))}"
+        if len(sections) == 1
+        else "allowed keys: docs/config.md"
+    )
+    keys = "key" if len(found) == 1 else "keys"
+    return ConfigError(f"unknown config {keys} {', '.join(named)}; {allowed}")
+
+
+def _unknown_keys(cls: type, data: dict[str, Any], path: str) -> list[tuple[type, str, str]]:
+    """(section class, key, section path) of each key of ``data`` that ``cls`` lacks, in its sections too (so a
+    file's unknown keys are named together)."""
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    found = []
+    for key, value in data.items():
+        if key not in names:
+            found.append((cls, str(key), path))  # YAML reads keys like 2048, null or yes as int, None or bool
+        elif dataclasses.is_dataclass(hints[key]) and isinstance(value, dict):
+            found += _unknown_keys(hints[key], value, f"{path}.{key}" if path else key)
+    return found
 
 
 def build_config(cls: type, data: dict[str, Any], path: str = "") -> Any:
     """An instance of the dataclass ``cls`` from nested plain data: unknown keys, wrong types and non-finite numbers
-    are ``ConfigError``s naming the dotted field (under ``path``); missing keys take the defaults."""
-    hints = typing.get_type_hints(cls)
+    are ``ConfigError``s naming the dotted field (under ``path``); missing keys take the defaults. At the top
+    (``path`` ""), every unknown key of the file is named in the one error, with rlfabric's key for a TRL or
+    CleanRL name (``rlfabric.config_aliases``; the schema's ``algo`` says which)."""
     names = {f.name for f in dataclasses.fields(cls)}
-    for key in data:
-        if key not in names:
-            raise _unknown_key_error(cls, key, path)
+    top = not path  # a section below is checked with the whole file, except entries of a list or mapping
+    unknown = _unknown_keys(cls, data, path) if top else [(cls, str(key), path) for key in data if key not in names]
+    if unknown:
+        algo = getattr(cls, "algo", None) if top else None  # the schema's Literal default: "grpo" or "ppo"
+        raise _unknown_keys_error(unknown, algo if isinstance(algo, str) else None)
+    hints = typing.get_type_hints(cls)
     kwargs = {}
     for key, value in data.items():
         kwargs[key] = coerce(value, hints[key], f"{path}.{key}" if path else key)

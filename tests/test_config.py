@@ -56,6 +56,34 @@ def test_unknown_key_without_close_match_lists_allowed():
     assert "total_env_steps" in message  # lists what is allowed here
 
 
+def test_a_trl_name_is_answered_with_rlfabrics_key():
+    assert _error({"algo": "grpo", "num_generations": 4}).startswith(
+        "unknown config key 'num_generations' (TRL's name; rlfabric's is 'grpo.group_size', see docs/migrating.md); "
+        "allowed here: algo, "
+    )
+
+
+def test_an_alias_wins_over_a_close_spelling():
+    message = _error({"algo": "grpo", "training": {"save_steps": 10}})
+    assert "'training.save_steps' (TRL's name; rlfabric's is 'training.checkpoint_every'" in message
+    assert "total_steps'?" not in message
+
+
+def test_a_cleanrl_name_in_a_ppo_config_is_answered_with_the_ppo_key():
+    message = _error({"algo": "ppo", "update_epochs": 4})
+    assert "'update_epochs' (CleanRL's name; rlfabric's is 'ppo.num_epochs'" in message
+    assert "'learning_rate' (CleanRL's name; rlfabric's is 'ppo.lr'" in _error({"algo": "ppo", "learning_rate": 3e-4})
+    assert "'runners.num_runners' x 'runners.envs_per_runner'" in _error({"algo": "ppo", "num_envs": 8})
+
+
+def test_every_unknown_key_of_a_file_is_named_in_the_one_line():
+    message = _error({"algo": "grpo", "beta": 0.04, "grpo": {"lrr": 1e-6}, "training": {"max_steps": 5}})
+    assert message.startswith("unknown config keys 'beta' (TRL's name; rlfabric's is 'grpo.kl_coef'")
+    assert "'grpo.lrr' (did you mean 'grpo.lr'?)" in message
+    assert "'training.max_steps' (TRL's name; rlfabric's is 'training.total_steps'" in message
+    assert "\n" not in message
+
+
 @pytest.mark.parametrize(
     "data",
     [{2048: 1}, {"ppo": {None: 1}}, {True: {}}],  # what YAML makes of the keys `2048:`, `null:` and `on:`

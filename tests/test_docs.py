@@ -24,7 +24,7 @@ from typing import Any
 
 import yaml
 
-from rlfabric.config import Config, ConfigError, load_config
+from rlfabric.config import Config, ConfigError, config_from_dict, load_config
 from rlfabric.config_base import coerce
 from rlfabric.grpo_config import LLMConfig
 
@@ -569,3 +569,41 @@ if __name__ == "__main__":
     for item in todo:
         print("  by hand:", item)
     sys.exit(1 if todo else 0)
+
+
+# -- docs/migrating.md ----------------------------------------------------------------------------------------
+
+MIGRATING_DOC = ROOT / "docs" / "migrating.md"
+
+
+def _migrating_tables() -> dict[str, str]:
+    """The text of docs/migrating.md's TRL part and its CleanRL part, by library name."""
+    doc = MIGRATING_DOC.read_text()
+    trl_at, cleanrl_at = doc.index("\n## TRL"), doc.index("\n## CleanRL")
+    return {"TRL": doc[trl_at:cleanrl_at], "CleanRL": doc[cleanrl_at:]}
+
+
+def test_the_migration_tables_and_the_alias_table_agree():
+    """Each name the unknown-key error maps (rlfabric/config_aliases.py) is a row of its library's table in
+    docs/migrating.md with the same rlfabric key, and that key exists in the schema."""
+    from rlfabric.config_aliases import ALIASES
+
+    parts = _migrating_tables()
+    schema = {"grpo": set(_leaf_fields(LLMConfig)), "ppo": set(_leaf_fields(Config))}
+    for alias in ALIASES:
+        assert alias.target in schema[alias.algo], f"{alias.name}: {alias.target} is not an {alias.algo} key"
+        row = re.search(rf"^\| `{alias.name}` \| (.*?) \|", parts[alias.library], flags=re.MULTILINE)
+        assert row, f"docs/migrating.md: no {alias.library} row for `{alias.name}`"
+        assert f"`{alias.target}`" in row.group(1), f"docs/migrating.md: `{alias.name}` is not `{alias.target}`"
+
+
+def test_the_migration_guides_yaml_configs_are_valid():
+    """The minimal config for one's own model and the CleanRL MuJoCo block validate as written."""
+    blocks = re.findall(r"^```yaml\n(.*?)^```", MIGRATING_DOC.read_text(), flags=re.MULTILINE | re.DOTALL)
+    assert len(blocks) == 2
+    own, mujoco = (config_from_dict(yaml.safe_load(block)) for block in blocks)
+    assert own.model.path == "Qwen/Qwen2.5-0.5B-Instruct" and own.sft.steps == 0 and own.grpo.lr == 1e-6
+    assert own.sampling.max_new_tokens == 256
+    assert mujoco.ppo.train_batch_size // mujoco.ppo.minibatch_size == 32  # CleanRL's num_minibatches
+    example = load_config(ROOT / "examples" / "halfcheetah_ppo.yaml")
+    assert mujoco.ppo == example.ppo and mujoco.runners == example.runners

@@ -21,6 +21,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     (
         "config, registries, data types",
         (
+            "rlfabric.config_aliases",  # TRL and CleanRL names, for the unknown-key error
             "rlfabric.config_base",
             "rlfabric.ppo_config",
             "rlfabric.grpo_config",
