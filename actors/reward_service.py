@@ -149,7 +149,14 @@ def _merge(
     a dict of finite numbers, name a component another function produces, or one the function does not declare
     (``declared``: its ``@gives``; None: any)."""
     if not isinstance(components, Mapping):
-        raise GroupFailed(f"{name}: {where} got a {type(components).__name__}, expected a dict")
+        hint = (
+            f", e.g. {{'reward': {components!r}}}"
+            if isinstance(components, numbers.Real)
+            else " (rlfabric.rewards.Unscored('why') for a sample it cannot score)"
+            if components is None
+            else ""
+        )
+        raise GroupFailed(f"{name}: {where} got a {type(components).__name__}, expected a dict{hint}")
     for key, value in components.items():
         if declared is not None and key not in declared:
             raise GroupFailed(

@@ -257,6 +257,18 @@ def test_malformed_results_and_component_clashes_fail_the_group_in_process():
     ] * 2
 
 
+def test_a_bare_float_or_none_for_a_sample_is_told_what_to_give_instead():
+    register_reward("bare_floats", lambda inputs: [1.0 for _ in inputs])
+    register_reward("nones", lambda inputs: [None for _ in inputs])
+    floats = RewardServiceCore(["bare_floats"], group_timeout_s=5.0).score([group("a")])
+    assert floats[0][0].error == "bare_floats: sample 0 got a float, expected a dict, e.g. {'reward': 1.0}"
+    nones = RewardServiceCore(["nones"], group_timeout_s=5.0).score([group("a")])
+    assert nones[0][0].error == (
+        "nones: sample 0 got a NoneType, expected a dict (rlfabric.rewards.Unscored('why') for a "
+        "sample it cannot score)"
+    )
+
+
 def test_pool_validates_specs_before_starting_actors():
     with pytest.raises(ValueError, match="not a registered reward"):
         RewardPool(["no-such-reward"], num_workers=1, timeout_s=1.0)

@@ -185,6 +185,22 @@ def test_register_and_resolve():
         register_reward("a:b", brevity)
 
 
+def correctness_reward(completions, answer, **kwargs):  # TRL's form: columns as keyword arguments
+    return [float(c == a) for c, a in zip(completions, answer, strict=True)]
+
+
+def test_a_trl_style_reward_is_told_the_contract():
+    register_reward("trl_style", correctness_reward)
+    with pytest.raises(ConfigError) as info:
+        resolve_reward("trl_style", field="rewards.functions[0]")
+    message = str(info.value)
+    assert "missing a required argument: 'answer'" in message and "\n" not in message
+    assert message.endswith(
+        "a reward is fn(inputs: list[RewardInput], **kwargs) -> list[dict[str, float]], the dataset's columns in "
+        "inputs[i].metadata (see docs/migrating.md)"
+    )
+
+
 def test_resolve_errors_name_the_field_and_what_is_registered():
     register_reward("brevity", brevity)
     with pytest.raises(RewardNotFoundError, match=r"rewards.functions\[1\] = 'mth' is not valid") as info:

@@ -79,6 +79,11 @@ class Unscored:
 
 
 RewardFn = Callable[[list[RewardInput]], list["dict[str, float] | Unscored"]]
+# What a reward function is, said where one does not fit (a TRL-style function(completions, **kwargs) often).
+CONTRACT = (
+    "a reward is fn(inputs: list[RewardInput], **kwargs) -> list[dict[str, float]], the dataset's columns in "
+    "inputs[i].metadata (see docs/migrating.md)"
+)
 
 
 @dataclass
@@ -323,7 +328,7 @@ def _bind(fn: Callable[..., Any], spec: RewardSpec, field: str) -> RewardFn:
             params = list(signature.parameters)[1:]
             raise ConfigError(
                 f"{field}.kwargs = {spec.kwargs!r}: reward {spec.name!r} cannot take them ({exc}); "
-                f"its parameters: {', '.join(params) or 'none'}"
+                f"its parameters: {', '.join(params) or 'none'}; {CONTRACT}"
             ) from exc
     check = getattr(fn, "check_kwargs", None)
     if check is not None:
