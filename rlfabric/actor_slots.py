@@ -14,9 +14,12 @@ a node to join, then stops the run with a ``PlacementError`` naming the resource
 
 from __future__ import annotations
 
+import re
+import sysconfig
 import threading
 import time
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any
 
 import ray
@@ -30,15 +33,47 @@ MAX_SUMMARY = 300  # characters of an error said on one line
 
 def error_summary(exc: BaseException) -> str:
     """The last line of an exception's text (for a remote error: the original exception), at most 300 chars: a
-    longer one ends at its last full sentence within them (Ray's dead-actor text goes on with a list of causes)."""
+    longer one ends at its last full sentence within them (Ray's dead-actor text goes on with a list of causes).
+    An error raised in an actor names where in user code it was raised: ``(at envs.py:12, in step)``."""
     text = str(exc).strip()
     if not text:
         return exc.__class__.__name__
     line = text.splitlines()[-1].strip()
-    if len(line) <= MAX_SUMMARY:
-        return line
-    end = line.rfind(". ", MAX_SUMMARY // 3, MAX_SUMMARY)  # a sentence end that keeps most of what fits
-    return line[: end + 1] if end > 0 else line[: MAX_SUMMARY - 3] + "..."
+    if len(line) > MAX_SUMMARY:
+        end = line.rfind(". ", MAX_SUMMARY // 3, MAX_SUMMARY)  # a sentence end that keeps most of what fits
+        line = line[: end + 1] if end > 0 else line[: MAX_SUMMARY - 3] + "..."
+    where = remote_location(exc)
+    return f"{line} (at {where})" if where else line
+
+
+_FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\S+)')
+
+
+def _library_file(path: str) -> bool:
+    """Whether a traceback's file is Python's, an installed package's or rlfabric's, not the user's code."""
+    resolved = Path(path).resolve()
+    return any(root in resolved.parents for root in _LIBRARY_ROOTS)
+
+
+_LIBRARY_ROOTS = [
+    *(Path(sysconfig.get_paths()[k]).resolve() for k in ("purelib", "platlib", "stdlib", "platstdlib")),
+    Path(__file__).resolve().parent,  # rlfabric
+    Path(__file__).resolve().parent.parent / "actors",  # rlfabric.actors, where the source tree is installed
+]
+
+
+def remote_location(exc: BaseException) -> str | None:
+    """``file.py:line, in function`` of the innermost frame of user code (not Python's, an installed package's or
+    rlfabric's) in the traceback of an error raised in an actor; None for any other error or when no such frame
+    is in it (the error came from a library or from Ray itself)."""
+    if not isinstance(exc, RayTaskError):
+        return None
+    text = getattr(exc, "traceback_str", None) or str(exc)  # the cause's kind of RayTaskError keeps it in its text
+    for path, line, function in reversed(_FRAME.findall(text)):
+        if path.startswith("<") or _library_file(path):
+            continue
+        return f"{Path(path).name}:{line}, in {function}"
+    return None
 
 
 def remote_cause(exc: BaseException) -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import time
@@ -109,11 +110,14 @@ def test_env_that_always_fails_stops_the_run_with_its_error(local_ray, tmp_path)
     try:
         with pytest.raises(
             RunAbortedError, match=f"failed {MAX_CONSECUTIVE_FAILURES + 1} times in a row.*always broken"
-        ):
+        ) as raised:
             trainer.train()
     finally:
         trainer.close()
     assert list((tmp_path / "run" / "checkpoints").glob("iter_*.pt"))  # nothing done is lost
+    # where in the user's code it was raised: the env's step, not Ray's or rlfabric's frames around it
+    raise_line = inspect.getsourcelines(_AlwaysFails.step)[1] + 1
+    assert f"always broken (at test_faults.py:{raise_line}, in step)" in str(raised.value)
 
 
 class _AlwaysFails(gym.Wrapper):
