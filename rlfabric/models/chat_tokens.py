@@ -12,7 +12,8 @@ generation prompt that opens the next assistant turn. When the sample already en
 turn (the model stopped on it), only the rest of the closing text is added.
 
 Text the tokenizer cannot spell (a character the builtin character tokenizer has no token for: it has no unknown
-token) raises ``UnspellableText`` naming the characters, instead of the tokenizer's own error.
+token) raises ``UnspellableText`` naming the characters, instead of the tokenizer's own error; a character counts
+as unspellable only when encoding it fails or does not decode back to it.
 """
 
 from __future__ import annotations
@@ -39,21 +40,32 @@ class UnspellableText(ValueError):
 
 
 def unspellable(tokenizer: Any, text: str) -> str:
-    """The characters of ``text`` that are not tokens of ``tokenizer``'s vocabulary (a character tokenizer's: for
-    a subword tokenizer, characters that only occur inside longer tokens count too, so ask only after it failed)."""
-    vocab = tokenizer.get_vocab()
-    return "".join(dict.fromkeys(c for c in text if c not in vocab))
+    """The characters of ``text`` that ``tokenizer`` cannot spell: those whose encoding fails or does not decode
+    back to the character (an unknown token). Not a vocabulary lookup: a byte-level BPE vocabulary holds a space
+    as ``Ġ``, and a subword one may hold a character only inside longer tokens, yet both spell it."""
+    return "".join(c for c in dict.fromkeys(text) if not _spells(tokenizer, c))
+
+
+def _spells(tokenizer: Any, character: str) -> bool:
+    try:
+        ids = tokenizer(character, add_special_tokens=False).input_ids
+        back = tokenizer.decode(ids)
+    except Exception:  # the builtin character tokenizer has no unknown token: it fails on a character it lacks
+        return False
+    # some tokenizers add or drop a space around a lone character (SentencePiece's "▁"), or a lone space itself
+    return back.strip() == character.strip() and (bool(ids) or character.isspace())
 
 
 def spelled(tokenizer: Any, text: str, encode: Callable[[], T]) -> T:
     """``encode()``, which tokenizes ``text`` (alone or inside a template): a failure on characters of ``text``
-    that ``tokenizer`` has no token for is raised as ``UnspellableText``, any other as the tokenizer's own error."""
+    that ``tokenizer`` cannot spell (``unspellable``) is raised as ``UnspellableText``, any other as the tokenizer's
+    own error."""
     try:
         return encode()
     except Exception:
         missing = unspellable(tokenizer, text)
         if not missing:
-            raise  # some other failure: the tokenizer's own error
+            raise  # some other failure (no chat template, a template error): the tokenizer's own error
         raise UnspellableText(missing, text) from None
 
 
