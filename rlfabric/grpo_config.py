@@ -74,7 +74,8 @@ class DataConfig:
     chat_template: bool = False
     # Rows generated for a built-in train task / read at most from a file (null: all of a file).
     num_train: int | None = 2_000
-    num_eval: int = 200
+    # Held-out rows evaluated (null: every held-out row of a file).
+    num_eval: int | None = 200
 
 
 @dataclass
@@ -326,6 +327,23 @@ class LLMConfig:
         return dataclasses.asdict(self)
 
 
+def _validate_num_eval(cfg: LLMConfig) -> None:
+    """``data.num_eval``: at least 1, or null for every held-out row of a file (a generated task and a verifiers
+    environment's dataset need a number)."""
+    d = cfg.data
+    if d.num_eval is not None:
+        require(d.num_eval >= 1, "data.num_eval", d.num_eval, "must be at least 1, or null for every held-out row")
+        return
+    spec, setting = (d.eval, "data.eval") if d.eval else (d.train, "data.train")
+    require(
+        not spec.startswith("task:") and not cfg.env.verifiers.id,
+        "data.num_eval",
+        None,
+        f"null (every held-out row) takes held-out rows from a file, and {setting} = {spec!r} is "
+        f"{'the environment' if cfg.env.verifiers.id else 'a generated task'}: give a number of rows",
+    )
+
+
 def validate_llm(cfg: LLMConfig) -> LLMConfig:
     """Range and cross-field checks for ``algo: grpo``; return the config unchanged."""
     check_placement(cfg.ray.placement, GRPO_ROLES)
@@ -341,10 +359,10 @@ def validate_llm(cfg: LLMConfig) -> LLMConfig:
         ("rewards.num_workers", cfg.rewards.num_workers),
         ("learner.num_learners", cfg.learner.num_learners),
         ("training.total_steps", t.total_steps),
-        ("data.num_eval", cfg.data.num_eval),
         ("sft.batch_size", cfg.sft.batch_size),
     ):
         require(value >= 1, path, value, "must be at least 1")
+    _validate_num_eval(cfg)
     require(g.group_size >= 2, "grpo.group_size", g.group_size, "must be at least 2 (advantages compare a group)")
     for table in TABLES:  # advantage, ratio_level, policy_loss, ..., lr_schedule: registered names
         table.check(getattr(g, table.field.removeprefix("grpo.")))
