@@ -8,7 +8,9 @@ A data spec (``data.train``, ``data.eval``) is one of:
 * a path to a ``.jsonl``, ``.json`` (a list of objects) or ``.parquet`` file, read with ``datasets.load_dataset``
   (local files only). File rows keep their order; ``num_rows`` takes the first rows and the seed is not used.
 
-Every row must hold a string under the prompt key; every other column is per-sample metadata that the reward
+Every row must hold a prompt under the prompt key: a string, or (TRL's "conversational" format) a list of chat
+messages, each an object with string ``role`` and ``content``, which the model sees through its tokenizer's chat
+template (``rlfabric.models.hf.encode_prompt``); every other column is per-sample metadata that the reward
 functions receive (``row_metadata``). The rows of a text env or an agent are its tasks (``TASK_FIELDS``): the env's
 reset writes the prompt, so a task needs no prompt column, and one without it is told apart by its whole content.
 """
@@ -115,23 +117,28 @@ def load_heldout(
     field: str = "data.eval",
     count_field: str = "data.num_eval",
     fields: RowFields = PROMPT_FIELDS,
+    note: Callable[[str], None] | None = None,
 ) -> list[dict[str, Any]]:
     """Evaluation rows whose prompts appear neither in ``train_rows`` nor twice among themselves (``count_field``:
-    the setting that asked for ``num_rows``, named when there are fewer; ``fields``: the other settings named).
+    the setting that asked for ``num_rows``, None: every such row of a file; ``fields``: the other settings named).
 
     A generated task draws them with seeds derived from ``seed`` (so the same spec as training gives other rows),
-    round after round until ``num_rows`` new prompts turn up; a file keeps its rows whose prompt is new.
+    round after round until ``num_rows`` new prompts turn up; a file keeps its rows whose prompt is new. A file of
+    held-out rows of its own (``field`` is ``fields.heldout``) that loses rows so says, in one line to ``note``.
     """
     seen = {row_identity(row, prompt_key) for row in train_rows}
     if not spec.startswith(TASK_PREFIX):
         file_rows = load_prompts(spec, prompt_key=prompt_key, field=field, fields=fields)
+        own_file = bool(fields.heldout) and field == fields.heldout
+        in_train, repeats = _dropped_rows(file_rows, seen, prompt_key)
+        if own_file and note is not None and (in_train or repeats):
+            note(f"{field} = {spec!r}: {_dropped_text(len(file_rows), in_train, repeats, fields)}")
         rows = _new_rows(file_rows, seen, prompt_key, num_rows)
-        kind = "task is not a training task" if fields.tasks else "prompt is not a training prompt"
         if num_rows is not None and len(rows) < num_rows:
-            fixes = [f"lower {count_field} to at most {len(rows)}"] if rows else []
-            fixes.append(f"train on fewer rows ({fields.count}: {len(train_rows)} now) to leave more out")
-            if fields.heldout:
-                fixes.append(f"set {fields.heldout} to a file of held-out prompts")
+            kind = "task is not a training task" if fields.tasks else "prompt is not a training prompt"
+            fixes = _fewer_heldout_fixes(len(rows), count_field, fields, len(train_rows), own_file)
+            if own_file and (in_train or repeats):
+                fixes[-1] += f" ({_dropped_text(len(file_rows), in_train, repeats, fields)})"
             raise ConfigError(
                 f"{field} = {spec!r}: has {_rows(len(rows))} whose {kind}, "
                 f"fewer than the {num_rows} asked for ({count_field}): {', '.join(fixes[:-1])}"
@@ -152,6 +159,48 @@ def load_heldout(
         f"{field} = {spec!r}: found only {len(rows)} prompts that are not among the {len(seen)} training "
         f"prompts, {num_rows} asked for ({count_field}); ask for fewer rows or widen the task's options"
     )
+
+
+def _dropped_rows(rows: list[dict[str, Any]], train: set[str], prompt_key: str) -> tuple[int, int]:
+    """How many of ``rows`` a held-out set leaves out: (those whose identity is in ``train``, those repeating an
+    earlier row of ``rows``)."""
+    in_train = repeats = 0
+    seen: set[str] = set()
+    for row in rows:
+        identity = row_identity(row, prompt_key)
+        if identity in train:
+            in_train += 1
+        elif identity in seen:
+            repeats += 1
+        seen.add(identity)
+    return in_train, repeats
+
+
+def _dropped_text(total: int, in_train: int, repeats: int, fields: RowFields) -> str:
+    """What a held-out file loses, e.g. "3 of its 20 rows are left out: 2 whose prompt is also a training prompt,
+    1 repeating an earlier row's prompt"."""
+    what = "task" if fields.tasks else "prompt"
+    reasons = [f"{in_train} whose {what} is also a training {what}"] if in_train else []
+    if repeats:
+        reasons.append(f"{repeats} repeating an earlier row's {what}")
+    return f"{in_train + repeats} of its {_rows(total)} are left out of the held-out set: {', '.join(reasons)}"
+
+
+def _fewer_heldout_fixes(
+    available: int, count_field: str, fields: RowFields, num_train: int, own_file: bool
+) -> list[str]:
+    """How to ask for no more held-out rows than ``available``: a file of their own (``own_file``) takes more rows,
+    the rows training leaves of its file grow when training takes fewer."""
+    every = " (or null for every row)" if own_file and count_field == fields.heldout_count else ""
+    fixes = [f"lower {count_field} to at most {available}{every}"] if available else []
+    if own_file:
+        what = "tasks" if fields.tasks else "prompts"
+        fixes.append(f"add rows to {fields.heldout} whose {what} are not training {what}")
+        return fixes
+    fixes.append(f"train on fewer rows ({fields.count}: {num_train} now) to leave more out")
+    if fields.heldout:
+        fixes.append(f"set {fields.heldout} to a file of held-out prompts")
+    return fixes
 
 
 def check_prompt_lengths(
@@ -330,14 +379,59 @@ def _check_rows(rows: list[dict[str, Any]], spec: str, prompt_key: str, field: s
                 f"{field} = {spec!r}: row {i}'s {prompt_key!r} is null or missing; every row needs a string prompt "
                 f"under {where}: fill it in or drop the row"
             )
-        if not isinstance(prompt, str):
+        if isinstance(prompt, str):
+            continue
+        if not fields.prompt_key:  # fixed text columns (preference pairs): strings only
             raise ConfigError(f"{field} = {spec!r}: row {i}: {prompt_key!r} is a {type(prompt).__name__}, not a string")
+        problem = messages_problem(prompt)
+        if problem is not None:
+            raise ConfigError(
+                f"{field} = {spec!r}: row {i}: {prompt_key!r} {problem}; a prompt is a string or a list of chat "
+                'messages, each an object with string "role" and "content" (e.g. {"role": "user", "content": "..."})'
+            )
+
+
+def is_conversation(prompt: Any) -> bool:
+    """Whether ``prompt`` is a list of chat messages (TRL's conversational format) rather than a string."""
+    return isinstance(prompt, list)
+
+
+def messages_problem(prompt: Any) -> str | None:
+    """What keeps ``prompt`` from being a conversational prompt (a non-empty list of objects with string ``role``
+    and ``content``), as the rest of a sentence that starts with the column's name; None when it is one."""
+    if not isinstance(prompt, list):
+        return f"is a {type(prompt).__name__}, not a string or a list of chat messages"
+    if not prompt:
+        return "is an empty list of chat messages"
+    for j, message in enumerate(prompt):
+        if not isinstance(message, dict):
+            return f"is a list whose message {j} is a {type(message).__name__}, not an object"
+        for key in ("role", "content"):
+            if message.get(key) is None:
+                return f"is a list of chat messages whose message {j} has no {key!r}"
+            if not isinstance(message[key], str):
+                kind = type(message[key]).__name__
+                return f"is a list of chat messages whose message {j} has a {kind} {key!r}, not a string"
+    return None
+
+
+def chat_messages(prompt: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A conversational prompt's messages as a chat template takes them: without the null fields a file's reader
+    fills in where other rows' messages have keys this one lacks (``name``, ``tool_calls``)."""
+    return [{k: v for k, v in message.items() if v is not None} for message in prompt]
+
+
+def prompt_identity(prompt: str | list[dict[str, Any]]) -> str:
+    """A prompt as a string that tells it apart from others: a string itself, a list of messages as canonical JSON."""
+    if isinstance(prompt, str):
+        return prompt
+    return json.dumps(chat_messages(prompt), sort_keys=True, default=str)
 
 
 def row_identity(row: dict[str, Any], prompt_key: str) -> str:
     """What tells ``row`` apart from the others: its prompt, else (a task with no prompt column) its whole content."""
     if prompt_key in row:
-        return row[prompt_key]
+        return prompt_identity(row[prompt_key])
     return json.dumps(row, sort_keys=True, default=str)
 
 

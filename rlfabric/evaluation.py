@@ -42,7 +42,13 @@ from rlfabric.grpo_config import LLMConfig, episode_source, episode_source_field
 from rlfabric.llm_actors import judge_request, reward_resources, reward_weights, start_generator
 from rlfabric.llm_resources import SETUP_TIMEOUT_S, openmp_env
 from rlfabric.llm_run_state import FINAL_MODEL_DIR, INITIAL_MODEL_DIR, latest_checkpoint, read_trainer_state
-from rlfabric.llm_setup import check_reward_columns, encode_prompts
+from rlfabric.llm_setup import (
+    check_chat_template,
+    check_prompt_ids,
+    check_reward_columns,
+    encode_prompts,
+    rendered_prompts,
+)
 from rlfabric.models.hf import check_model_source, model_max_positions
 from rlfabric.placement import ActorRequest, check_fits
 from rlfabric.policies.served import GeneratorsFailed, ServedLLMPolicy
@@ -250,20 +256,26 @@ class BestOfNEval:
 
         d, seed = self.cfg.data, self.cfg.training.seed
         train = load_prompts(d.train, num_rows=d.num_train, seed=seed, prompt_key=d.prompt_key)
+        # the setting the rows came from: data.eval, or the rows of data.train that training leaves
+        source = ("data.eval", d.eval) if d.eval else ("data.train", d.train)
         rows = load_heldout(
             d.eval or d.train,
             train_rows=train,
             num_rows=self.num_prompts,
             seed=seed,
             prompt_key=d.prompt_key,
+            field=source[0],
             count_field="--num-prompts (default data.num_eval)",
+            note=lambda line: self.progress(f"rlfabric eval: {line}"),
         )
-        # the setting the rows came from: data.eval, or the rows of data.train that training leaves
-        source = ("data.eval", d.eval) if d.eval else ("data.train", d.train)
         check_reward_columns(self.cfg, {source[0]: (source[1], rows)}, skip=[])  # as train checks them
         tokenizer = load_tokenizer(model_dir)
         self.decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)  # as the generator decodes
-        ids = encode_prompts(self.cfg, tokenizer, rows, f"{source[0]} = {source[1]!r}", "held-out row")
+        named = f"{source[0]} = {source[1]!r}"
+        check_chat_template(self.cfg, tokenizer, model_dir, [(named, "held-out row", rows)])
+        ids = encode_prompts(self.cfg, tokenizer, rows, named, "held-out row", model_dir)
+        check_prompt_ids(self.cfg, tokenizer, model_dir, [(named, "held-out row", ids)])
+        rows = rendered_prompts(tokenizer, rows, d.prompt_key)  # a conversational prompt as the text the model sees
         check_prompt_lengths(
             {"data.eval": ids},
             max_new_tokens=self.cfg.sampling.max_new_tokens,

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import shutil
 import time
+from collections.abc import Sequence
 from functools import partial
 from typing import Any
 
@@ -23,7 +24,14 @@ from rlfabric import objectives, rewards
 from rlfabric.actor_slots import ActorSlots, RunAbortedError
 from rlfabric.actors.llm_rollout import PromptSet
 from rlfabric.config import ConfigError
-from rlfabric.data import PROMPT_FIELDS, TASK_FIELDS, check_prompt_lengths, load_heldout, load_prompts
+from rlfabric.data import (
+    PROMPT_FIELDS,
+    TASK_FIELDS,
+    check_prompt_lengths,
+    is_conversation,
+    load_heldout,
+    load_prompts,
+)
 from rlfabric.grpo_config import LLMConfig, plays_episodes
 from rlfabric.llm_actors import (
     actor_requests,
@@ -40,7 +48,15 @@ from rlfabric.llm_run_state import INITIAL_MODEL_DIR, not_final, read_trainer_st
 from rlfabric.llm_sft import check_answer_column, check_answer_spelling
 from rlfabric.llm_text_env import rows_spelling_error, start_tool_servers
 from rlfabric.models.chat_tokens import UnspellableText, spelled
-from rlfabric.models.hf import encode_prompt, model_max_positions
+from rlfabric.models.hf import (
+    TOKENIZER_FILES,
+    encode_prompt,
+    has_chat_template,
+    lacks_tokenizer_files,
+    model_max_positions,
+    model_vocab_size,
+    render_prompt,
+)
 from rlfabric.placement import RoleGroups, check_fits, record_plan
 from rlfabric.ray_connect import ensure_ray
 from rlfabric.reward_model_stage import REWARD_MODEL_DIR, ensure_reward_model
@@ -49,21 +65,111 @@ from rlfabric.run.log import RunLog
 from rlfabric.run.progress import tensorboard_view
 
 
+def prompt_text(prompt: str | list[dict[str, Any]]) -> str:
+    """The user's text of a prompt, checked for characters the tokenizer cannot spell: a string, or the contents of
+    a conversational prompt's messages, one a line."""
+    return prompt if isinstance(prompt, str) else "\n".join(m["content"] for m in prompt)
+
+
 def encode_prompts(
-    cfg: LLMConfig, tokenizer: Any, rows: list[dict[str, Any]], source: str, row_name: str
+    cfg: LLMConfig, tokenizer: Any, rows: list[dict[str, Any]], source: str, row_name: str, model_dir: str
 ) -> list[list[int]]:
     """The prompts of ``rows`` (read from ``source``, a data setting and its value) as token ids; prompts the
-    tokenizer cannot spell are one ConfigError naming every character they lack and the first such row."""
+    tokenizer cannot spell are one ConfigError naming every character they lack and the first such row, and a
+    prompt that encodes to no tokens is one naming ``model.path`` (``model_dir``: the folder its tokenizer is in)."""
     d, ids, failed = cfg.data, [], []
     for i, row in enumerate(rows):
-        text = row[d.prompt_key]
+        prompt = row[d.prompt_key]
         try:
-            ids.append(spelled(tokenizer, text, partial(encode_prompt, tokenizer, text, d.chat_template)))
+            ids.append(
+                spelled(tokenizer, prompt_text(prompt), partial(encode_prompt, tokenizer, prompt, d.chat_template))
+            )
         except UnspellableText as exc:
             failed.append((f"{row_name} {i}", exc))
     if failed:
         raise rows_spelling_error(cfg, source, d.prompt_key, failed)
-    return ids
+    empty = next((i for i, prompt_ids in enumerate(ids) if not prompt_ids), None)
+    if empty is None:
+        return ids
+    if not prompt_text(rows[empty][d.prompt_key]).strip():
+        raise ConfigError(f"{source}: {row_name} {empty}'s prompt is empty: fill it in or drop the row")
+    if lacks_tokenizer_files(model_dir):
+        why = (
+            f"the folder has no tokenizer files ({', '.join(TOKENIZER_FILES[:3])}, ...): the tokenizer is probably "
+            "missing from it; save the model's tokenizer there (tokenizer.save_pretrained(folder))"
+        )
+    else:
+        why = "its tokenizer turns the text into nothing: is it the model's own tokenizer?"
+    raise ConfigError(
+        f"model.path = {cfg.model.path!r}: the prompt of {source} ({row_name} {empty}) encodes to no tokens; {why}"
+    )
+
+
+def check_chat_template(
+    cfg: LLMConfig, tokenizer: Any, model_dir: str, sources: Sequence[tuple[str, str, list[dict[str, Any]]]]
+) -> None:
+    """Before Ray: prompts shown through the tokenizer's chat template (every prompt with ``data.chat_template``, a
+    conversational one always) need the tokenizer to have one; ``sources``: (a data setting and its value, what its
+    rows are called, the rows) for each set of rows read."""
+    if has_chat_template(tokenizer):
+        return
+    d = cfg.data
+    if d.chat_template:
+        why = "data.chat_template is true"
+        instead = "set data.chat_template: false to prompt with the text alone"
+    else:
+        found = (
+            (source, f"{name} {i}")
+            for source, name, rows in sources
+            for i, row in enumerate(rows)
+            if is_conversation(row[d.prompt_key])
+        )
+        first = next(found, None)
+        if first is None:
+            return
+        source, row = first
+        why = f"the prompts of {source} are chat messages ({row}'s {d.prompt_key!r} is a list), shown through one"
+        instead = "give string prompts"
+    if lacks_tokenizer_files(model_dir):
+        fix = (
+            f"the folder has no tokenizer files ({', '.join(TOKENIZER_FILES[:3])}, ...): save the model's tokenizer "
+            "there (tokenizer.save_pretrained(folder))"
+        )
+    else:
+        fix = (
+            "use a model whose tokenizer has one (an instruct or chat model), add one to the tokenizer "
+            f"(tokenizer.chat_template, saved with the model), or {instead}"
+        )
+    raise ConfigError(f"model.path = {cfg.model.path!r}: its tokenizer has no chat template, and {why}: {fix}")
+
+
+def check_prompt_ids(
+    cfg: LLMConfig, tokenizer: Any, model_dir: str, encoded: Sequence[tuple[str, str, list[list[int]]]]
+) -> None:
+    """Before Ray: every prompt token id is one the model embeds (below its config's ``vocab_size``); ``encoded``:
+    (a data setting and its value, what its rows are called, their prompts' ids) for each set of rows read."""
+    vocab = model_vocab_size(model_dir)
+    if vocab is None:
+        return
+    for source, row_name, ids in encoded:
+        row = next((i for i, prompt_ids in enumerate(ids) if prompt_ids and max(prompt_ids) >= vocab), None)
+        if row is not None:
+            raise ConfigError(
+                f"model.path = {cfg.model.path!r}: its tokenizer ({len(tokenizer)} tokens) does not fit the model, "
+                f"whose vocab_size is {vocab} (config.json): the prompt of {source} ({row_name} {row}) has token id "
+                f"{max(ids[row])}; use the tokenizer the model was trained with"
+            )
+
+
+def rendered_prompts(tokenizer: Any, rows: list[dict[str, Any]], prompt_key: str) -> list[dict[str, Any]]:
+    """``rows`` with each conversational prompt replaced by the text its chat template renders (the text the model
+    is prompted with): what the reward functions receive as the prompt and samples.jsonl shows."""
+    return [
+        {**row, prompt_key: render_prompt(tokenizer, row[prompt_key], True)}
+        if is_conversation(row[prompt_key])
+        else row
+        for row in rows
+    ]
 
 
 def check_reward_columns(cfg: LLMConfig, sources: dict[str, tuple[str, list[dict[str, Any]]]], skip: list[int]) -> None:
@@ -129,11 +235,12 @@ class GRPOSetup:
         """The train and held-out rows (no tokenizer needed): a data error is one line before the run writes
         anything."""
         d, seed, cfg = self.cfg.data, self.cfg.training.seed, self.cfg
+        self.data_notes: list[str] = []  # said once the run log exists
         if cfg.env.verifiers.id:  # the environment's own rows, read from its actor once Ray runs
             self.train_rows, self.eval_rows = [], []
             return
         # data.eval '': the held-out rows are the file's rows training leaves, so a short file is split between them
-        keep_out = 0 if d.eval else d.num_eval
+        keep_out = 0 if d.eval else (d.num_eval or 0)
         fields = TASK_FIELDS if plays_episodes(cfg) else PROMPT_FIELDS  # a text env's reset writes the prompt
         self.train_rows = load_prompts(
             d.train, num_rows=d.num_train, seed=seed, prompt_key=d.prompt_key, keep_out=keep_out, fields=fields
@@ -148,6 +255,7 @@ class GRPOSetup:
             prompt_key=d.prompt_key,
             field="data.eval" if d.eval else "data.train",  # the setting whose value is the spec read
             fields=fields,
+            note=self.data_notes.append,
         )
         self.rollouts.num_train_prompts = len(self.train_rows)
 
@@ -163,10 +271,18 @@ class GRPOSetup:
                 self.episodes = sources_before_ray(cfg, self.tokenizer, self.model_dir, self.train_rows[0], context)
             self.train_ids, self.eval_ids = [[] for _ in self.train_rows], [[] for _ in self.eval_rows]
             return
-        self.train_ids = encode_prompts(cfg, self.tokenizer, self.train_rows, f"data.train = {d.train!r}", "row")
+        train = f"data.train = {d.train!r}"
         # numbered as held-out rows: with data.eval '' they are the rows of data.train that training leaves
-        heldout = f"data.eval = {d.eval!r}" if d.eval else f"data.train = {d.train!r}"
-        self.eval_ids = encode_prompts(cfg, self.tokenizer, self.eval_rows, heldout, "held-out row")
+        heldout = f"data.eval = {d.eval!r}" if d.eval else train
+        rows = [(train, "row", self.train_rows), (heldout, "held-out row", self.eval_rows)]
+        check_chat_template(cfg, self.tokenizer, self.model_dir, rows)
+        self.train_ids = encode_prompts(cfg, self.tokenizer, self.train_rows, train, "row", self.model_dir)
+        self.eval_ids = encode_prompts(cfg, self.tokenizer, self.eval_rows, heldout, "held-out row", self.model_dir)
+        ids = [(train, "row", self.train_ids), (heldout, "held-out row", self.eval_ids)]
+        check_prompt_ids(cfg, self.tokenizer, self.model_dir, ids)
+        # from here on a conversational prompt is the text the model sees: the rewards' prompt, samples.jsonl's
+        self.train_rows = rendered_prompts(self.tokenizer, self.train_rows, d.prompt_key)
+        self.eval_rows = rendered_prompts(self.tokenizer, self.eval_rows, d.prompt_key)
         check_prompt_lengths(  # prompts that cannot fit the model's context fail here, not in a generator
             {"data.train": self.train_ids, "data.eval": self.eval_ids},
             max_new_tokens=cfg.sampling.max_new_tokens,
@@ -219,6 +335,8 @@ class GRPOSetup:
             relabel=not_final,
             tensorboard_view=tensorboard_view,
         )
+        for line in getattr(self, "data_notes", []):  # e.g. held-out rows left out of data.eval's file
+            self.log.note(line)
         # Generators start from the run's first model and then take published weights; a resumed run's learners
         # start from the checkpoint (a Hugging Face model folder), which may be pruned later.
         self.base_model_dir = self._model_dir(build=state is None)

@@ -180,25 +180,77 @@ def check_model_source(path: str, field: str = "model.path", cache_dir: str | Pa
         ) from None
 
 
-def encode_prompt(tokenizer: Any, text: str, chat_template: bool) -> list[int]:
-    """A dataset prompt's token ids: as a user turn of the tokenizer's chat template with the assistant's turn
-    opened (``data.chat_template``), else the text's own tokens without special tokens."""
-    if chat_template:
-        chat = [{"role": "user", "content": text}]
+def prompt_messages(prompt: str | list[dict[str, Any]], chat_template: bool) -> list[dict[str, Any]] | None:
+    """The chat messages a dataset prompt is shown as: a list of messages (TRL's conversational format) itself,
+    a string as one user turn with ``data.chat_template``; None: the string's own tokens, no template."""
+    if isinstance(prompt, list):
+        from rlfabric.data import chat_messages
+
+        return chat_messages(prompt)
+    return [{"role": "user", "content": prompt}] if chat_template else None
+
+
+def render_prompt(tokenizer: Any, prompt: str | list[dict[str, Any]], chat_template: bool) -> str:
+    """The text the model is prompted with (what ``encode_prompt`` tokenizes): the chat template's rendering with
+    the assistant's turn opened for a list of messages (or any prompt with ``chat_template``), else the string."""
+    messages = prompt_messages(prompt, chat_template)
+    if messages is None:
+        return str(prompt)
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+
+
+def encode_prompt(tokenizer: Any, prompt: str | list[dict[str, Any]], chat_template: bool) -> list[int]:
+    """A dataset prompt's token ids: a list of chat messages, or a string as a user turn (``data.chat_template``),
+    through the tokenizer's chat template with the assistant's turn opened; else the string's own tokens without
+    special tokens."""
+    messages = prompt_messages(prompt, chat_template)
+    if messages is not None:
         # return_dict=False: transformers 5 returns a BatchEncoding by default, whose list is its keys
-        ids = tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=True, return_dict=False)
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
         return list(ids)
-    return list(tokenizer(text, add_special_tokens=False).input_ids)
+    return list(tokenizer(prompt, add_special_tokens=False).input_ids)
 
 
-def model_max_positions(path: str | Path) -> int | None:
-    """The context length of the model at ``path`` (its config's ``max_position_embeddings``); None if unstated."""
+def has_chat_template(tokenizer: Any) -> bool:
+    """Whether ``tokenizer`` has a chat template to format messages with."""
+    return bool(getattr(tokenizer, "chat_template", None))
+
+
+# Files one of which a model folder's tokenizer is saved in (a fast tokenizer's, a slow one's vocabulary).
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "tokenizer.model",
+    "vocab.json",
+    "vocab.txt",
+    "merges.txt",
+    "spiece.model",
+)
+
+
+def lacks_tokenizer_files(path: str | Path) -> bool:
+    """Whether ``path`` is a local folder holding none of ``TOKENIZER_FILES`` (a hub id: False)."""
+    folder = Path(path).expanduser()
+    return folder.is_dir() and not any((folder / name).is_file() for name in TOKENIZER_FILES)
+
+
+def _text_config(path: str | Path) -> Any:
     from transformers import AutoConfig
 
     quiet_transformers()
     config = AutoConfig.from_pretrained(str(path))
-    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
-    value = getattr(text_config, "max_position_embeddings", None)
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def model_max_positions(path: str | Path) -> int | None:
+    """The context length of the model at ``path`` (its config's ``max_position_embeddings``); None if unstated."""
+    value = getattr(_text_config(path), "max_position_embeddings", None)
+    return value if isinstance(value, int) and value > 0 else None
+
+
+def model_vocab_size(path: str | Path) -> int | None:
+    """The number of token ids the model at ``path`` embeds (its config's ``vocab_size``); None if unstated."""
+    value = getattr(_text_config(path), "vocab_size", None)
     return value if isinstance(value, int) and value > 0 else None
 
 
