@@ -68,8 +68,22 @@ def step_row(
     }
 
 
+# Said once by a run whose rewards give no ``correct`` component: its held-out accuracy is n/a, not 0%.
+NO_ACCURACY_NOTE = (
+    "held-out accuracy is n/a: it is the mean of a 'correct' component, and none of the rewards gives one "
+    "(the evaluation's mean reward is logged as eval_reward_mean)"
+)
+
+
+def gives_accuracy(meta: Mapping[str, Any]) -> bool:
+    """Whether an evaluation's rewards gave a ``correct`` component, the one accuracy is the mean of."""
+    means = meta.get("component_means")
+    return means is None or "correct" in means  # None: metadata that does not say (counted as 0 when absent)
+
+
 def eval_row(meta: Mapping[str, Any], label: str) -> dict[str, Any]:
-    """An evaluation's row from its rollout's metadata: accuracy = correct / scored and the mean reward = reward /
+    """An evaluation's row from its rollout's metadata: accuracy = correct / scored (None without a ``correct``
+    component: n/a, not 0) and the mean reward = reward /
     scored, over the samples the rewards scored (scored = samples - failed; both None when none was). A sample some
     reward failed is not a wrong answer: it is counted apart, as ``eval_failed`` of ``eval_samples``."""
     n, failed = meta["samples"], meta.get("failed", meta["samples"])
@@ -77,7 +91,7 @@ def eval_row(meta: Mapping[str, Any], label: str) -> dict[str, Any]:
     return {
         "phase": "eval",
         "label": label,
-        "eval_accuracy": meta.get("correct_sum", 0.0) / scored if scored > 0 else None,
+        "eval_accuracy": meta.get("correct_sum", 0.0) / scored if scored > 0 and gives_accuracy(meta) else None,
         "eval_reward_mean": meta["reward_sum"] / scored if scored > 0 else None,
         "eval_failed": failed,
         "eval_samples": n,

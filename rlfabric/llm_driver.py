@@ -36,7 +36,7 @@ from rlfabric.actors.llm_rollout import RolloutRequest
 from rlfabric.algorithms.lr_schedules import scheduled_lr
 from rlfabric.compact import payload_bytes
 from rlfabric.grpo_config import LLMConfig, plays_episodes
-from rlfabric.grpo_report import eval_row, run_summary, step_row
+from rlfabric.grpo_report import NO_ACCURACY_NOTE, eval_row, run_summary, step_row
 from rlfabric.likelihood_scorers import LikelihoodScorers
 from rlfabric.llm_actors import stop_actors
 from rlfabric.llm_episode_sources import EpisodeSources
@@ -89,6 +89,7 @@ class GRPOTrainer(GRPOSetup):
         self.run_dir = Path(run_dir)
         self.quiet = quiet
         self.resume_from = resume_from
+        self._said_no_accuracy = False  # the note that held-out accuracy is n/a (no correct component)
         checkpoints = self.run_dir / CHECKPOINT_DIR
         if resume_from is None:
             refuse_run_over(self.run_dir, checkpoints.exists() and any(checkpoints.iterdir()))
@@ -375,6 +376,9 @@ class GRPOTrainer(GRPOSetup):
         for error in meta.get("errors", []):
             self.rollouts.note_reward_error(error)
         row = eval_row(meta, label)
+        if row["eval_accuracy"] is None and meta["samples"] > meta.get("failed", 0) and not self._said_no_accuracy:
+            self._said_no_accuracy = True  # once a run: every evaluation after it would say the same
+            self._note(NO_ACCURACY_NOTE)
         if row["eval_failed"] == meta["samples"] > 0 and meta.get("errors"):
             raise RunAbortedError(f"every held-out sample failed {failing_part(self.cfg)}: {meta['errors'][0]}")
         self._log(row)

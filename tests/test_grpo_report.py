@@ -56,6 +56,24 @@ def test_an_eval_row_is_accuracy_and_reward_over_the_scored_samples_with_the_uns
     )
 
 
+def test_without_a_correct_component_held_out_accuracy_is_n_a_not_zero():
+    meta = {"samples": 8, "failed": 0, "correct_sum": 0.0, "reward_sum": 4.0, "component_means": {"score": 0.5}}
+    row = eval_row(meta, "initial")
+    assert row["eval_accuracy"] is None and row["eval_reward_mean"] == 0.5
+    assert progress_line({**row, "step": 0, "time_s": 1.0}) == "eval before training | held-out accuracy n/a |      1s"
+    step = step_row(
+        [{**rollout(4, [0.5], correct=0.0, length=2.0), "component_means": {"score": 0.5}}],
+        [(0, 4, 0)],
+        Counters(),
+        version=1,
+        elapsed_s=1.0,
+    )
+    line = progress_line({**step, "step": 1, "time_s": 1.0, "policy_version": 1})
+    assert "| acc   n/a |" in line and "nan" not in line
+    summary = run_summary("t", Counters(), 1, {"initial": row["eval_accuracy"], "final": None}, 1.0, {})
+    assert summary["eval_accuracy_initial"] is None and summary["eval_accuracy_final"] is None
+
+
 def test_a_summary_reports_counters_evaluations_and_the_sample_rate():
     counters = Counters(step=7, samples=448, resampled_samples=3, trained_samples=440)
     summary = run_summary("task:arithmetic", counters, 1007, {"initial": 0.0, "final": 0.5}, 4.0, {"final_model": "m"})
@@ -65,3 +83,21 @@ def test_a_summary_reports_counters_evaluations_and_the_sample_rate():
     assert not any(key.startswith("eval_failed_") for key in summary)  # said only where a reward failed
     failed = run_summary("t", counters, 1, {"initial": 0.5, "final": 0.5}, 4.0, {}, {"initial": 0, "final": 3})
     assert failed["eval_failed_final"] == 3 and "eval_failed_initial" not in failed
+
+
+def score_only(inputs: list) -> list[dict[str, float]]:
+    """A reward with no ``correct`` component."""
+    return [{"score": float(len(s.completion))} for s in inputs]
+
+
+def test_a_run_whose_reward_gives_no_correct_says_once_why_its_accuracy_is_n_a(local_ray, tmp_path):
+    from grpo_runs import run_grpo
+
+    from rlfabric.grpo_report import NO_ACCURACY_NOTE
+    from rlfabric.rewards import register_reward
+
+    register_reward("score_only", score_only)
+    run = run_grpo(tmp_path / "run", quiet=False, rewards={"functions": [{"name": "score_only"}]})
+    assert run.summary["eval_accuracy_initial"] is None and run.summary["eval_accuracy_final"] is None
+    assert [r["eval_accuracy"] for r in run.phase("eval")] == [None, None]
+    assert run.console.count(NO_ACCURACY_NOTE) == 1

@@ -86,7 +86,7 @@ def grpo_progress_line(row: dict[str, Any], total: int | None = None, eta_s: flo
     lr = f" | lr {row['lr']:.1e}" if row.get("lr") is not None else ""  # the schedule's rate this step
     return (
         f"step {row['step']:>5}{of} | reward {row['reward_mean']:6.3f} | "
-        f"acc {float('nan') if accuracy is None else accuracy:5.3f} | v{row['policy_version']}{lr} | "
+        f"acc {'  n/a' if accuracy is None else f'{accuracy:5.3f}'} | v{row['policy_version']}{lr} | "
         f"{row['samples_per_s']:6.1f} samples/s | failed {row['failed_samples']} | {row['time_s']:6.0f}s{eta}"
     )
 
