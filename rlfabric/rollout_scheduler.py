@@ -108,6 +108,7 @@ class RolloutScheduler:
         self.in_flight: deque[Pending] = deque()  # rollouts generating ahead (max_policy_lag > 0)
         self.errors_seen: set[str] = set()  # reward errors and worker replacements already printed
         self.flat_steps = 0  # steps in a row whose every chosen group had equal rewards
+        self.flat_noted = False  # said once a run: a later streak is the same advice again
 
     def attach(self, generators: ActorSlots, workers: ActorSlots) -> None:
         self.generators, self.workers = generators, workers
@@ -280,12 +281,13 @@ class RolloutScheduler:
         return step
 
     def _note_flat(self, step: StepBatch) -> None:
-        """Say once when ``FLAT_STEPS_NOTED`` steps in a row trained only groups whose rewards were all equal: GRPO's
-        advantages (r - mean) are then 0, so the policy does not move (a reward that gives every completion the
-        same value, or a task every completion fails alike)."""
+        """Say once a run, at the first ``FLAT_STEPS_NOTED`` steps in a row that trained only groups whose rewards
+        were all equal: GRPO's advantages (r - mean) are then 0, so the policy does not move (a reward that gives
+        every completion the same value, or a task every completion fails alike)."""
         all_flat = bool(step.groups) and step.flat_groups == len(step.groups)
         self.flat_steps = self.flat_steps + 1 if all_flat else 0
-        if self.flat_steps == FLAT_STEPS_NOTED:
+        if self.flat_steps == FLAT_STEPS_NOTED and not self.flat_noted:
+            self.flat_noted = True
             self._note(
                 f"no reward spread in {FLAT_STEPS_NOTED} steps in a row: every group's completions got equal rewards, "
                 "so their advantages are 0 and the policy gradient is zero (check that the reward tells completions "
