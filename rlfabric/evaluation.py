@@ -50,9 +50,9 @@ from rlfabric.llm_setup import (
     rendered_prompts,
 )
 from rlfabric.models.hf import check_model_source, model_max_positions
-from rlfabric.placement import ActorRequest, check_fits
+from rlfabric.placement import ActorRequest, check_fits, check_fits_locally
 from rlfabric.policies.served import GeneratorsFailed, ServedLLMPolicy
-from rlfabric.ray_connect import ensure_ray
+from rlfabric.ray_connect import ensure_ray, fixed_local_cpus
 from rlfabric.reward_config import RewardFunctionConfig, parse_split
 from rlfabric.reward_model_stage import (
     point_at_run_reward_model,
@@ -294,6 +294,7 @@ class BestOfNEval:
         pools = {label: [with_evaluated_policy(spec, model_dir) for spec in specs] for label, specs in pools.items()}
         requests = eval_actor_requests(self.cfg, pools)
         wanted = sum(q.count * q.resources.get("CPU", 0.0) for q in requests) + 1  # and one for this driver
+        check_fits_locally(requests, fixed_local_cpus(self.cfg.ray))
         ensure_ray(self.cfg.ray, wanted, openmp_env())
         check_fits(requests, [node["Resources"] for node in ray.nodes() if node.get("Alive")])
         self.generators = [start_generator(self.cfg, model_dir, self.seed + i) for i in range(g.num_generators)]

@@ -57,8 +57,8 @@ from rlfabric.models.hf import (
     model_vocab_size,
     render_prompt,
 )
-from rlfabric.placement import RoleGroups, check_fits, record_plan
-from rlfabric.ray_connect import ensure_ray
+from rlfabric.placement import RoleGroups, check_fits, check_fits_locally, record_plan
+from rlfabric.ray_connect import ensure_ray, fixed_local_cpus
 from rlfabric.reward_model_stage import REWARD_MODEL_DIR, ensure_reward_model
 from rlfabric.rewards.builtin import column_fix, columns_read
 from rlfabric.run.log import RunLog
@@ -372,6 +372,7 @@ class GRPOSetup:
         # the user's additions to the advantage estimators and losses, for every actor that resolves them (one
         # that does not load is said here, before Ray starts)
         self.parts = objectives.snapshot()
+        check_fits_locally(actor_requests(self.cfg), fixed_local_cpus(self.cfg.ray))
         ensure_ray(self.cfg.ray, wanted_cpus(self.cfg), openmp_env())
         check_fits(actor_requests(self.cfg), [n["Resources"] for n in ray.nodes() if n.get("Alive")])
         groups = self.role_groups = RoleGroups(actor_requests(self.cfg), self.cfg.ray.placement, SETUP_TIMEOUT_S)

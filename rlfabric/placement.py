@@ -35,18 +35,24 @@ class ActorRequest:
     resources: Mapping[str, float]
 
 
-def check_fits(requests: list[ActorRequest], nodes: list[Mapping[str, float]]) -> None:
+def check_fits(
+    requests: list[ActorRequest],
+    nodes: list[Mapping[str, float]],
+    cluster: str = "the cluster",
+    remedy: str = "lower num_cpus/num_gpus or the actor counts, or add nodes",
+) -> None:
     """Raise ConfigError when some actor fits on no node, or all of them together exceed the cluster's total.
 
     ``nodes``: each alive node's total resources (``ray.nodes()[i]["Resources"]``). Packing is not checked
     beyond the totals: Ray may still fail to pack requests that fit in sum, and the setup deadline covers that.
+    ``cluster`` and ``remedy`` word the error.
     """
     for r in requests:
         if r.count and not fits_on_a_node(r.resources, nodes):
             largest = max(nodes, key=lambda n: n.get("CPU", 0.0), default={})
             raise ConfigError(
-                f"{r.role}.num_cpus/num_gpus/resources ask for {_fmt(r.resources)} per actor, which no node of the "
-                f"cluster has (largest node: {_fmt({k: largest[k] for k in ('CPU', 'GPU') if k in largest})})"
+                f"{r.role}.num_cpus/num_gpus/resources ask for {_fmt(r.resources)} per actor, which no node of "
+                f"{cluster} has (largest node: {_fmt({k: largest[k] for k in ('CPU', 'GPU') if k in largest})})"
             )
     asked: dict[str, float] = {}
     for r in requests:
@@ -57,9 +63,24 @@ def check_fits(requests: list[ActorRequest], nodes: list[Mapping[str, float]]) -
     if short:
         parts = "; ".join(f"{r.role}: {r.count} x {_fmt(r.resources)}" for r in requests if r.count)
         raise ConfigError(
-            f"the run's actors ask for {_fmt(asked)} in all ({parts}) but the cluster has {_fmt(have)}: "
-            "lower num_cpus/num_gpus or the actor counts, or add nodes"
+            f"the run's actors ask for {_fmt(asked)} in all ({parts}) but {cluster} has {_fmt(have)}: {remedy}"
         )
+
+
+def check_fits_locally(requests: list[ActorRequest], local_cpus: float | None) -> None:
+    """Before Ray starts: the CPUs the actors ask for against a local instance of ``local_cpus`` CPUs
+    (``ray.num_cpus``; None: no local instance of a fixed size will start, nothing to check). GPUs are left to
+    ``check_fits`` once Ray has found them."""
+    if local_cpus is None:
+        return
+    cpu_only = [ActorRequest(r.role, r.count, {"CPU": r.resources.get("CPU", 0.0)}) for r in requests]
+    check_fits(
+        cpu_only,
+        [{"CPU": local_cpus}],
+        cluster=f"the local Ray instance of ray.num_cpus = {local_cpus:g}",
+        remedy="raise ray.num_cpus (or leave it unset: the instance is then sized to the run), or lower num_cpus or "
+        "the actor counts",
+    )
 
 
 def bundles_fit(strategy: str, count: int, bundle: Mapping[str, float], nodes: Sequence[Mapping[str, float]]) -> bool:

@@ -104,8 +104,8 @@ def ensure_ray(ray_cfg: RayConfig, wanted_cpus: float, env_vars: dict[str, str] 
     """
     if ray.is_initialized():
         return
-    address = ray_cfg.address or os.environ.get("RAY_ADDRESS") or None
-    if address is not None and address != "local":
+    address = cluster_address(ray_cfg)
+    if address is not None:
         join_cluster(address, ray_cfg)
         return
     num_cpus = ray_cfg.num_cpus or max(os.cpu_count() or 1, math.ceil(wanted_cpus))
@@ -117,6 +117,20 @@ def ensure_ray(ray_cfg: RayConfig, wanted_cpus: float, env_vars: dict[str, str] 
         ray.init(
             address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=True, runtime_env=runtime_env
         )
+
+
+def cluster_address(ray_cfg: RayConfig) -> str | None:
+    """The cluster ``ensure_ray`` joins: ``ray.address``, else ``$RAY_ADDRESS``; None: it starts a local instance."""
+    address = ray_cfg.address or os.environ.get("RAY_ADDRESS") or None
+    return None if address == "local" else address
+
+
+def fixed_local_cpus(ray_cfg: RayConfig) -> float | None:
+    """The CPUs of the local instance ``ensure_ray`` will start where ``ray.num_cpus`` fixes them; None where Ray
+    runs already, a cluster is joined, or the instance is sized to the run."""
+    if ray.is_initialized() or cluster_address(ray_cfg) is not None or ray_cfg.num_cpus is None:
+        return None
+    return float(ray_cfg.num_cpus)
 
 
 def join_cluster(address: str, ray_cfg: RayConfig) -> None:

@@ -113,3 +113,13 @@ def test_a_role_group_the_cluster_cannot_place_is_one_line_before_any_actor_star
     finally:
         trainer.close()
     assert not [g for g in ray.util.placement_group_table().values() if g["state"] == "CREATED"]
+
+
+def test_a_local_instance_too_small_for_the_run_is_one_line_before_ray_starts(no_ray, tmp_path):
+    """``ray.num_cpus`` fixes the local instance the run starts: the actors' CPUs are checked against it before
+    Ray starts (it used to take Ray's start-up, about 20 s here, to find out)."""
+    cfg = config_from_dict(merged(BASE, {"ray": {"num_cpus": 1}}))
+    trainer = GRPOTrainer(cfg, tmp_path / "run", quiet=True)
+    with pytest.raises(ConfigError, match=r"but the local Ray instance of ray\.num_cpus = 1 has CPU=1: raise ray"):
+        trainer.setup()
+    assert not ray.is_initialized()
