@@ -99,11 +99,17 @@ def cmd_envs_check(args: argparse.Namespace) -> int:
         warnings.simplefilter("always")
         try:
             check_env(env.unwrapped, skip_render_check=True)
+            # what Gymnasium's checker only warns about (an observation off its space) fails on the runners: the
+            # driver's pre-start check, one reset and one step of the env as the runners build it
+            problem = registry.gym_api_problem(env, seed=0)
         except Exception as exc:  # the checker's assertion names the problem
             print(f"FAIL {args.name}: {exc.__class__.__name__}: {exc}")
             return 1
         finally:
             env.close()
+    if problem is not None:
+        print(f"FAIL {args.name}: {problem}")
+        return 1
     for w in caught:
         print("  warning:", _ANSI_COLOR.sub("", str(w.message)))
     try:  # Gymnasium's checker passes spaces PPO's policy cannot use (Dict, Text, MultiDiscrete)

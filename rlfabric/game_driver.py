@@ -468,27 +468,33 @@ def reset_within(env: Any, cfg: Config) -> Any:
     its own: a reset that never returns is one ConfigError naming env.id, not a run that never starts (the thread is
     left to the process's exit, and the env is not closed: closing a hung env may hang too). Returns a parallel
     game's observations by agent; None for a turn-based (AEC) game, whose ``observe`` gives them."""
+    out = _within(cfg, env, "reset()", lambda: env.reset(seed=cfg.training.seed))
+    return (out[0] if isinstance(out, tuple) else out) if is_parallel(env) else None
+
+
+def _within(cfg: Config, env: Any, what: str, call: Any) -> Any:
+    """``call()`` under the runners' deadline, in a thread of its own (see ``reset_within``); its error raised
+    here, the env closed first."""
     outcome: dict[str, Any] = {}
 
-    def reset() -> None:
+    def run() -> None:
         try:
-            out = env.reset(seed=cfg.training.seed)
-            outcome["obs"] = out[0] if isinstance(out, tuple) else out
+            outcome["value"] = call()
         except BaseException as exc:  # noqa: BLE001 - raised again in the caller's thread
             outcome["error"] = exc
 
-    thread = threading.Thread(target=reset, name="rlfabric-env-check", daemon=True)
+    thread = threading.Thread(target=run, name="rlfabric-env-check", daemon=True)
     thread.start()
     thread.join(cfg.runners.sample_timeout_s)
     if thread.is_alive():
         raise ConfigError(
-            f"env.id = {cfg.env.id!r}: reset() did not return within {cfg.runners.sample_timeout_s:g}s "
+            f"env.id = {cfg.env.id!r}: {what} did not return within {cfg.runners.sample_timeout_s:g}s "
             "(runners.sample_timeout_s)"
         )
     if "error" in outcome:
         env.close()
         raise outcome["error"]
-    return outcome.get("obs") if is_parallel(env) else None
+    return outcome.get("value")
 
 
 def is_game_config(cfg: Config) -> bool:
@@ -505,14 +511,21 @@ def runs_on_local_ray(cfg: Config) -> bool:
 
 
 def check_env_builds(cfg: Config) -> None:
-    """A single-agent env built and reset once in the driver when the run is local, so a factory or reset that
-    fails is one line before any actor starts. On a cluster the first runner's failure is that line instead."""
+    """A single-agent env built, reset and stepped once (a sampled action) in the driver when the run is local, so
+    a factory that fails, or a reset or step off the Gymnasium API (``registry.reset_problem``, ``step_problem``),
+    is one line before any actor starts. On a cluster the first runner's failure is that line instead."""
     if not runs_on_local_ray(cfg):
         return
+    seed = cfg.training.seed
     with env_build_errors(cfg, "building it and resetting it"):
         env = registry.make_env(cfg.env.id, cfg.env.kwargs)
-        reset_within(env, cfg)
-        env.close()
+        problem = _within(cfg, env, "reset()", lambda: registry.reset_problem(env, seed))
+    if problem is None:
+        with env_build_errors(cfg, "stepping it"):
+            problem = _within(cfg, env, "step()", lambda: registry.step_problem(env, seed))
+    env.close()
+    if problem is not None:
+        raise ConfigError(f"env.id = {cfg.env.id!r}: {problem}")
     try:  # spaces the policy cannot use: one line here, not each runner's traceback once Ray runs
         check_ppo_spaces(env.observation_space, env.action_space)
     except ValueError as exc:

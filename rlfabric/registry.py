@@ -37,6 +37,7 @@ from types import ModuleType
 from typing import TYPE_CHECKING, Any, Literal
 
 import gymnasium as gym
+import numpy as np
 from gymnasium.envs.registration import EnvSpec, load_env_creator
 
 from rlfabric import shipping
@@ -289,6 +290,12 @@ def resolve(spec: str, field: str = "env.id") -> EnvFactory:
             "`rlfabric envs list`)"
         )
     known = sorted(_REGISTRY) + sorted(eps)
+    close = difflib.get_close_matches(spec, known, n=3)
+    if close:
+        raise EnvNotFoundError(
+            f"{field} = {spec!r} is not valid: not a registered name; did you mean {', '.join(close)}? (see "
+            "`rlfabric envs list`)"
+        )
     raise EnvNotFoundError(
         f"{field} = {spec!r} is not valid: not a registered name"
         f"{' (' + ', '.join(known) + ')' if known else ''}, not 'gym:<id>' or 'pettingzoo:<family>.<name>', and not "
@@ -311,6 +318,63 @@ def make_env(spec: str, kwargs: dict[str, Any] | None = None, field: str = "env.
             "agent's task trains with algo: grpo)"
         )
     return env
+
+
+def gym_api_problem(env: gym.Env, seed: int) -> str | None:
+    """What one ``reset(seed=seed)`` and one ``step`` of a sampled action show wrong against the Gymnasium API, in
+    words, or None (``reset_problem``, then ``step_problem``). Cheap: the pre-start check of every PPO run."""
+    return reset_problem(env, seed) or step_problem(env, seed)
+
+
+def reset_problem(env: gym.Env, seed: int) -> str | None:
+    """``env.reset(seed=seed)`` against the Gymnasium API: (obs, info) returned, obs of the observation space's shape
+    and dtype kind; what is wrong in words, or None."""
+    out = env.reset(seed=seed)
+    if not (isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], dict)):
+        return f"reset() returned {_what(out)}, not (observation, info) as the Gymnasium API does (return obs, {{}})"
+    why = _observation_misfit(env.observation_space, out[0])
+    return None if why is None else f"reset()'s observation {why}"
+
+
+def step_problem(env: gym.Env, seed: int) -> str | None:
+    """One ``env.step`` of an action sampled from its space (seeded with ``seed``), after a reset, against the
+    Gymnasium API: 5 values, obs of the observation space's shape and dtype kind, a finite scalar reward; what is
+    wrong in words, or None."""
+    env.action_space.seed(seed)
+    step = env.step(env.action_space.sample())
+    if not (isinstance(step, tuple) and len(step) == 5):
+        return (
+            f"step() returned {_what(step)}, not the 5 values (observation, reward, terminated, truncated, info) of "
+            "the Gymnasium API"
+        )
+    if (why := _observation_misfit(env.observation_space, step[0])) is not None:
+        return f"step()'s observation {why}"
+    reward = step[1]
+    try:
+        finite = np.ndim(reward) == 0 and bool(np.isfinite(float(reward)))
+    except (TypeError, ValueError):
+        finite = False
+    return None if finite else f"step()'s reward is {reward!r}, not a finite scalar"
+
+
+def _what(value: Any) -> str:
+    return f"{len(value)} values" if isinstance(value, tuple) else f"a {type(value).__name__}"
+
+
+_DTYPE_KINDS = {"f": "f", "i": "i", "u": "i", "b": "b"}  # signed and unsigned ints are one kind here
+
+
+def _observation_misfit(space: gym.Space, obs: Any) -> str | None:
+    """Why ``obs`` does not fit a Box ``space`` (its shape, or its dtype's kind: float, integer, bool), or None;
+    other spaces are not checked here (PPO refuses them by name: ``check_ppo_spaces``)."""
+    if not isinstance(space, gym.spaces.Box):
+        return None
+    arr = np.asarray(obs)
+    if arr.shape != space.shape:
+        return f"has shape {arr.shape}; the observation space {space} has shape {space.shape}"
+    if _DTYPE_KINDS.get(arr.dtype.kind) != _DTYPE_KINDS.get(space.dtype.kind):
+        return f"has dtype {arr.dtype}; the observation space {space} has dtype {space.dtype}"
+    return None
 
 
 def make_multi_agent_env(

@@ -125,3 +125,10 @@ def test_specs_resolve_in_order():
         registry.resolve("gym:CartPole-v9")
     with pytest.raises(ValueError, match="must not start with 'gym:'|not starting with 'gym:'"):
         rlfabric.register_env("gym:Mine-v0", lambda: None)
+
+
+def test_a_misspelt_registered_name_gets_a_suggestion(monkeypatch):
+    monkeypatch.setattr(registry, "_REGISTRY", dict(registry._REGISTRY))
+    rlfabric.register_env("point-reach", lambda: None)
+    with pytest.raises(EnvNotFoundError, match=r"env.id = 'point-reech' is not valid: .*did you mean point-reach\?"):
+        registry.resolve("point-reech")
