@@ -62,6 +62,7 @@ from rlfabric.ray_connect import ensure_ray, fixed_local_cpus
 from rlfabric.reward_model_stage import REWARD_MODEL_DIR, ensure_reward_model
 from rlfabric.rewards.builtin import column_fix, columns_read
 from rlfabric.run.log import RunLog
+from rlfabric.run.paths import local_path
 from rlfabric.run.progress import tensorboard_view
 
 
@@ -204,7 +205,8 @@ class GRPOSetup:
         """The model the run starts from: ``model.path``, or the builtin model (built here when ``build``)."""
         m = self.cfg.model
         if m.path != "builtin":
-            return m.path
+            local = local_path(m.path)  # absolute for the actors, whose working directory may not be this one
+            return str(local) if local is not None else m.path
         from rlfabric.models.hf import build_small_model_dir
 
         b = m.builtin

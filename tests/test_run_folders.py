@@ -300,3 +300,31 @@ def test_train_rm_on_pairs_without_their_columns_leaves_no_new_folder(tmp_path, 
     code, out, err = run_cli([*argv, "--run-dir", str(tmp_path / "runs" / "rm1"), "--quiet"], capsys)
     assert code == 2, err
     assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == []
+
+
+def test_a_run_with_relative_paths_resumes_from_another_directory(local_ray, tmp_path, monkeypatch):
+    """config.yaml records a local folder given relative to where the run started as an absolute path, so
+    ``--resume`` works from elsewhere, and the same folder spelled absolute at resume is the same setting."""
+    from rlfabric.models.hf import build_small_model_dir
+
+    project, elsewhere = tmp_path / "project", tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    build_small_model_dir(project / "mymodel", num_layers=1, hidden_size=32, num_heads=2)
+    monkeypatch.chdir(project)
+    cfg = config_from_dict(
+        merged(BASE, {"model": {"path": "mymodel"}, "training": {"total_steps": 1, "checkpoint_every": 1}})
+    )
+    run = GRPOTrainer(cfg, project / "run", quiet=True)
+    try:
+        run.train()
+    finally:
+        run.close()
+    monkeypatch.chdir(elsewhere)
+    resumed = GRPOTrainer.from_run_dir(
+        project / "run", ["training.total_steps=2", f"model.path={project / 'mymodel'}"], quiet=True
+    )
+    try:
+        summary = resumed.train()
+    finally:
+        resumed.close()
+    assert summary["steps"] == 2

@@ -10,7 +10,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from rlfabric.config import dump_config
+import yaml
+
+from rlfabric.run.paths import with_local_paths_resolved
 
 METRICS_FILE = "metrics.jsonl"
 CONFIG_FILE = "config.yaml"
@@ -44,7 +46,9 @@ class RunLog:
         """
         self.run_dir = run_dir
         run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / CONFIG_FILE).write_text(dump_config(cfg))
+        # local paths absolute, so --resume works from any directory
+        saved = with_local_paths_resolved(cfg.to_dict())
+        (run_dir / CONFIG_FILE).write_text(yaml.safe_dump(saved, sort_keys=False))
         kept = [r for r in read_metrics(run_dir) if r["iteration"] <= resume_at] if resume_at is not None else []
         kept = [relabel(r) for r in kept] if relabel else kept
         # Rows logged after the checkpoint are redone by the resumed run; drop them so none appear twice.

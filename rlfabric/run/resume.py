@@ -11,6 +11,7 @@ import yaml
 
 from rlfabric.config import ConfigError, load_config
 from rlfabric.run.log import CONFIG_FILE, SUMMARY_FILE, read_metrics
+from rlfabric.run.paths import same_setting
 
 # Rows a reward model's training logs (``rlfabric train-rm``, or a GRPO run's first stage): a new run in the same
 # directory reuses that model rather than writing over a run.
@@ -112,10 +113,17 @@ def resumed_config(run_dir: Path, overrides: list[str] | None, fixed: tuple[str,
         before, after = _get_path(saved, path), _get_path(cfg, path)
         if dataclasses.is_dataclass(before) and before != after:
             changed = next(
-                f.name for f in dataclasses.fields(before) if getattr(before, f.name) != getattr(after, f.name)
+                (
+                    f.name
+                    for f in dataclasses.fields(before)
+                    if not same_setting(getattr(before, f.name), getattr(after, f.name))
+                ),
+                None,
             )
+            if changed is None:  # only spellings of the same local paths differ
+                continue
             path, before, after = f"{path}.{changed}", getattr(before, changed), getattr(after, changed)
-        if before != after:
+        if not same_setting(before, after):
             raise ConfigError(
                 f"{path} = {after!r} is not valid with --resume: the checkpoint was trained with {before!r}"
             )
