@@ -26,6 +26,7 @@ from rlfabric.cli_support import (
 )
 from rlfabric.config import ConfigError, load_config
 from rlfabric.run.log import CONFIG_FILE
+from rlfabric.run.resume import trained_there
 from rlfabric.submit import add_submit_parser, cmd_submit
 
 
@@ -141,7 +142,12 @@ def train_or_exit_code(
 
     def what_is_left() -> str:
         if newest_checkpoint(trainer.run_dir) is None:
-            return "no checkpoint was saved yet (training.checkpoint_every)"
+            if not trained_there(trainer.run_dir):
+                return f"nothing was trained; a new run may use --run-dir {trainer.run_dir} again"
+            every = getattr(trainer.cfg.training, "checkpoint_every", None)
+            if not every:
+                return "no checkpoint was saved (training.checkpoint_every = 0 saves one only at the end)"
+            return f"no checkpoint was saved yet (the first comes at training.checkpoint_every = {every})"
         resume = os.environ.get(RESUME_COMMAND_ENV) or f"--resume {trainer.run_dir}"  # in a job: its submit's
         return f"the latest checkpoint is kept (continue with {resume})"
 
