@@ -101,3 +101,20 @@ def test_a_run_whose_reward_gives_no_correct_says_once_why_its_accuracy_is_n_a(l
     assert run.summary["eval_accuracy_initial"] is None and run.summary["eval_accuracy_final"] is None
     assert [r["eval_accuracy"] for r in run.phase("eval")] == [None, None]
     assert run.console.count(NO_ACCURACY_NOTE) == 1
+
+
+def test_a_log_file_gets_the_last_row_before_a_note_and_at_the_end(tmp_path, capsys):
+    """Written to a file (not a terminal), progress lines come every 2 s at most; the newest row skipped is
+    printed before a note and at the end, so a short run still shows its last step."""
+    from rlfabric.config import config_from_dict
+    from rlfabric.run.log import RunLog
+
+    cfg = config_from_dict({})
+    log = RunLog(tmp_path / "run", cfg, step_key="step", progress_line=lambda r: f"step {r['step']}")
+    for step in (1, 2, 3):
+        log.log({"iteration": step, "step": step})
+    log.note("evaluating")
+    log.log({"iteration": 4, "step": 4})
+    log.log({"iteration": 5, "step": 5})
+    log.close()
+    assert capsys.readouterr().err.splitlines() == ["step 1", "step 3", "rlfabric: evaluating", "step 5"]

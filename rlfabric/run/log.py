@@ -63,6 +63,7 @@ class RunLog:
         self.quiet = quiet
         self.tty = sys.stderr.isatty()
         self.last_print = 0.0
+        self.unshown: dict[str, Any] | None = None  # the newest row a log file did not get yet (printed before a note)
         self.progress_line = progress_line
         self.tensorboard_view = tensorboard_view or self._scalars
 
@@ -85,17 +86,28 @@ class RunLog:
             return
         now = time.monotonic()
         if not self.tty and now - self.last_print < 2.0:  # a log file gets a line every 2 s at most
+            self.unshown = row
             return
-        self.last_print = now
+        self._print(row, now)
+
+    def _print(self, row: dict[str, Any], now: float) -> None:
+        self.last_print, self.unshown = now, None
         line = self.progress_line(row)
         print(("\r" + line) if self.tty else line, end="" if self.tty else "\n", file=sys.stderr, flush=True)
 
+    def _catch_up(self) -> None:
+        """Print the newest row a log file skipped, so the last step before a note or the end is always shown."""
+        if self.unshown is not None and not self.quiet:
+            self._print(self.unshown, time.monotonic())
+
     def note(self, message: str) -> None:
         """A one-off event (a replaced runner) on its own line, between progress lines."""
+        self._catch_up()
         if not self.quiet:
             print(("\n" if self.tty else "") + f"rlfabric: {message}", file=sys.stderr, flush=True)
 
     def close(self) -> None:
+        self._catch_up()
         if self.tty and not self.quiet:
             print(file=sys.stderr)
         self.metrics_file.close()
