@@ -12,8 +12,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-from rlfabric.config import config_from_dict
-from rlfabric.llm_driver import train_llm
+import pytest
+import ray
+
+from rlfabric.config import ConfigError, config_from_dict, load_config
+from rlfabric.llm_driver import GRPOTrainer, train_llm
 
 TINY = {"num_layers": 1, "hidden_size": 32, "num_heads": 2, "max_positions": 64}
 
@@ -105,3 +108,22 @@ def example_stopped_by_config_error(example: str, overrides: list[str], cwd: Pat
     assert done.returncode == 2, done.stderr[-3000:]
     errors = [line for line in done.stderr.splitlines() if line.startswith("rlfabric: config error:")]
     return errors, done.stderr
+
+
+def setup_error(tmp_path: Path, cfg_path: Path) -> str:
+    """The one-line ConfigError the run's setup stops with, checked to come before Ray and to leave no run folder."""
+    if ray.is_initialized():
+        ray.shutdown()
+    run_dir = tmp_path / "runs" / "run"
+    trainer = GRPOTrainer(load_config(cfg_path), run_dir, quiet=True)
+    try:
+        with pytest.raises(ConfigError) as info:
+            trainer.setup()
+        assert not ray.is_initialized()
+        assert not (tmp_path / "runs").exists()
+        assert trainer.generators is None
+    finally:
+        trainer.close()
+    message = str(info.value)
+    assert "\n" not in message
+    return message

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import ray
 import yaml
-from grpo_runs import run_grpo
+from grpo_runs import run_grpo, setup_error
 
 from rlfabric.cli import main
 from rlfabric.config import ConfigError, config_from_dict, load_config
@@ -71,23 +71,6 @@ def config(tmp_path: Path, train: str, model: str = "builtin", **data: Any) -> P
     path = tmp_path / "config.yaml"
     path.write_text(yaml.safe_dump(cfg))
     return path
-
-
-def setup_error(tmp_path: Path, cfg_path: Path) -> str:
-    """The one-line ConfigError the run's setup stops with, checked to come before Ray."""
-    if ray.is_initialized():
-        ray.shutdown()
-    trainer = GRPOTrainer(load_config(cfg_path), tmp_path / "runs" / "run", quiet=True)
-    try:
-        with pytest.raises(ConfigError) as info:
-            trainer.setup()
-        assert not ray.is_initialized()
-        assert trainer.generators is None
-    finally:
-        trainer.close()
-    message = str(info.value)
-    assert "\n" not in message
-    return message
 
 
 def byte_level_bpe() -> Any:

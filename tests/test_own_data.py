@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 import ray
 import yaml
+from grpo_runs import setup_error
 
 from rlfabric.cli import main
 from rlfabric.config import ConfigError, load_config
@@ -57,25 +58,6 @@ def config(tmp_path: Path, train: str, **sections: dict[str, Any]) -> Path:
     path = tmp_path / "config.yaml"
     path.write_text(yaml.safe_dump(cfg))
     return path
-
-
-def setup_error(tmp_path: Path, cfg_path: Path) -> str:
-    """The one-line ConfigError the run's setup stops with, checked to come before Ray and to leave no run folder."""
-    if ray.is_initialized():
-        ray.shutdown()
-    run_dir = tmp_path / "runs" / "run"
-    trainer = GRPOTrainer(load_config(cfg_path), run_dir, quiet=True)
-    try:
-        with pytest.raises(ConfigError) as info:
-            trainer.setup()
-        assert not ray.is_initialized()
-        assert not (tmp_path / "runs").exists()
-        assert trainer.generators is None
-    finally:
-        trainer.close()
-    message = str(info.value)
-    assert "\n" not in message
-    return message
 
 
 # -- (a) text the builtin character tokenizer cannot spell --------------------------------------------------
