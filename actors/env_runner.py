@@ -8,7 +8,10 @@ version that produced it. Observations are stored normalized exactly as the poli
 from __future__ import annotations
 
 import os
+import sys
 import time
+import warnings
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -18,6 +21,7 @@ from rlfabric import registry
 from rlfabric.models.numpy_policy import ActionSpec, obs_dim_of
 from rlfabric.normalization import RunningStats, discounted_returns
 from rlfabric.policies.neural import NeuralNetPolicy
+from rlfabric.reward_shaping import components_read, shaped_reward
 from rlfabric.trajectory import Trajectories, from_time_major
 from rlfabric.vector import EnvVector
 
@@ -36,12 +40,19 @@ class EnvRunnerCore:
         obs_clip: float,
         registry_blob: bytes | None = None,
         episode_id_start: int = 0,
+        reward_components: Sequence[str] = (),
+        reward_weights: Mapping[str, float] | None = None,
     ) -> None:
-        """``episode_id_start``: the first row's episode id (the driver gives each runner its own range)."""
+        """``episode_id_start``: the first row's episode id (the driver gives each runner its own range).
+        ``reward_components`` / ``reward_weights``: the run's ``env.reward_components`` / ``env.reward_weights``
+        (rlfabric.reward_shaping): the info keys read each step, and the weights of the reward trained on."""
         if registry_blob is not None:
             registry.load_snapshot(registry_blob)
         self.env_id, self.env_kwargs = env_id, env_kwargs
-        self.envs = EnvVector([registry.make_env(env_id, env_kwargs) for _ in range(num_envs)])
+        self.reward_weights = dict(reward_weights or {})
+        self.components = components_read(reward_components, self.reward_weights)
+        envs = [registry.make_env(env_id, env_kwargs) for _ in range(num_envs)]
+        self.envs = EnvVector(envs, name=env_id, components=self.components)
         first = self.envs.envs[0]
         self.obs_dim = obs_dim_of(first.observation_space)
         self.action = ActionSpec.from_space(first.action_space)
@@ -78,9 +89,11 @@ class EnvRunnerCore:
         rewards = np.empty((T, N), np.float32)
         terminated = np.empty((T, N), bool)
         truncated = np.empty((T, N), bool)
+        components = np.empty((len(self.components), T, N), np.float32)  # [K, T, N]: each component's values
         trunc_index, trunc_raw_obs = [], []
         ep_returns: list[float] = []
         ep_lengths: list[int] = []
+        ep_components: list[np.ndarray] = []
         current = self.raw_obs
         for t in range(T):
             raw_obs[t] = current
@@ -88,6 +101,9 @@ class EnvRunnerCore:
             obs[t], actions[t], logp[t] = acted.info["inputs"], acted.actions, acted.logprobs
             step = self.envs.step(actions[t])
             rewards[t], terminated[t], truncated[t] = step.rewards, step.terminated, step.truncated
+            if step.components is not None:
+                components[:, t] = step.components
+                ep_components += step.episode_components
             for i, final in step.final_obs.items():
                 if step.truncated[i] and not step.terminated[i]:
                     trunc_index.append((t, i))
@@ -96,14 +112,18 @@ class EnvRunnerCore:
             ep_lengths += step.episode_lengths
             current = step.obs
         self.raw_obs = current
+        named = dict(zip(self.components, components, strict=True))
         dones = np.logical_or(terminated, truncated)
-        returns, self.return_carry = discounted_returns(rewards, dones, self.gamma, self.return_carry)
+        # The return statistics (reward scaling) are of the reward the learner trains on.
+        trained = shaped_reward(rewards, named, self.reward_weights)
+        returns, self.return_carry = discounted_returns(trained, dones, self.gamma, self.return_carry)
         trunc_raw = np.asarray(trunc_raw_obs, np.float32).reshape(-1, D)
         fragment = from_time_major(
             obs=obs,
             actions=actions,
             logprobs=logp,
             rewards=rewards,
+            reward_components=named,
             terminated=terminated,
             truncated=truncated,
             version=self.version,
@@ -123,6 +143,8 @@ class EnvRunnerCore:
             "env_steps": T * N,
             "episode_returns": ep_returns,
             "episode_lengths": ep_lengths,
+            # per component, its sum over each episode that ended here (in the order of episode_returns)
+            "episode_components": {k: [float(e[j]) for e in ep_components] for j, k in enumerate(self.components)},
             "sample_time_s": time.perf_counter() - start,
         }
         return meta, fragment
@@ -131,7 +153,7 @@ class EnvRunnerCore:
         """Returns of ``episodes`` episodes with deterministic actions, on a fresh env (training envs untouched)."""
         if self.version < 0:
             raise RuntimeError("EnvRunner.evaluate called before set_weights")
-        env = EnvVector([registry.make_env(self.env_id, self.env_kwargs)])
+        env = EnvVector([registry.make_env(self.env_id, self.env_kwargs)], name=self.env_id)
         obs = env.reset([seed])
         returns: list[float] = []
         while len(returns) < episodes:
@@ -142,12 +164,45 @@ class EnvRunnerCore:
         return returns
 
 
+class MujocoWarning(UserWarning):
+    """A warning of MuJoCo's C library (e.g. a deprecated attribute in a model file), as a Python warning."""
+
+
+def show_mujoco_warnings_once() -> None:
+    """Route MuJoCo's warnings through Python's ``warnings``, each distinct one shown once in this process.
+
+    MuJoCo's C library prints its warnings itself (and appends them to MUJOCO_LOG.TXT in the working directory),
+    so Python's warning filters never see them: a model file's deprecation ("compiler attribute 'settotalmass' is
+    deprecated") came once per env built, in every runner. Here they become ``MujocoWarning``s under a "once"
+    filter: a runner shows each distinct text once, however many envs it builds. Nothing happens where MuJoCo is
+    not installed."""
+    import importlib.util
+
+    if importlib.util.find_spec("mujoco") is None:
+        return
+    try:
+        import mujoco
+    except Exception:  # a broken install: the env that needs it will say so
+        return
+    warnings.filterwarnings("once", category=MujocoWarning)
+
+    def warn(text: str) -> None:
+        try:
+            warnings.warn(text.strip(), MujocoWarning, stacklevel=2)
+        except Exception:  # warnings made errors (-W error): an exception must not cross MuJoCo's C code
+            print(f"MujocoWarning: {text.strip()}", file=sys.stderr)
+
+    mujoco.set_mju_user_warning(warn)
+
+
 class RunnerProcess:
     """What every runner actor adds to its core: one OpenMP thread (a runner's numpy work is small; the learner
-    wants the cores), and where it runs (fault tests kill it by pid; placement reads its node)."""
+    wants the cores), MuJoCo's warnings once each (``show_mujoco_warnings_once``), and where it runs (fault tests
+    kill it by pid; placement reads its node)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         os.environ.setdefault("OMP_NUM_THREADS", "1")
+        show_mujoco_warnings_once()
         super().__init__(*args, **kwargs)
 
     def pid(self) -> int:

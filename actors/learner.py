@@ -6,6 +6,7 @@ policy version with a single ``ray.put`` that every runner reads.
 
 from __future__ import annotations
 
+import copy
 import math
 import random
 import time
@@ -19,7 +20,47 @@ from rlfabric.algorithms import ppo
 from rlfabric.config import Config, config_from_dict
 from rlfabric.models import ActionSpec, ActorCritic
 from rlfabric.normalization import Normalizer, RunningStats, scale_rewards
+from rlfabric.reward_shaping import shaped_reward
 from rlfabric.trajectory import Trajectories, time_major
+
+# The per-update loss statistics, averaged over the update's minibatches (NaN for an update that was skipped).
+LOSS_STATS = ("policy_loss", "value_loss", "entropy", "approx_kl", "clip_fraction")
+
+
+class NonFiniteUpdate(ArithmeticError):
+    """Something an update would train on or apply is NaN or infinite; the message says what, on one line."""
+
+
+def check_finite_statistics(stats: dict[str, RunningStats | None]) -> None:
+    """Raise NonFiniteUpdate naming the first of the merged normalizer statistics (by name) that is not finite."""
+    for name, s in stats.items():
+        if s is not None and not (np.isfinite(s.mean).all() and np.isfinite(s.m2).all()):
+            raise NonFiniteUpdate(f"the {name} statistics merged from the batch's fragments are not finite")
+
+
+def check_finite_batch(flat: dict[str, np.ndarray]) -> None:
+    """Raise NonFiniteUpdate naming the first column of a flat batch (one row per step) that is not finite, with
+    how many of its steps are not."""
+    for key in ("obs", "critic_obs", "logp", "values", "advantages", "returns"):
+        if key not in flat:
+            continue
+        column = flat[key].reshape(len(flat[key]), -1)
+        finite = np.isfinite(column).all(axis=1)
+        if not finite.all():
+            bad = int((~finite).sum())
+            raise NonFiniteUpdate(f"the batch's {key} are not finite at {bad} of its {len(finite)} steps")
+
+
+def step_problem(
+    policy_loss: float, value_loss: float, entropy: float, loss: float, grad_norm: float, epoch: int, minibatch: int
+) -> str:
+    """What was not finite at a gradient step, e.g. "the loss is nan (policy_loss nan, value_loss 0.31, entropy
+    1.4) at epoch 1, minibatch 3"."""
+    where = f"at epoch {epoch + 1}, minibatch {minibatch + 1}"
+    if not math.isfinite(loss):
+        terms = f"policy_loss {policy_loss:.3g}, value_loss {value_loss:.3g}, entropy {entropy:.3g}"
+        return f"the loss is {loss} ({terms}) {where}"
+    return f"the gradient norm is {grad_norm} {where}"
 
 
 class LearnerCore:
@@ -109,7 +150,8 @@ class LearnerCore:
             self._values(self._critic_inputs(frag.truncation_critic_obs) if centralized else frag.truncation_obs),
         )
         p = self.cfg.ppo
-        rewards = frag.rewards["env"]
+        # the env's reward, reweighted by env.reward_weights (components beside it in the record)
+        rewards = shaped_reward(frag.rewards["env"], frag.rewards, self.cfg.env.reward_weights)
         if p.normalize_reward:
             rewards = scale_rewards(rewards, self.return_stats, p.reward_clip)
         adv, ret = ppo.gae(
@@ -152,13 +194,39 @@ class LearnerCore:
         if self.critic_stats is not None and self.cfg.ppo.normalize_obs:
             self.critic_normalizer = Normalizer(self.critic_stats, self.cfg.ppo.obs_clip)
 
-    def update(self, fragments: list[Trajectories]) -> dict[str, float]:
-        """One PPO update on a train batch; returns loss statistics. Bumps the policy version."""
+    def update(self, fragments: list[Trajectories]) -> dict[str, Any]:
+        """One PPO update on a train batch; returns loss statistics. Bumps the policy version.
+
+        The last guard against NaN: an update whose batch, merged statistics, loss or gradient norm is not finite
+        is not applied. The weights, optimizer state and normalizer statistics go back to what they were before
+        it (``_saved``), its losses are NaN, ``update_skipped`` is 1 and ``skip_reason`` says what was not finite
+        (the driver counts it and stops the run after a few in a row). The version still counts up.
+        """
         start = time.perf_counter()
         p = self.cfg.ppo
+        lr = ppo.linear_lr(p.lr, self.updates_done, self.total_updates) if p.anneal_lr else p.lr
+        saved = self._saved()
+        try:
+            out: dict[str, Any] = {**self._update(fragments, lr), "update_skipped": 0.0}
+        except NonFiniteUpdate as exc:
+            self._restore(saved)
+            out = {**dict.fromkeys(LOSS_STATS, math.nan), "lr": lr, "epochs_run": 0.0}
+            out.update(explained_variance=math.nan, update_skipped=1.0, skip_reason=str(exc))
+        self.updates_done += 1
+        self.version += 1
+        out["learn_time_s"] = time.perf_counter() - start
+        return out
+
+    def _update(self, fragments: list[Trajectories], lr: float) -> dict[str, float]:
+        """``update``'s work; raises NonFiniteUpdate (before the optimizer steps on it) at what is not finite."""
+        p = self.cfg.ppo
         self._merge_stats(fragments)
+        check_finite_statistics(
+            {"observation": self.obs_stats, "return": self.return_stats, "critic input": self.critic_stats}
+        )
         parts = [self._advantages(f) for f in fragments]
         flat = {k: np.concatenate([part[k] for part in parts]) for k in parts[0]}
+        check_finite_batch(flat)
         explained = ppo.explained_variance(flat["values"], flat["returns"])
         if p.normalize_values:  # the critic learns targets normalized with statistics that include this batch
             self.value_stats = self.value_stats.merge(RunningStats.of(flat["returns"].reshape(-1, 1)))
@@ -166,17 +234,14 @@ class LearnerCore:
             flat["values"] = ppo.normalize_values(flat["values"], mean, var)
             flat["returns"] = ppo.normalize_values(flat["returns"], mean, var)
         batch = {k: torch.as_tensor(v, device=self.device) for k, v in flat.items()}
-        lr = ppo.linear_lr(p.lr, self.updates_done, self.total_updates) if p.anneal_lr else p.lr
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         n = len(batch["obs"])
-        stats: dict[str, list[float]] = {
-            k: [] for k in ("policy_loss", "value_loss", "entropy", "approx_kl", "clip_fraction")
-        }
+        stats: dict[str, list[float]] = {k: [] for k in LOSS_STATS}
         epochs_run = 0
-        for _ in range(p.num_epochs):
+        for epoch in range(p.num_epochs):
             order = torch.as_tensor(self.rng.permutation(n), device=self.device)
-            for lo in range(0, n, p.minibatch_size):
+            for minibatch, lo in enumerate(range(0, n, p.minibatch_size)):
                 idx = order[lo : lo + p.minibatch_size]
                 logp, entropy, values = self.model.evaluate(
                     batch["obs"][idx],
@@ -198,15 +263,13 @@ class LearnerCore:
                 loss = pg_loss - p.ent_coef * ent + p.vf_coef * v_loss
                 self.optimizer.zero_grad(set_to_none=True)
                 loss.backward()
-                torch.nn.utils.clip_grad_norm_(self.model.parameters(), p.max_grad_norm)
+                grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), p.max_grad_norm)
+                terms = torch.stack([pg_loss.detach(), v_loss.detach(), ent.detach(), loss.detach(), grad_norm])
+                pg, vl, en, total, norm = terms.tolist()  # one device sync for the check and the statistics
+                if not (math.isfinite(total) and math.isfinite(norm)):
+                    raise NonFiniteUpdate(step_problem(pg, vl, en, total, norm, epoch, minibatch))
                 self.optimizer.step()
-                for key, val in (
-                    ("policy_loss", pg_loss.item()),
-                    ("value_loss", v_loss.item()),
-                    ("entropy", ent.item()),
-                    ("approx_kl", info.approx_kl),
-                    ("clip_fraction", info.clip_fraction),
-                ):
+                for key, val in zip(LOSS_STATS, (pg, vl, en, info.approx_kl, info.clip_fraction), strict=True):
                     stats[key].append(val)
             epochs_run += 1
             if (
@@ -214,16 +277,25 @@ class LearnerCore:
                 and np.mean(stats["approx_kl"][-math.ceil(n / p.minibatch_size) :]) > p.target_kl
             ):
                 break
-        self.updates_done += 1
-        self.version += 1
         out = {k: float(np.mean(v)) for k, v in stats.items()}
-        out.update(
-            lr=lr,
-            epochs_run=float(epochs_run),
-            explained_variance=explained,
-            learn_time_s=time.perf_counter() - start,
-        )
+        out.update(lr=lr, epochs_run=float(epochs_run), explained_variance=explained)
         return out
+
+    def _saved(self) -> dict[str, Any]:
+        """What an update changes, as it is now (``_restore`` puts it back when the update is skipped): the
+        statistics (replaced, never changed in place, so kept by reference), weights and optimizer state (copied:
+        a few hundred kB for PPO's MLPs)."""
+        return {
+            "stats": (self.obs_stats, self.return_stats, self.value_stats, self.critic_stats, self.critic_normalizer),
+            "model": {k: v.detach().clone() for k, v in self.model.state_dict().items()},
+            "optimizer": copy.deepcopy(self.optimizer.state_dict()),
+        }
+
+    def _restore(self, saved: dict[str, Any]) -> None:
+        self.obs_stats, self.return_stats, self.value_stats, self.critic_stats, self.critic_normalizer = saved["stats"]
+        self.model.load_state_dict(saved["model"])
+        self.optimizer.load_state_dict(saved["optimizer"])
+        self.optimizer.zero_grad(set_to_none=True)
 
     # -- checkpoints ------------------------------------------------------------------------------------
 
@@ -272,7 +344,7 @@ class Learner(LearnerCore):
         The ref sits inside a tuple, so the caller receives the ref itself rather than the weights."""
         return ray.put(self.weights()), self.version
 
-    def update_from_refs(self, fragment_refs: list[ray.ObjectRef]) -> dict[str, float]:
+    def update_from_refs(self, fragment_refs: list[ray.ObjectRef]) -> dict[str, Any]:
         fetch_start = time.perf_counter()
         fragments = ray.get(fragment_refs)
         fetch_time = time.perf_counter() - fetch_start

@@ -7,6 +7,7 @@ weights -> every runner reads it. The driver reads only fragment metadata (versi
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from dataclasses import dataclass, field
@@ -25,6 +26,7 @@ from rlfabric.config import Config, ConfigError
 from rlfabric.placement import ActorRequest, RoleGroups, check_fits, record_plan
 from rlfabric.ppo_config import PPO_ROLES
 from rlfabric.ray_connect import ensure_ray
+from rlfabric.reward_shaping import MissingRewardComponent, component_metric, components_read
 from rlfabric.run.checkpoints import CHECKPOINT_DIR, CheckpointStore
 from rlfabric.run.interrupts import stop_requests
 from rlfabric.run.log import CONFIG_FILE, RunLog, write_summary
@@ -35,10 +37,15 @@ from rlfabric.runner_pool import Completed, RunAbortedError, RunnerPool, error_s
 
 # How long setup waits for an actor to start before blaming the cluster's resources.
 SETUP_TIMEOUT_S = 120.0
-# What a checkpoint's weights and statistics depend on: a resumed run may not change these.
-FIXED_ON_RESUME = ("algo", "env.id", "env.kwargs", "model", "ppo.normalize_obs")
+# What a checkpoint's weights and statistics depend on: a resumed run may not change these. The reward weights are
+# the reward the critic and the return statistics learned (as env.kwargs may be: a MuJoCo env's ctrl_cost_weight);
+# env.reward_components only adds what is logged and recorded, so it may change.
+FIXED_ON_RESUME = ("algo", "env.id", "env.kwargs", "env.reward_weights", "model", "ppo.normalize_obs")
 # episode_return_mean is over the most recent episodes, as in Stable-Baselines3's ep_rew_mean.
 RETURN_WINDOW = 100
+# Updates in a row the learner may skip (a loss, gradient or statistic not finite: actors/learner.py) before the run
+# stops: one is a blip, a row of them a run that cannot go on.
+MAX_SKIPPED_UPDATES = 3
 
 
 @dataclass
@@ -53,6 +60,7 @@ class Progress:
     runner_restarts: int = 0
     lost_fragments: int = 0
     runners_started: int = 0  # every runner of the run, replacements and resumed sessions' included: id ranges
+    skipped_updates: int = 0  # updates the learner did not apply (not finite)
     elapsed_s: float = 0.0
     recent_returns: list[float] = field(default_factory=list)
     recent_lengths: list[int] = field(default_factory=list)
@@ -105,6 +113,10 @@ class Trainer:
         # Restart and loss counts of earlier sessions of a resumed run; the pool counts this session's.
         self._restarts_before = 0
         self._lost_before = 0
+        self._skipped_in_a_row = 0
+        # env.reward_components' sums over the episodes finished since the last metrics row, by info key
+        self.components = components_read(cfg.env.reward_components, cfg.env.reward_weights)
+        self._episode_components: dict[str, list[float]] = {k: [] for k in self.components}
 
     @classmethod
     def from_run_dir(cls, run_dir: str | Path, overrides: list[str] | None = None, quiet: bool = False) -> Trainer:
@@ -204,6 +216,8 @@ class Trainer:
             self.cfg.ppo.obs_clip,
             self.registry_blob,
             next_episode_id_range(self.progress),
+            reward_components=self.cfg.env.reward_components,
+            reward_weights=self.cfg.env.reward_weights,
         )
 
     def setup(self) -> None:
@@ -221,6 +235,7 @@ class Trainer:
             num_fragments=self._fragments_per_sample(),
             resources=self._runner_resources(),
             on_failure=self._runner_failed,
+            fatal=(MissingRewardComponent,),  # an info key the config names and the env lacks fails them all
         )
         r, lc = self.cfg.runners, self.cfg.learner
         try:
@@ -247,7 +262,7 @@ class Trainer:
             self._load_learner_state(checkpoint)
             self._restarts_before = self.progress.runner_restarts
             self._lost_before = self.progress.lost_fragments
-        total, clock = self.cfg.training.total_env_steps, EtaClock()
+        total, clock = self._steps_to_train(), EtaClock()
         self.log = RunLog(
             self.run_dir,
             self.cfg,
@@ -258,7 +273,20 @@ class Trainer:
         placement = self.cfg.ray.placement or dict.fromkeys(PPO_ROLES, self.cfg.ray.placement_strategy)
         for line in record_plan(self.run_dir, {"runners": self.pool.runners, "learner": self._learners()}, placement):
             self.log.note(f"placement: {line}")
+        if total != self.cfg.training.total_env_steps:
+            batch = self.cfg.ppo.train_batch_size
+            self.log.note(
+                f"training.total_env_steps = {self.cfg.training.total_env_steps} is not a whole number of train "
+                f"batches (ppo.train_batch_size = {batch}): the run trains {total} env steps "
+                f"({total // batch} {'batch' if total == batch else 'batches'})"
+            )
         self._publish()
+
+    def _steps_to_train(self) -> int:
+        """The env steps the run ends at: ``training.total_env_steps`` rounded up to whole train batches after
+        the steps already trained (a resumed run's), since every update trains on a whole batch."""
+        done, batch = self.progress.env_steps, self.cfg.ppo.train_batch_size
+        return done + math.ceil(max(self.cfg.training.total_env_steps - done, 0) / batch) * batch
 
     # -- the learner (one; a game has one per trainable policy: rlfabric.game_driver) ----------------------
 
@@ -336,6 +364,8 @@ class Trainer:
         p.episodes += len(meta["episode_returns"])
         p.recent_returns = (p.recent_returns + meta["episode_returns"])[-RETURN_WINDOW:]
         p.recent_lengths = (p.recent_lengths + meta["episode_lengths"])[-RETURN_WINDOW:]
+        for key, sums in meta.get("episode_components", {}).items():
+            self._episode_components[key] += sums
         if meta["version"] < self.version - self.cfg.training.max_policy_lag:
             p.dropped_fragments += 1
             self._sampled_this_version.discard(done.runner)  # sync mode: that runner owes a fresh one
@@ -422,18 +452,40 @@ class Trainer:
             if results:  # another learner trained on the batch: asking again would train it twice
                 raise RunAbortedError(f"a fragment was lost with its node after {len(results)} learner(s) trained")
             return self._drop_lost(lost)
+        skipped = [r.pop("skip_reason") for r in results if "skip_reason" in r]  # a string: not a metric
         stats = self._update_stats(results)
         self._tick()
         # Counted and logged before anything that blocks, so an interrupt never leaves a checkpoint whose
         # iteration has no metrics row.
+        self._count_skipped(skipped)
         self._log_iteration([c.meta for c in self._batch], stats, time.monotonic() - self._iter_start)
         self._iter_start = time.monotonic()
+        self._stop_after_skipped(skipped)
         self._publish()
         self._sampled_this_version.clear()
         every = self.cfg.training.checkpoint_every
         if every and self.progress.iteration % every == 0:
             self.save_checkpoint()
         return []
+
+    def _count_skipped(self, reasons: list[str]) -> None:
+        """Count an update the learner skipped (``reasons``: why, one per learner that skipped; [] when none
+        did), and say so."""
+        if not reasons:
+            self._skipped_in_a_row = 0
+            return
+        self.progress.skipped_updates += 1
+        self._skipped_in_a_row += 1
+        self.log.note(f"update {self.progress.iteration + 1} skipped, its weights not applied: {'; '.join(reasons)}")
+
+    def _stop_after_skipped(self, reasons: list[str]) -> None:
+        """Stop the run once ``MAX_SKIPPED_UPDATES`` updates in a row were skipped (its weights and checkpoints
+        stay those of the last update that was finite)."""
+        if self._skipped_in_a_row >= MAX_SKIPPED_UPDATES:
+            raise RunAbortedError(
+                f"the learner skipped {self._skipped_in_a_row} updates in a row, as not finite (last: "
+                f"{'; '.join(reasons)}); the weights are those of the last finite update"
+            )
 
     def _drop_lost(self, lost: set[str]) -> list[Completed]:
         """The batch without the fragments whose objects (hex ids in ``lost``) are gone; those are counted as lost
@@ -468,12 +520,22 @@ class Trainer:
             "dropped_fragments": p.dropped_fragments,
             "lost_fragments": p.lost_fragments,
             "runner_restarts": p.runner_restarts,
+            "skipped_updates": p.skipped_updates,
             "sample_time_s": float(np.mean([m["sample_time_s"] for m in batch])),
+            **self._component_means(),
             **stats,
             **self._iteration_metrics(batch),
         }
         p.iteration, p.env_steps = row["iteration"], row["env_steps"]
         self.log.log(row)
+
+    def _component_means(self) -> dict[str, float | None]:
+        """``episode_reward_<key>``: each reward component's sum per episode, averaged over the episodes finished
+        since the last row (None when none did); the sums are then cleared."""
+        means = {component_metric(k): float(np.mean(v)) if v else None for k, v in self._episode_components.items()}
+        for sums in self._episode_components.values():
+            sums.clear()
+        return means
 
     def _iteration_metrics(self, batch: list[dict[str, Any]]) -> dict[str, Any]:
         """Further columns of an iteration's metrics row (a game's per-policy returns, self-play ratings)."""
@@ -500,6 +562,7 @@ class Trainer:
             "dropped_fragments": p.dropped_fragments,
             "lost_fragments": p.lost_fragments,
             "runner_restarts": p.runner_restarts,
+            "skipped_updates": p.skipped_updates,
             "runner_failures": self.pool.failures[-10:],
             "checkpoint": str(ckpt.relative_to(self.run_dir)),
             **self._summary_extras(),

@@ -192,10 +192,23 @@ def _refuse_unsupported(cfg: Config) -> None:
             )
 
 
+def refuse_reward_components(cfg: Config) -> None:
+    """A game's runners read no step info: ``env.reward_components`` / ``env.reward_weights`` there would be ignored,
+    so they are one ConfigError."""
+    env = cfg.env
+    if env.reward_components or env.reward_weights:
+        key = "env.reward_components" if env.reward_components else "env.reward_weights"
+        raise ConfigError(
+            f"{key} is set, but env.id = {env.id!r} is a game: reward components and weights apply to single-agent "
+            "Gymnasium envs; remove it"
+        )
+
+
 class GameTrainer(Trainer):
     """Runs one PPO training job on a multi-agent env (see the module docstring)."""
 
     def __init__(self, cfg: Config, run_dir: str | Path, resume: bool = False, quiet: bool = False) -> None:
+        refuse_reward_components(cfg)
         self.agent_policies, self.frozen = check_game_config(cfg)
         self.callables_blob = user_callables(cfg)
         super().__init__(cfg, run_dir, resume=resume, quiet=quiet)

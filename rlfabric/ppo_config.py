@@ -12,6 +12,7 @@ from typing import Any, Literal
 
 from rlfabric.config_base import RayConfig, check_placement, require
 from rlfabric.multiagent.config import MultiAgentConfig, validate_multi_agent
+from rlfabric.reward_shaping import ENV_REWARD, component_metric, components_read
 
 PPO_ROLES = ("runners", "learner")  # the roles ray.placement may name
 
@@ -22,6 +23,13 @@ class EnvConfig:
     id: str = "gym:CartPole-v1"
     # Keyword arguments passed to the env factory (gym.make kwargs for gym: specs).
     kwargs: dict[str, Any] = field(default_factory=dict)
+    # Keys of the env's step info read as named reward components (MuJoCo's reward_forward, reward_ctrl, ...):
+    # each episode's sum is logged (episode_reward_<key>) and every step's value kept in the trajectory record.
+    # []: info is not read at all.
+    reward_components: list[str] = field(default_factory=list)
+    # {info key: weight}: train on r + sum_k (w_k - 1) * info[k] (rlfabric.reward_shaping.shaped_reward); a weight
+    # of 1 leaves the env's reward as it is. A key not in reward_components is read as one. Fixed on --resume.
+    reward_weights: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -121,6 +129,7 @@ class Config:
 def validate(cfg: Config) -> Config:
     """Check value ranges and cross-field constraints; return the config unchanged."""
     r, p, t = cfg.runners, cfg.ppo, cfg.training
+    validate_reward_components(cfg.env)
     require(r.num_runners >= 1, "runners.num_runners", r.num_runners, "must be at least 1")
     require(r.envs_per_runner >= 1, "runners.envs_per_runner", r.envs_per_runner, "must be at least 1")
     require(r.sample_timeout_s > 0, "runners.sample_timeout_s", r.sample_timeout_s, "must be > 0")
@@ -178,6 +187,8 @@ def validate(cfg: Config) -> Config:
     require(0 <= p.gae_lambda <= 1, "ppo.gae_lambda", p.gae_lambda, "must be in [0, 1]")
     require(p.clip_coef > 0, "ppo.clip_coef", p.clip_coef, "must be > 0")
     require(p.max_grad_norm > 0, "ppo.max_grad_norm", p.max_grad_norm, "must be > 0")
+    require(p.ent_coef >= 0, "ppo.ent_coef", p.ent_coef, "must be >= 0 (a bonus for entropy; 0: none)")
+    require(p.vf_coef >= 0, "ppo.vf_coef", p.vf_coef, "must be >= 0 (the value loss's weight)")
     require(p.obs_clip > 0, "ppo.obs_clip", p.obs_clip, "must be > 0")
     require(p.reward_clip > 0, "ppo.reward_clip", p.reward_clip, "must be > 0")
     require(0 <= t.seed < 2**32, "training.seed", t.seed, "must be in [0, 2**32)")
@@ -194,3 +205,28 @@ def validate(cfg: Config) -> Config:
     )
     validate_multi_agent(cfg.multi_agent)
     return cfg
+
+
+def validate_reward_components(env: EnvConfig) -> None:
+    """``env.reward_components`` and ``env.reward_weights``: info keys that are non-empty, listed once, not ``env``
+    (the name the env's own reward has in the trajectory record), and logged under names of their own."""
+    seen: set[str] = set()
+    for i, key in enumerate(env.reward_components):
+        path = f"env.reward_components[{i}]"
+        require(bool(key), path, key, "must be an info key, not empty")
+        require(key != ENV_REWARD, path, key, "is the name of the env's own reward in the trajectory record")
+        require(key not in seen, path, key, "is listed twice")
+        seen.add(key)
+    for key, weight in env.reward_weights.items():
+        path = f"env.reward_weights.{key}"
+        require(bool(key), "env.reward_weights", env.reward_weights, "has an empty key; keys are info keys")
+        require(key != ENV_REWARD, path, weight, "'env' is the env's own reward; weigh its components instead")
+    metrics: dict[str, str] = {}
+    for key in components_read(env.reward_components, env.reward_weights):
+        other = metrics.setdefault(component_metric(key), key)
+        require(
+            other == key,
+            "env.reward_components",
+            [other, key],
+            f"both would be logged as {component_metric(key)} (a leading 'reward_' is left out); keep one",
+        )

@@ -1,25 +1,33 @@
 """The driver's view of its env runners: launch, sample with a deadline, replace the dead or hung.
 
 The pool hands out ObjectRefs only; fragment data never passes through the driver. A runner whose sample raises
-(its process or its node died) or misses ``sample_timeout_s`` (a hung env) is killed and replaced by a fresh actor
-with the current weights; its fragment is counted as lost and the driver simply asks again. A replacement waits up
-to ``sample_timeout_s`` for an alive node with the resources a runner asks for, else the run stops
-(``PlacementError``).
+(its process or its node died, its env raised or returned a NaN) or misses ``sample_timeout_s`` (a hung env) is
+killed and replaced by a fresh actor with the current weights; its fragment is counted as lost and the driver simply
+asks again. A replacement waits up to ``sample_timeout_s`` for an alive node with the resources a runner asks for,
+else the run stops (``PlacementError``). A runner slot that fails too often stops the run with its last error: 6
+times in a row (``ActorSlots``), or half of its last 12 samples (``FAILURE_WINDOW``: an env that fails after more
+steps than a fragment has fails every other sample, each replacement's first one succeeding). An error of a
+``fatal`` kind (the config and the env disagree, so every runner would fail the same way) stops the run at once
+with the error's own line.
 """
 
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import ray
-from ray.exceptions import RayError
+from ray.exceptions import RayError, RayTaskError
 
 from rlfabric.actor_slots import MAX_CONSECUTIVE_FAILURES, ActorSlots, RunAbortedError, error_summary
 
-__all__ = ["MAX_CONSECUTIVE_FAILURES", "Completed", "RunAbortedError", "RunnerPool", "error_summary"]
+__all__ = ["FAILURE_WINDOW", "MAX_CONSECUTIVE_FAILURES", "Completed", "RunAbortedError", "RunnerPool", "error_summary"]
+
+# A runner slot's last samples looked at: the run stops when half of them failed.
+FAILURE_WINDOW = 2 * (MAX_CONSECUTIVE_FAILURES + 1)
 
 
 @dataclass
@@ -51,13 +59,17 @@ class RunnerPool:
         num_fragments: int = 1,
         resources: dict[str, float] | None = None,
         on_failure: Callable[[RayError], None] | None = None,
+        fatal: tuple[type[BaseException], ...] = (),
     ) -> None:
         """``make_runner(index, generation)`` creates the actor; generation counts replacements of that slot.
         ``num_fragments``: the data objects a sample returns after its metadata (one per trainable policy).
         ``resources``: what one runner asks Ray for (None: replacements are not checked against the nodes).
         ``on_failure(error)``: told of a sample's error before its runner is replaced (a game's driver replaces
-        the generator the error names, so the new runner calls the new one)."""
+        the generator the error names, so the new runner calls the new one).
+        ``fatal``: exception types that a sample raising them makes a ``RunAbortedError`` with their message, at
+        once (no replacement)."""
         self.sample_timeout_s = sample_timeout_s
+        self.fatal = fatal
         self.on_failure = on_failure
         self.num_fragments = num_fragments
         self.slots = ActorSlots(
@@ -69,6 +81,8 @@ class RunnerPool:
         self.state_calls: dict[str, tuple[Any, ...]] = {}
         self.lost_fragments = 0
         self.failures: list[str] = []
+        # per runner slot, whether each of its last FAILURE_WINDOW samples failed
+        self.outcomes = [deque(maxlen=FAILURE_WINDOW) for _ in range(num_runners)]
 
     @property
     def runners(self) -> list[Any]:
@@ -136,12 +150,16 @@ class RunnerPool:
                 meta = ray.get(flight.meta_ref, timeout=0)
             except RayError as exc:  # the process died, or the env raised inside sample()
                 self._discard(flight.data_refs)
+                cause = exc.cause if isinstance(exc, RayTaskError) else None
+                if self.fatal and isinstance(cause, self.fatal):
+                    raise RunAbortedError(f"runner {flight.runner}: {cause}") from None
                 if self.on_failure is not None:
                     self.on_failure(exc)
                 self._replace(flight, f"runner {flight.runner} failed: {exc.__class__.__name__}: {error_summary(exc)}")
                 failed.append(flight.runner)
                 continue
             self.slots.succeeded(flight.runner, flight.generation)
+            self.outcomes[flight.runner].append(False)
             done.append(Completed(flight.runner, meta, flight.data_refs))
         now = time.monotonic()
         for ref, flight in list(self.in_flight.items()):
@@ -163,8 +181,15 @@ class RunnerPool:
                     pass
 
     def _replace(self, flight: InFlight, reason: str) -> None:
-        """Replace the runner a failed sample ran on (once per runner) and count its fragment as lost."""
+        """Replace the runner a failed sample ran on (once per runner) and count its fragment as lost; stop the
+        run (RunAbortedError) when half of the slot's last ``FAILURE_WINDOW`` samples failed."""
         self.failures.append(reason)
+        outcomes = self.outcomes[flight.runner]
+        outcomes.append(True)
+        if len(outcomes) == FAILURE_WINDOW and 2 * sum(outcomes) >= FAILURE_WINDOW:
+            raise RunAbortedError(
+                f"runner {flight.runner} failed {sum(outcomes)} of its last {FAILURE_WINDOW} samples; last: {reason}"
+            )
         if self.slots.replace(flight.runner, flight.generation, reason):
             for method, args in self.state_calls.items():
                 getattr(self.runners[flight.runner], method).remote(*args)

@@ -489,9 +489,12 @@ def from_time_major(
     truncation_obs: np.ndarray,
     first_episode_id: int = 0,
     extras: dict[str, Any] | None = None,
+    reward_components: dict[str, np.ndarray] | None = None,
 ) -> Trajectories:
     """A classic-RL fragment of T steps of N envs, given time-major ([T, N, ...]) as a vector env yields it:
-    row i = env i's T steps (one version for the whole fragment). ``truncation_index`` rows are (t, env)."""
+    row i = env i's T steps (one version for the whole fragment). ``truncation_index`` rows are (t, env).
+    ``rewards`` is the env's reward (component ``env``); ``reward_components`` ([T, N] each) are further named
+    components of the same steps (a PPO run's ``env.reward_components``)."""
     t, n = rewards.shape
 
     def swap(a: np.ndarray) -> np.ndarray:
@@ -514,7 +517,7 @@ def from_time_major(
         bootstrap_obs=bootstrap_obs,
         truncation_index=trunc,
         truncation_obs=truncation_obs,
-        rewards={"env": swap(rewards)},
+        rewards={"env": swap(rewards), **{k: swap(v) for k, v in (reward_components or {}).items()}},
         extras=extras or {},
     )
 

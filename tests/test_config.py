@@ -185,6 +185,8 @@ _EIGHT_ENVS = {"num_runners": 2, "envs_per_runner": 4}
         ({"ppo": {"gae_lambda": -0.1}}, "ppo.gae_lambda"),
         ({"ppo": {"clip_coef": 0}}, "ppo.clip_coef"),
         ({"ppo": {"max_grad_norm": -1}}, "ppo.max_grad_norm"),
+        ({"ppo": {"ent_coef": -0.01}}, "ppo.ent_coef"),
+        ({"ppo": {"vf_coef": -0.5}}, "ppo.vf_coef"),
         ({"training": {"total_env_steps": 0}}, "training.total_env_steps"),
         ({"training": {"max_policy_lag": -1}}, "training.max_policy_lag"),
         ({"training": {"eval_episodes": -2}}, "training.eval_episodes"),
@@ -202,11 +204,12 @@ def test_boundary_values_are_accepted():
     cfg = config_from_dict(
         {
             "runners": _EIGHT_ENVS,
-            "ppo": {"train_batch_size": 8, "gamma": 1, "gae_lambda": 0, "minibatch_size": 8},
+            "ppo": {"train_batch_size": 8, "gamma": 1, "gae_lambda": 0, "minibatch_size": 8, "vf_coef": 0},
             "training": {"max_policy_lag": 0},
         }
     )
     assert cfg.ppo.gamma == 1.0 and cfg.ppo.gae_lambda == 0.0 and cfg.ppo.minibatch_size == 8
+    assert cfg.ppo.vf_coef == 0.0 and cfg.ppo.ent_coef == 0.0
     assert cfg.fragment_length == 1
 
 

@@ -35,6 +35,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "rlfabric.data",
             "rlfabric.trajectory",
             "rlfabric.normalization",
+            "rlfabric.reward_shaping",
             "rlfabric.shipping",
             "rlfabric.multiagent.config",  # the multi_agent section of a PPO config
         ),

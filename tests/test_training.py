@@ -195,6 +195,27 @@ def test_a_hung_evaluation_is_skipped_naming_its_deadline(local_ray, tmp_path, c
     )
 
 
+def test_a_total_that_is_not_whole_batches_is_said_once_and_trained_to_the_next_batch(local_ray, tmp_path, capsys):
+    """100 env steps with a train batch of 256: one line at the start says the run trains 256, and the progress
+    line counts toward 256 (100.0% at the end, not 256.0%)."""
+    cfg = config_from_dict({"training": {"total_env_steps": 100, "eval_episodes": 0}})
+    trainer = Trainer(cfg, tmp_path / "run", quiet=False)
+    try:
+        summary = trainer.train()
+    finally:
+        trainer.close()
+    assert summary["env_steps"] == 256
+    err = capsys.readouterr().err
+    said = (
+        "rlfabric: training.total_env_steps = 100 is not a whole number of train batches (ppo.train_batch_size = "
+        "256): the run trains 256 env steps (1 batch)"
+    )
+    assert err.count(said) == 1, err
+    assert "env steps        256 (100.0%)" in err
+    whole = Trainer(config_from_dict({"training": {"total_env_steps": 512}}), tmp_path / "other", quiet=True)
+    assert whole._steps_to_train() == 512  # whole batches: nothing to say
+
+
 def test_resume_continues_at_the_same_step_and_statistics(local_ray, tmp_path):
     """A run interrupted from the CLI resumes from its checkpoint with the same env step and normalizer stats."""
     run_dir = tmp_path / "run"
