@@ -210,6 +210,7 @@ class EpisodeRollouts:
                 for task, (text, components, error) in list(zip(tasks, outcomes, strict=True))[: request.keep_samples]
             ]
         if request.prompt_set == "eval":
+            # always: an env gives 'correct' on the episodes it counts right only, so its absence is a wrong answer
             meta["correct_sum"] = float(sum(c.get("correct", 0.0) for _, c, error in outcomes if error is None))
             meta["reward_sum"] = float(scalar[last_row_of_each_episode(trajectories.episode_id)].sum())
             return meta, None

@@ -342,7 +342,9 @@ class LLMRolloutCore(EpisodeRollouts):
                 for i, (row, text, r) in enumerate(list(zip(rows, texts, results, strict=True))[: request.keep_samples])
             ]
         if request.prompt_set == "eval":  # an evaluation reports sums over its samples; nobody trains on them
-            meta["correct_sum"] = float(sum(r.components.get("correct", 0.0) for r in results if r.error is None))
+            scored = [r.components for r in results if r.error is None]
+            if any("correct" in c for c in scored):  # absent: no reward gives one, accuracy is n/a
+                meta["correct_sum"] = float(sum(c.get("correct", 0.0) for c in scored))
             meta["reward_sum"] = float(scalar.sum())
             return meta, None
         return meta, trajectories

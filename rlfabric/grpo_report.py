@@ -76,9 +76,9 @@ NO_ACCURACY_NOTE = (
 
 
 def gives_accuracy(meta: Mapping[str, Any]) -> bool:
-    """Whether an evaluation's rewards gave a ``correct`` component, the one accuracy is the mean of."""
-    means = meta.get("component_means")
-    return means is None or "correct" in means  # None: metadata that does not say (counted as 0 when absent)
+    """Whether an evaluation's rewards (or its env) gave a ``correct`` component, the one accuracy is the mean of:
+    the rollout reports ``correct_sum`` only then."""
+    return "correct_sum" in meta
 
 
 def eval_row(meta: Mapping[str, Any], label: str) -> dict[str, Any]:
@@ -91,7 +91,7 @@ def eval_row(meta: Mapping[str, Any], label: str) -> dict[str, Any]:
     return {
         "phase": "eval",
         "label": label,
-        "eval_accuracy": meta.get("correct_sum", 0.0) / scored if scored > 0 and gives_accuracy(meta) else None,
+        "eval_accuracy": meta["correct_sum"] / scored if scored > 0 and gives_accuracy(meta) else None,
         "eval_reward_mean": meta["reward_sum"] / scored if scored > 0 else None,
         "eval_failed": failed,
         "eval_samples": n,

@@ -57,9 +57,11 @@ def test_an_eval_row_is_accuracy_and_reward_over_the_scored_samples_with_the_uns
 
 
 def test_without_a_correct_component_held_out_accuracy_is_n_a_not_zero():
-    meta = {"samples": 8, "failed": 0, "correct_sum": 0.0, "reward_sum": 4.0, "component_means": {"score": 0.5}}
+    # the rollout reports correct_sum only when some scored sample has a 'correct' component
+    meta = {"samples": 8, "failed": 0, "reward_sum": 4.0, "component_means": {"score": 0.5}}
     row = eval_row(meta, "initial")
     assert row["eval_accuracy"] is None and row["eval_reward_mean"] == 0.5
+    assert eval_row({**meta, "correct_sum": 0.0}, "initial")["eval_accuracy"] == 0.0  # all wrong: 0, not n/a
     assert progress_line({**row, "step": 0, "time_s": 1.0}) == "eval before training | held-out accuracy n/a |      1s"
     step = step_row(
         [{**rollout(4, [0.5], correct=0.0, length=2.0), "component_means": {"score": 0.5}}],
