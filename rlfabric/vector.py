@@ -145,10 +145,8 @@ class EnvVector:
         bad = np.argwhere(~np.isfinite(values)) if not math.isfinite(np.dot(flat, flat)) else ()
         if len(bad):  # (not when the sum of squares only overflowed)
             k, i = int(bad[0][0]), int(bad[0][1])
-            ended = list(out.final_obs)
-            step = out.episode_lengths[ended.index(i)] if i in ended else int(self.lengths[i])
             name = f"reward component {self.components[k]!r}"
-            raise self._non_finite(name, values[k, i], i, f"at step {step} of an episode")
+            raise self._non_finite(name, values[k, i], i, f"at step {self._step_of(out, i)} of an episode")
         self.component_sums += values.T
         for i in out.final_obs:
             out.episode_components.append(self.component_sums[i].copy())
@@ -157,15 +155,19 @@ class EnvVector:
     def _check_finite(self, out: VectorStep) -> None:
         """Raise the error for the first env whose reward or next observation in ``out`` is not finite (the rare
         path: the step of its episode is found again here)."""
-        ended = list(out.final_obs)  # envs whose episode ended this step, in the order of episode_lengths
         for i in range(len(self.envs)):
-            step = out.episode_lengths[ended.index(i)] if i in ended else int(self.lengths[i])
+            step = self._step_of(out, i)
             at_step = f"at step {step} of an episode"
             if not np.isfinite(out.rewards[i]):
                 raise self._non_finite("reward", out.rewards[i], i, at_step)
             if not np.isfinite(out.obs[i]).all():
-                where = f"at reset (after an episode of {step} steps)" if i in ended else at_step
+                where = f"at reset (after an episode of {step} steps)" if i in out.final_obs else at_step
                 raise self._non_finite("observation", out.obs[i], i, where)
+
+    def _step_of(self, out: VectorStep, i: int) -> int:
+        """The step of its episode env ``i`` took in ``out`` (an episode that ended there: its length)."""
+        ended = list(out.final_obs)  # in the order of episode_lengths
+        return out.episode_lengths[ended.index(i)] if i in ended else int(self.lengths[i])
 
     def _non_finite(self, what: str, value: object, i: int, where: str) -> NonFiniteEnvOutput:
         """One line: the env, the field (``what``), its bad value, the step (``where``) and the env copy."""
