@@ -32,6 +32,7 @@ from rlfabric.driver import latest_checkpoint
 from rlfabric.game_driver import frozen_weights
 from rlfabric.policies.neural import NeuralNetPolicy
 from rlfabric.run.log import CONFIG_FILE
+from rlfabric.vector import to_env_actions
 
 EVAL_DIR = "eval"  # RUN/eval/<checkpoint name>.json: one report per checkpoint evaluated
 
@@ -64,13 +65,10 @@ class CheckpointPolicy:
 
 
 def env_action(space: gym.Space, action: Any) -> Any:
-    """The policy's action as the runners send it to an env of ``space``: clipped into a Box, shifted by a
-    Discrete's ``start``."""
-    if isinstance(space, gym.spaces.Box):
-        return np.clip(action, space.low, space.high)
-    if isinstance(space, gym.spaces.Discrete):
-        return int(action) + int(space.start)
-    return action
+    """The policy's action as the runners send it to an env of ``space`` (``rlfabric.vector.to_env_actions``:
+    clipped into a Box, shifted by a Discrete's ``start``); a discrete one as an int."""
+    mapped = to_env_actions(space, action)
+    return int(mapped) if isinstance(space, gym.spaces.Discrete) else mapped
 
 
 def checkpoint_file(run_dir: str | Path | None, checkpoint: str | Path | None) -> Path:

@@ -28,6 +28,16 @@ class NonFiniteEnvOutput(ValueError):
     """An env returned a NaN or infinite observation, reward or reward component."""
 
 
+def to_env_actions(space: gym.Space, actions: np.ndarray) -> np.ndarray:
+    """The policy's actions (0..n-1 for a discrete space, unbounded Gaussian samples for a Box) as an env of
+    ``space`` takes them: clipped into a Box's bounds, shifted by a Discrete's ``start``."""
+    if isinstance(space, gym.spaces.Box):
+        return np.clip(actions, space.low, space.high)
+    if isinstance(space, gym.spaces.Discrete) and space.start:
+        return actions + int(space.start)
+    return actions
+
+
 @dataclass
 class VectorStep:
     obs: np.ndarray  # [N, D] observations to act on next (reset ones where an episode ended)
@@ -52,12 +62,7 @@ class EnvVector:
         self.envs = list(envs)
         self.name = name
         self.components = tuple(components)
-        space = self.envs[0].action_space
-        # The policy's actions are 0..n-1 (discrete) or unbounded (Gaussian); map them onto the env's space.
-        self.clip_actions = isinstance(space, gym.spaces.Box)
-        if self.clip_actions:
-            self.low, self.high = space.low, space.high
-        self.action_offset = int(space.start) if isinstance(space, gym.spaces.Discrete) else 0
+        self.action_space = self.envs[0].action_space
         self.returns = np.zeros(len(self.envs))
         self.lengths = np.zeros(len(self.envs), dtype=np.int64)
         self.component_sums = np.zeros((len(self.envs), len(self.components)))
@@ -83,10 +88,7 @@ class EnvVector:
         return obs
 
     def step(self, actions: np.ndarray) -> VectorStep:
-        if self.clip_actions:
-            actions = np.clip(actions, self.low, self.high)
-        elif self.action_offset:
-            actions = actions + self.action_offset
+        actions = to_env_actions(self.action_space, actions)
         n = len(self.envs)
         obs = np.empty((n, self.obs_size), dtype=np.float32)
         rewards = np.empty(n, dtype=np.float32)
