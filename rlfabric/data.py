@@ -131,14 +131,15 @@ def load_heldout(
         file_rows = load_prompts(spec, prompt_key=prompt_key, field=field, fields=fields)
         own_file = bool(fields.heldout) and field == fields.heldout
         in_train, repeats = _dropped_rows(file_rows, seen, prompt_key)
-        if own_file and note is not None and (in_train or repeats):
-            note(f"{field} = {spec!r}: {_dropped_text(len(file_rows), in_train, repeats, fields)}")
+        dropped = _dropped_text(len(file_rows), in_train, repeats, fields) if own_file and in_train + repeats else ""
+        if dropped and note is not None:
+            note(f"{field} = {spec!r}: {dropped}")
         rows = _new_rows(file_rows, seen, prompt_key, num_rows)
         if num_rows is not None and len(rows) < num_rows:
             kind = "task is not a training task" if fields.tasks else "prompt is not a training prompt"
             fixes = _fewer_heldout_fixes(len(rows), count_field, fields, len(train_rows), own_file)
-            if own_file and (in_train or repeats):
-                fixes[-1] += f" ({_dropped_text(len(file_rows), in_train, repeats, fields)})"
+            if dropped:
+                fixes[-1] += f" ({dropped})"
             raise ConfigError(
                 f"{field} = {spec!r}: has {_rows(len(rows))} whose {kind}, "
                 f"fewer than the {num_rows} asked for ({count_field}): {', '.join(fixes[:-1])}"
