@@ -65,6 +65,12 @@ from rlfabric.run.log import RunLog
 from rlfabric.run.paths import local_path
 from rlfabric.run.progress import tensorboard_view
 
+# What a model folder without tokenizer files is told (``{probably}``: how sure the error can be that this is why).
+NO_TOKENIZER_FILES = (
+    f"the folder has no tokenizer files ({', '.join(TOKENIZER_FILES[:3])}, ...):{{probably}} save the model's "
+    "tokenizer there (tokenizer.save_pretrained(folder))"
+)
+
 
 def prompt_text(prompt: str | list[dict[str, Any]]) -> str:
     """The user's text of a prompt, checked for characters the tokenizer cannot spell: a string, or the contents of
@@ -95,10 +101,7 @@ def encode_prompts(
     if not prompt_text(rows[empty][d.prompt_key]).strip():
         raise ConfigError(f"{source}: {row_name} {empty}'s prompt is empty: fill it in or drop the row")
     if lacks_tokenizer_files(model_dir):
-        why = (
-            f"the folder has no tokenizer files ({', '.join(TOKENIZER_FILES[:3])}, ...): the tokenizer is probably "
-            "missing from it; save the model's tokenizer there (tokenizer.save_pretrained(folder))"
-        )
+        why = NO_TOKENIZER_FILES.format(probably=" the tokenizer is probably missing from it;")
     else:
         why = "its tokenizer turns the text into nothing: is it the model's own tokenizer?"
     raise ConfigError(
@@ -132,10 +135,7 @@ def check_chat_template(
         why = f"the prompts of {source} are chat messages ({row}'s {d.prompt_key!r} is a list), shown through one"
         instead = "give string prompts"
     if lacks_tokenizer_files(model_dir):
-        fix = (
-            f"the folder has no tokenizer files ({', '.join(TOKENIZER_FILES[:3])}, ...): save the model's tokenizer "
-            "there (tokenizer.save_pretrained(folder))"
-        )
+        fix = NO_TOKENIZER_FILES.format(probably="")
     else:
         fix = (
             "use a model whose tokenizer has one (an instruct or chat model), add one to the tokenizer "
