@@ -41,7 +41,7 @@ def test_pack_layout_by_hand():
     # Rows 0 and 2 share prompt [5, 6]; row 1 has its own. Padded: prompts left-padded to 2, responses to 2.
     prompts, responses = [[5, 6], [9], [5, 6]], [[7], [10, 11], [8, 4]]
     ids, attention, prompt_len, _ = _padded(prompts, responses)
-    pack = pack_shared_prefix(ids.numpy(), attention.numpy(), prompt_len)
+    pack = pack_shared_prefix(ids.numpy(), attention.numpy(), prompt_len, feed_last=True)
     # One packed row: block [5, 6 | 7 | 8, 4], then block [9 | 10, 11]; positions restart at each prompt.
     np.testing.assert_array_equal(pack.input_ids, [[5, 6, 7, 8, 4, 9, 10, 11]])
     np.testing.assert_array_equal(pack.position_ids, [[0, 1, 2, 2, 3, 0, 1, 2]])
@@ -54,12 +54,28 @@ def test_pack_layout_by_hand():
     np.testing.assert_array_equal(pack.source, [1, 1, 3, 5, 6])
 
 
+def test_logprob_layout_leaves_each_responses_last_token_out():
+    # For logprobs a response's last token is only predicted: the input is [5, 6 | - | 8] then [9 | 10], and the
+    # same five tokens are predicted, each from the position before it (row 0's only token from the prompt's last).
+    prompts, responses = [[5, 6], [9], [5, 6]], [[7], [10, 11], [8, 4]]
+    ids, attention, prompt_len, _ = _padded(prompts, responses)
+    pack = pack_shared_prefix(ids.numpy(), attention.numpy(), prompt_len, feed_last=False)
+    np.testing.assert_array_equal(pack.input_ids, [[5, 6, 8, 9, 10]])
+    np.testing.assert_array_equal(pack.position_ids, [[0, 1, 2, 0, 1]])
+    np.testing.assert_array_equal(pack.segment_ids, [[0, 0, 2, 3, 4]])
+    np.testing.assert_array_equal(pack.prefix_ids, [[0, 0, 0, 3, 3]])
+    np.testing.assert_array_equal(pack.row, [0, 2, 2, 1, 1])
+    np.testing.assert_array_equal(pack.column, [0, 0, 1, 0, 1])
+    np.testing.assert_array_equal(pack.target, [7, 8, 4, 10, 11])
+    np.testing.assert_array_equal(pack.source, [1, 1, 2, 3, 4])
+
+
 def test_max_tokens_bounds_blocks_and_rows():
     # A block may not pass 6 tokens: the third response starts another block behind the same prompt; and a row
     # may not either, so that block starts the second row, padded at its end.
     prompts, responses = [[5, 6]] * 3, [[7, 7], [8, 8], [9, 9]]
     ids, attention, prompt_len, _ = _padded(prompts, responses)
-    pack = pack_shared_prefix(ids.numpy(), attention.numpy(), prompt_len, max_tokens=6)
+    pack = pack_shared_prefix(ids.numpy(), attention.numpy(), prompt_len, max_tokens=6, feed_last=True)
     np.testing.assert_array_equal(pack.input_ids, [[5, 6, 7, 7, 8, 8], [5, 6, 9, 9, 0, 0]])
     np.testing.assert_array_equal(pack.segment_ids, [[0, 0, 1, 1, 2, 2], [0, 0, 1, 1, -1, -1]])
 
@@ -102,9 +118,9 @@ def test_logprobs_entropy_and_gradients_equal_the_padded_layout(model_dir, atten
 def test_packing_runs_each_prompt_once(model_dir):
     prompts, responses = _groups(groups=3, per_group=4)
     ids, attention, prompt_len, _ = _padded(prompts, responses)
-    pack = pack_shared_prefix(ids.numpy(), attention.numpy(), prompt_len)
+    pack = pack_shared_prefix(ids.numpy(), attention.numpy(), prompt_len, feed_last=False)
     distinct_prompt_tokens = sum(len(p) for p in prompts[::4])
-    real_tokens = distinct_prompt_tokens + sum(len(r) for r in responses)
+    real_tokens = distinct_prompt_tokens + sum(len(r) - 1 for r in responses)  # the last ones are targets only
     assert pack.input_ids.shape == (1, real_tokens)  # every block in one row, no padding
     assert int((pack.segment_ids >= 0).sum()) == real_tokens
 
@@ -126,7 +142,7 @@ def test_auto_packs_short_responses_and_keeps_long_equal_ones_padded(model_dir):
         responses = [rng.integers(3, 60, response_length).tolist() for _ in prompts]
         ids, attention, prompt_len, _ = _padded(prompts, responses)
         layout = packed_layout(model, ids.numpy(), attention.numpy(), prompt_len, "auto")
-        if packs:  # 4 blocks of 6 + 8 x 2 = 22 tokens, two to a row: 2 rows of 44
-            assert layout is not None and layout.input_ids.shape == (2, 44)
-        else:  # 6 + 40 + 40 passes 64 tokens: one response per block and row, no cheaper than padded rows
+        if packs:  # 4 blocks of 6 + 8 x 1 = 14 tokens (a response's last token is not fed): one row of 56
+            assert layout is not None and layout.input_ids.shape == (1, 56)
+        else:  # 6 + 39 + 39 passes 64 tokens: one response per block and row, no cheaper than padded rows
             assert layout is None

@@ -15,6 +15,11 @@ token then gets exactly the hidden state, and so the logprob and the gradient, i
 model runs over each prompt once and over no padding between responses. The LM head runs on the positions that
 predict a response token and nowhere else.
 
+For logprobs a response's last token is a target only: no token of the pack attends to it and its hidden state
+predicts nothing, so ``feed_last=False`` leaves it out of the input (exact; with 3-4-token responses that is a
+quarter of the positions). Scorers that read a hidden state at the last token (a reward model's score head) pack
+with ``feed_last=True``.
+
 ``response_logprobs_shared_prefix`` has the contract of ``rlfabric.models.sequences.response_logprobs``: it takes
 the padded batch and returns [N, R] in its row order, so losses, masks and metrics do not change.
 """
@@ -41,7 +46,8 @@ class SharedPrefixPack:
     input_ids, position_ids: [G, L]; segment_ids [G, L]: one id per prompt and per response within a packed row,
     -1 for padding; prefix_ids [G, L]: the segment id of the prompt each token follows (a prompt token's own);
     source: [T] flat index (into G * L) of the position whose hidden state predicts each response token;
-    row, column: [T] where that token sits in the padded batch's [N, R] response columns; target: [T] the token.
+    row, column: [T] where that token sits in the padded batch's [N, R] response columns; target: [T] the token;
+    feeds_last: whether each response's last token is in the input (see the module docstring).
     """
 
     input_ids: np.ndarray
@@ -54,6 +60,7 @@ class SharedPrefixPack:
     target: np.ndarray
     num_rows: int
     response_width: int
+    feeds_last: bool
 
 
 def split_padded_row(input_ids: np.ndarray, attention_mask: np.ndarray, prompt_len: int) -> tuple[tuple, list]:
@@ -98,18 +105,20 @@ def balanced_rows(sizes: list[int], max_tokens: int) -> list[list[int]]:
 
 
 def pack_shared_prefix(
-    input_ids: np.ndarray, attention_mask: np.ndarray, prompt_len: int, max_tokens: int = 4096
+    input_ids: np.ndarray, attention_mask: np.ndarray, prompt_len: int, max_tokens: int = 4096, *, feed_last: bool
 ) -> SharedPrefixPack:
     """Pack the rows of a padded batch (see ``rlfabric.models.packed_batch.pack_sequences``) by shared prompt.
 
     Each block (``prefix_blocks``: a prompt and the responses that follow it) is laid out whole; the blocks are
     spread over as few rows as ``max_tokens`` allows (``balanced_rows``), which bounds the [L, L] attention per
     row, with lengths as even as possible, so padding is only what the rows' lengths leave at their ends.
+    ``feed_last``: lay out each response's last token too (False for logprobs, see the module docstring).
     """
     num_rows, width = input_ids.shape
     rows = [split_padded_row(input_ids[i], attention_mask[i], prompt_len) for i in range(num_rows)]
-    blocks = prefix_blocks(rows, max_tokens)
-    sizes = [len(prompt) + sum(len(rows[i][1]) for i in members) for prompt, members in blocks]
+    laid = rows if feed_last else [(prompt, response[:-1]) for prompt, response in rows]  # the input per row
+    blocks = prefix_blocks(laid, max_tokens)
+    sizes = [len(prompt) + sum(len(laid[i][1]) for i in members) for prompt, members in blocks]
     placed = balanced_rows(sizes, max_tokens)
     filled = [sum(sizes[b] for b in row) for row in placed]
     length = max(filled, default=0)
@@ -132,18 +141,18 @@ def pack_shared_prefix(
             last_prompt_position = g * length + offset + p - 1
             offset += p
             for i in members:
-                response = rows[i][1]
+                response, fed = rows[i][1], laid[i][1]
                 n = len(response)
                 segment += 1
-                span = slice(offset, offset + n)
-                ids[g, span], positions[g, span] = response, p + np.arange(n)
+                span = slice(offset, offset + len(fed))
+                ids[g, span], positions[g, span] = fed, p + np.arange(len(fed))
                 segments[g, span], prefixes[g, span] = segment, prefix
                 # Token j of the response is predicted by the position before it: the prompt's last for j = 0.
-                source += [last_prompt_position] + [g * length + offset + j for j in range(n - 1)]
+                source += [last_prompt_position, *(g * length + offset + j for j in range(n - 1))][:n]
                 row_of += [i] * n
                 column_of += range(n)
                 target += response
-                offset += n
+                offset += len(fed)
             segment += 1
     as_index = lambda values: np.asarray(values, np.int64)  # noqa: E731
     return SharedPrefixPack(
@@ -157,13 +166,17 @@ def pack_shared_prefix(
         as_index(target),
         num_rows,
         width - prompt_len,
+        feed_last,
     )
 
 
 def response_ends(pack: SharedPrefixPack) -> np.ndarray:
     """[N] flat index (into G * L) of each row's last response token, -1 where the response is empty. The
     response tokens sit in the packed rows in the order of ``pack.row`` (row-major: the k-th position whose segment
-    is not its prefix's holds token k), so a row's last token is the largest position among its tokens."""
+    is not its prefix's holds token k), so a row's last token is the largest position among its tokens. Needs a
+    pack made with ``feed_last=True``."""
+    if not pack.feeds_last:
+        raise ValueError("response_ends: the pack leaves the responses' last tokens out (pack with feed_last=True)")
     positions = np.flatnonzero((pack.segment_ids != pack.prefix_ids).ravel())
     ends = np.full(pack.num_rows, -1, np.int64)
     np.maximum.at(ends, pack.row, positions)
@@ -196,7 +209,7 @@ def cheaper_shared_prefix(
     """The shared-prefix pack of the batch when it costs the model fewer FLOPs (``layer_flops``) than the
     padded rows, else None. Short responses behind a shared prompt pack well; long ones of equal length gain
     little on the projections and pay for the longer rows' attention."""
-    pack = pack_shared_prefix(input_ids, attention_mask, prompt_len, row_budget(model))
+    pack = pack_shared_prefix(input_ids, attention_mask, prompt_len, row_budget(model), feed_last=False)
     hidden, parameters = int(model.config.hidden_size), projection_parameters_per_layer(model)
     rows, width = input_ids.shape
     packed = layer_flops([pack.input_ids.shape[1]] * pack.input_ids.shape[0], hidden, parameters)
@@ -257,7 +270,9 @@ def response_logprobs_shared_prefix(
     packed here with ``max_tokens``, default ``row_budget``). Columns past a row's response are 0."""
     if pack is None:
         budget = max_tokens or row_budget(model)
-        pack = pack_shared_prefix(input_ids.cpu().numpy(), attention_mask.cpu().numpy(), prompt_len, budget)
+        pack = pack_shared_prefix(
+            input_ids.cpu().numpy(), attention_mask.cpu().numpy(), prompt_len, budget, feed_last=False
+        )
     device = input_ids.device
     as_tensor = lambda values: torch.from_numpy(values).to(device)  # noqa: E731
     allowed = shared_prefix_attention(as_tensor(pack.segment_ids), as_tensor(pack.prefix_ids))

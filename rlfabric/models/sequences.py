@@ -37,7 +37,7 @@ def packed_layout(
     if packing == "padded":
         return None
     if packing == "shared_prefix":
-        return pack_shared_prefix(input_ids, attention_mask, prompt_len, row_budget(model))
+        return pack_shared_prefix(input_ids, attention_mask, prompt_len, row_budget(model), feed_last=False)
     if packing == "auto":
         return cheaper_shared_prefix(model, input_ids, attention_mask, prompt_len)
     raise ValueError(f"packing = {packing!r}: expected one of {SEQUENCE_PACKINGS}")

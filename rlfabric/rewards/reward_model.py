@@ -201,7 +201,9 @@ def cheapest_shared_pack(
     if best is None:
         return None
     batch = pack_sequences(prompts, completions, int(model.config.pad_token_id or 0))
-    return pack_shared_prefix(batch["input_ids"], batch["attention_mask"], int(batch["prompt_len"]), best)
+    return pack_shared_prefix(
+        batch["input_ids"], batch["attention_mask"], int(batch["prompt_len"]), best, feed_last=True
+    )
 
 
 def score_shared_pack(model: Any, pack: SharedPrefixPack) -> np.ndarray:
