@@ -149,7 +149,7 @@ class GameRunnerCore:
             if i == 0 or centralized:
                 env.reset(seed=env_seed)  # the critic input's size needs a reset env
             critic = CriticInput(env, self.spaces) if centralized else None
-            self.copies.append(GameCopy(i, env, self.spaces, critic, self._assign, self._records))
+            self.copies.append(GameCopy(i, env, self.spaces, critic, self._assign, self._records, env_id))
         self.critic_dim = self.copies[0].critic_input.dim if centralized else None
         for i, copy in enumerate(self.copies):
             copy.reset(seed * 1000 + i)
@@ -457,7 +457,7 @@ class GameRunnerCore:
         ``assign``, trainable policies greedy."""
         env = registry.make_multi_agent_env(self.env_id, self.env_kwargs)
         try:
-            copy = GameCopy(0, env, self.spaces, None, assign, lambda _: False)
+            copy = GameCopy(0, env, self.spaces, None, assign, lambda _: False, self.env_id)
             ends = copy.reset(seed)
             while len(ends) < episodes:
                 ends += self._tick([copy], greedy=True)

@@ -28,6 +28,18 @@ class NonFiniteEnvOutput(ValueError):
     """An env returned a NaN or infinite observation, reward or reward component."""
 
 
+def non_finite_error(env: str, what: str, value: object, where: str) -> NonFiniteEnvOutput:
+    """One line: the env, the field (``what``: an observation, a reward, an agent's reward), its first bad value
+    and where in the episode (``where``)."""
+    arr = np.atleast_1d(np.asarray(value, np.float64))
+    bad = int(np.flatnonzero(~np.isfinite(arr))[0])
+    shown = f"{arr[bad]} at index {bad}" if arr.size > 1 else f"{arr[bad]}"
+    return NonFiniteEnvOutput(
+        f"env {env!r} returned a non-finite {what} ({shown}) {where}; an env must return finite observations and "
+        "rewards"
+    )
+
+
 def to_env_actions(space: gym.Space, actions: np.ndarray) -> np.ndarray:
     """The policy's actions (0..n-1 for a discrete space, unbounded Gaussian samples for a Box) as an env of
     ``space`` takes them: clipped into a Box's bounds, shifted by a Discrete's ``start``."""
@@ -172,14 +184,7 @@ class EnvVector:
         return out.episode_lengths[ended.index(i)] if i in ended else int(self.lengths[i])
 
     def _non_finite(self, what: str, value: object, i: int, where: str) -> NonFiniteEnvOutput:
-        """One line: the env, the field (``what``), its bad value, the step (``where``) and the env copy."""
-        arr = np.atleast_1d(np.asarray(value, np.float64))
-        bad = int(np.flatnonzero(~np.isfinite(arr))[0])
-        shown = f"{arr[bad]} at index {bad}" if arr.size > 1 else f"{arr[bad]}"
-        return NonFiniteEnvOutput(
-            f"env {self.name!r} returned a non-finite {what} ({shown}) {where} (env copy {i}); an env must return "
-            "finite observations and rewards"
-        )
+        return non_finite_error(self.name, what, value, f"{where} (env copy {i})")
 
     def close(self) -> None:
         for env in self.envs:

@@ -64,6 +64,30 @@ def relay():
     return Relay()
 
 
+class BrokenRelay(Relay):
+    """``Relay`` with one bad value: ``field`` "reward" (agent ``stay`` gets NaN at step 3) or "obs" (every
+    agent's first observation is infinite)."""
+
+    def __init__(self, field: str = "reward") -> None:
+        self.field = field
+
+    def reset(self, seed=None, options=None):
+        obs, infos = super().reset(seed, options)
+        if self.field == "obs":
+            obs = {a: np.full(1, np.inf, np.float32) for a in obs}
+        return obs, infos
+
+    def step(self, actions):
+        obs, rewards, done, truncated, infos = super().step(actions)
+        if self.field == "reward" and self.t == 3:
+            rewards["stay"] = float("nan")
+        return obs, rewards, done, truncated, infos
+
+
+def broken_relay(field: str = "reward"):
+    return BrokenRelay(field)
+
+
 def by_seat(agent: str) -> str:
     """A policy mapping function: player_1 -> first, every other agent -> second."""
     return "first" if agent == "player_1" else "second"

@@ -12,13 +12,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from game_envs import guarded_tictactoe
+from game_envs import broken_relay, guarded_tictactoe
 from runner_faults import kill_runner_after
 
 import rlfabric
 from rlfabric.config import load_config
 from rlfabric.game_driver import GameTrainer, ppo_trainer_from_run_dir, train
 from rlfabric.multiagent.baselines import random_policy_return
+from rlfabric.runner_pool import MAX_CONSECUTIVE_FAILURES, RunAbortedError
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -219,3 +220,23 @@ def test_a_scripted_rule_from_a_module_runners_cannot_import_reaches_them(local_
     ]
     summary = train(load_config(None, overrides), tmp_path / "run", quiet=True)  # tests/ is not on the workers' path
     assert summary["runner_restarts"] == 0 and "opp" in summary["return_mean_by_policy"]
+
+
+def test_a_game_whose_reward_turns_nan_stops_the_run_naming_the_agent(local_ray, tmp_path):
+    rlfabric.register_env("broken-relay", broken_relay)  # agent 'stay' gets a NaN reward at step 3
+    overrides = [
+        "algo=ppo",
+        "env.id=broken-relay",
+        "runners.num_runners=1",
+        "runners.envs_per_runner=2",
+        "ppo.train_batch_size=64",
+        "ppo.minibatch_size=32",
+        "training.eval_episodes=0",
+        "training.total_env_steps=100000",
+        "multi_agent.policies={main: {}}",
+    ]
+    with pytest.raises(RunAbortedError) as info:
+        train(load_config(None, overrides), tmp_path / "run", quiet=True)
+    message = str(info.value)
+    assert f"failed {MAX_CONSECUTIVE_FAILURES + 1} times in a row" in message
+    assert "env 'broken-relay' returned a non-finite reward for agent 'stay' (nan) at step 3" in message

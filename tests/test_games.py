@@ -9,6 +9,7 @@ import numpy as np
 import pettingzoo
 import pytest
 import torch
+from game_envs import broken_relay
 
 from rlfabric.actors.game_runner import GameRunnerCore
 from rlfabric.algorithms import ppo
@@ -17,6 +18,7 @@ from rlfabric.models import ActorCritic, NumpyPolicy
 from rlfabric.multiagent.games import GameCopy
 from rlfabric.multiagent.mapping import map_agents
 from rlfabric.multiagent.spaces import agent_spaces
+from rlfabric.vector import NonFiniteEnvOutput
 
 warnings.filterwarnings("ignore", category=DeprecationWarning)
 
@@ -278,6 +280,30 @@ def test_tictactoe_as_text_shows_the_board_from_the_movers_side():
     obs = env.observe("player_1")
     text = tictactoe_text(obs["observation"], obs["action_mask"])
     assert text == "o..\n.x.\n...\nlegal: 1 2 3 5 6 7 8\nmove:"
+
+
+@pytest.mark.parametrize(
+    "field, said",
+    [
+        (
+            "reward",
+            "env 'relay' returned a non-finite reward for agent 'stay' (nan) at step 3 of an episode (env copy 0)",
+        ),
+        (
+            "obs",
+            "env 'relay' returned a non-finite observation for agent 'early' (inf) at reset (env copy 0)",
+        ),
+    ],
+)
+def test_a_nan_or_infinity_from_a_game_is_the_envs_error_naming_the_agent_and_step(field, said):
+    env = broken_relay(field)
+    spaces = {a: agent_spaces(env.observation_space(a), env.action_space(a), a) for a in env.possible_agents}
+    copy = GameCopy(0, env, spaces, None, lambda _: dict.fromkeys(env.possible_agents, "main"), lambda _: True, "relay")
+    with pytest.raises(NonFiniteEnvOutput) as raised:
+        copy.reset(0)
+        for _ in range(6):
+            copy.apply([(r, 0, -0.7, 0) for r in copy.requests()])
+    assert str(raised.value).startswith(said)
 
 
 def test_agents_that_finish_early_or_join_late_have_only_their_own_steps():

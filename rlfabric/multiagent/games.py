@@ -10,10 +10,15 @@ the end of a fragment; a step still open carries over into the next fragment.
 
 Agents that finish early simply stop being asked; agents that join late start a stream when first asked. A game
 whose agents are all done is reset with the next seed.
+
+Every observation and reward an agent gets is checked to be finite: a NaN or an infinity is the env's error
+(``rlfabric.vector.NonFiniteEnvOutput``, naming the game, the agent and the step), as in single-agent envs, since
+one poisons its policy's normalizer statistics, advantages and weights.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -22,6 +27,7 @@ import numpy as np
 from pettingzoo.utils.env import ParallelEnv
 
 from rlfabric.multiagent.spaces import AgentSpaces
+from rlfabric.vector import non_finite_error
 
 
 def is_parallel(env: Any) -> bool:
@@ -188,8 +194,11 @@ class GameCopy:
         critic: CriticInput | None,
         assign: Callable[[int], dict[str, str]],
         records: Callable[[str], bool],
+        name: str = "game",
     ) -> None:
+        """``name``: what errors call the env (its ``env.id``)."""
         self.index, self.env, self.spaces, self.critic_input = index, env, spaces, critic
+        self.name = name
         self.assign, self.records = assign, records
         self.parallel = is_parallel(env)
         self.streams: dict[tuple[str, str], AgentStream] = {}
@@ -214,7 +223,7 @@ class GameCopy:
             self.parallel_obs, _ = self.env.reset(seed=seed)
             self._stepped()
             for agent, raw in self.parallel_obs.items():
-                self.latest[agent] = self.spaces[agent].encode(raw)[0]
+                self.latest[agent] = self._finite_obs(agent, self.spaces[agent].encode(raw)[0])
             return []
         self.env.reset(seed=seed)
         self._stepped()
@@ -241,8 +250,19 @@ class GameCopy:
         """The env moved (a step or a reset): its state is read again when next needed."""
         self.state_now = None
 
+    def _finite_obs(self, agent: str, flat: np.ndarray) -> np.ndarray:
+        if not np.isfinite(flat).all():
+            raise self._non_finite(f"observation for agent {agent!r}", flat)
+        return flat
+
+    def _non_finite(self, what: str, value: object) -> Exception:
+        where = f"at step {self.length} of an episode" if self.length else "at reset"
+        return non_finite_error(self.name, what, value, f"{where} (env copy {self.index})")
+
     def _close(self, agent: str, raw_obs: Any, reward: float, terminated: bool, truncated: bool) -> None:
-        flat = self.spaces[agent].encode(raw_obs)[0]
+        flat = self._finite_obs(agent, self.spaces[agent].encode(raw_obs)[0])
+        if not math.isfinite(reward):
+            raise self._non_finite(f"reward for agent {agent!r}", reward)
         self.latest[agent] = flat
         self.returns[agent] = self.returns.get(agent, 0.0) + float(reward)
         stream = self._stream(agent)
