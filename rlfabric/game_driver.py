@@ -48,6 +48,7 @@ from rlfabric.multiagent.games import is_parallel
 from rlfabric.multiagent.mapping import plan_game
 from rlfabric.multiagent.selfplay import OpponentPool
 from rlfabric.ray_connect import ensure_ray
+from rlfabric.reward_shaping import components_read
 from rlfabric.run.plots import plot_self_play
 from rlfabric.runner_pool import Completed
 
@@ -525,8 +526,9 @@ def runs_on_local_ray(cfg: Config) -> bool:
 
 def check_env_builds(cfg: Config) -> None:
     """A single-agent env built, reset and stepped once (a sampled action) in the driver when the run is local, so
-    a factory that fails, or a reset or step off the Gymnasium API (``registry.reset_problem``, ``step_problem``),
-    is one line before any actor starts. On a cluster the first runner's failure is that line instead."""
+    a factory that fails, a reset or step off the Gymnasium API (``registry.reset_problem``, ``step_problem``), or
+    a step info without a reward component the run reads, is one line before any actor starts. On a cluster the
+    first runner's failure is that line instead."""
     if not runs_on_local_ray(cfg):
         return
     seed = cfg.training.seed
@@ -535,7 +537,8 @@ def check_env_builds(cfg: Config) -> None:
         problem = _within(cfg, env, "reset()", lambda: registry.reset_problem(env, seed))
     if problem is None:
         with env_build_errors(cfg, "stepping it"):
-            problem = _within(cfg, env, "step()", lambda: registry.step_problem(env, seed))
+            read = components_read(cfg.env.reward_components, cfg.env.reward_weights)
+            problem = _within(cfg, env, "step()", lambda: registry.step_problem(env, seed, read))
     env.close()
     if problem is not None:
         raise ConfigError(f"env.id = {cfg.env.id!r}: {problem}")

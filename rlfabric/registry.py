@@ -30,7 +30,7 @@ import importlib.metadata
 import pkgutil
 import re
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -42,6 +42,7 @@ from gymnasium.envs.registration import EnvSpec, load_env_creator
 
 from rlfabric import shipping
 from rlfabric.config import ConfigError
+from rlfabric.reward_shaping import missing_component_words
 
 if TYPE_CHECKING:
     from pettingzoo import AECEnv, ParallelEnv
@@ -336,10 +337,10 @@ def reset_problem(env: gym.Env, seed: int) -> str | None:
     return None if why is None else f"reset()'s observation {why}"
 
 
-def step_problem(env: gym.Env, seed: int) -> str | None:
+def step_problem(env: gym.Env, seed: int, info_keys: Sequence[str] = ()) -> str | None:
     """One ``env.step`` of an action sampled from its space (seeded with ``seed``), after a reset, against the
-    Gymnasium API: 5 values, obs of the observation space's shape and dtype kind, a finite scalar reward; what is
-    wrong in words, or None."""
+    Gymnasium API: 5 values, obs of the observation space's shape and dtype kind, a finite scalar reward, and in
+    ``info`` each of ``info_keys`` (the reward components a run reads); what is wrong in words, or None."""
     env.action_space.seed(seed)
     step = env.step(env.action_space.sample())
     if not (isinstance(step, tuple) and len(step) == 5):
@@ -354,7 +355,11 @@ def step_problem(env: gym.Env, seed: int) -> str | None:
         finite = np.ndim(reward) == 0 and bool(np.isfinite(float(reward)))
     except (TypeError, ValueError):
         finite = False
-    return None if finite else f"step()'s reward is {reward!r}, not a finite scalar"
+    if not finite:
+        return f"step()'s reward is {reward!r}, not a finite scalar"
+    info = step[4] if isinstance(step[4], dict) else {}
+    missing = next((key for key in info_keys if key not in info), None)
+    return None if missing is None else f"step() {missing_component_words(missing, info)}"
 
 
 def _what(value: Any) -> str:

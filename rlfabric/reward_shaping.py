@@ -8,6 +8,7 @@ Gymnasium's MuJoCo envs (and users' envs) report the terms of their reward in ``
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -57,8 +58,16 @@ class MissingRewardComponent(ValueError):
 
 def missing_component(env_id: str, key: str, info: Mapping[str, Any]) -> MissingRewardComponent:
     """The one line for a step whose ``info`` has no ``key``: the key, and the keys the env gave."""
+    return MissingRewardComponent(f"env {env_id!r} {missing_component_words(key, info)}")
+
+
+def missing_component_words(key: str, info: Mapping[str, Any]) -> str:
+    """'gave no <key> in its step info, ...': which key, a close match among the keys given, and those keys."""
+    keys = sorted((k for k in info if isinstance(k, str)), key=str)
+    close = difflib.get_close_matches(key, keys, n=1, cutoff=0.8)  # a typo, not any key sharing "reward_"
     given = ", ".join(repr(k) for k in sorted(info, key=str)) or "none"
-    return MissingRewardComponent(
-        f"env {env_id!r} gave no {key!r} in its step info, which env.reward_components / env.reward_weights name; "
-        f"the keys it gave: {given}"
+    return (
+        f"gave no {key!r} in its step info, which env.reward_components / env.reward_weights name; "
+        + (f"did you mean {close[0]!r}? " if close else "")
+        + f"the keys it gave: {given}"
     )

@@ -7,11 +7,13 @@ from __future__ import annotations
 import gymnasium as gym
 import numpy as np
 import pytest
+import ray
 from gymnasium import spaces
 
 import rlfabric
 from rlfabric.actors.env_runner import EnvRunnerCore
 from rlfabric.actors.learner import LearnerCore
+from rlfabric.cli import main
 from rlfabric.config import ConfigError
 from rlfabric.config import ppo_config_from_dict as config_from_dict
 from rlfabric.driver import Trainer
@@ -107,6 +109,30 @@ def test_a_key_missing_from_info_is_one_line_naming_it_and_the_keys_the_env_gave
         f"env {ENV!r} gave no 'reward_safety' in its step info, which env.reward_components / env.reward_weights "
         "name; the keys it gave: 'reward_progress', 'x_position'"
     )
+
+
+@pytest.mark.parametrize(
+    "key, says",
+    [
+        (
+            "reward_progres",
+            "gave no 'reward_progres' in its step info, which env.reward_components / "
+            "env.reward_weights name; did you mean 'reward_progress'? the keys it gave: 'reward_progress', "
+            "'reward_safety', 'x_position'",
+        ),
+        (
+            "reward_fly",
+            "gave no 'reward_fly' in its step info, which env.reward_components / env.reward_weights "
+            "name; the keys it gave: 'reward_progress', 'reward_safety', 'x_position'",
+        ),
+    ],
+)
+def test_train_refuses_a_component_the_envs_step_lacks_before_ray(key, says, no_ray, tmp_path, capsys):
+    run = ["train", "algo=ppo", f"env.id={ENV}", f"env.reward_components=[{key}]", "--run-dir", str(tmp_path / "r")]
+    assert main([*run, "--quiet"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == f"rlfabric: config error: env.id = {ENV!r}: step() {says}"
+    assert not ray.is_initialized()
 
 
 def test_a_non_finite_component_is_the_envs_error():
