@@ -46,6 +46,22 @@ def error_summary(exc: BaseException) -> str:
     return f"{line} (at {where})" if where else line
 
 
+_EXCEPTION_NAME = re.compile(r"[A-Z]\w*(Error|Exception|Timeout|Interrupt)")
+_QUOTED_OR_NUMBER = re.compile(r"'[^']*'|\"[^\"]*\"|\d+(\.\d+)?")
+
+
+def error_kind(error: str) -> str:
+    """What one failed sample's error is an instance of: ``function: ExceptionType`` for a function that raised
+    (``"doubled: ValueError: cannot parse 'xy'"``), else the text with its quoted values and numbers blanked
+    (``"judge: no verdict that parses after … tries; it wrote …"``), so errors that differ only in the sample they
+    quote are one kind."""
+    function, _, rest = error.partition(": ")
+    exception = rest.partition(": ")[0]
+    if rest and _EXCEPTION_NAME.fullmatch(exception):
+        return f"{function}: {exception}"
+    return _QUOTED_OR_NUMBER.sub("…", error)
+
+
 _FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\S+)')
 
 

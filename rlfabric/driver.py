@@ -19,7 +19,7 @@ import ray
 import torch
 
 from rlfabric import registry
-from rlfabric.actor_slots import evaluation_failure, lost_object
+from rlfabric.actor_slots import error_kind, evaluation_failure, lost_object
 from rlfabric.actors.env_runner import EnvRunner
 from rlfabric.actors.learner import Learner
 from rlfabric.config import Config, ConfigError
@@ -417,8 +417,9 @@ class Trainer:
             ):
                 buffer[:0] = self._complete_update()  # a batch that lost a fragment is filled up again
             completed, failed = self.pool.collect([r for r in ready if r not in update_refs])
-            for reason in self.pool.failures[len(self.pool.failures) - len(failed) :]:
-                self.log.note(f"{reason}; replaced it and asked again")
+            for k in range(len(self.pool.failures) - len(failed), len(self.pool.failures)):
+                reason, text = self.pool.failures[k], self.pool.failure_texts[k]
+                self.log.failure(error_kind(reason), f"{reason}; replaced it and asked again", text)
             for done in completed:
                 self._accept(done, buffer)
             self._sampled_this_version.difference_update(failed)  # lost work is asked for again

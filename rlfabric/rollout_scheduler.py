@@ -9,7 +9,6 @@ its refill rounds. A record lost with its node before the learners read it is co
 
 from __future__ import annotations
 
-import re
 import time
 from collections import deque
 from collections.abc import Callable
@@ -19,7 +18,7 @@ from typing import Any
 import numpy as np
 import ray
 
-from rlfabric.actor_slots import ActorSlots, error_summary
+from rlfabric.actor_slots import ActorSlots, error_kind, error_summary
 from rlfabric.actors.llm_rollout import RolloutRequest
 from rlfabric.actors.rollout_meta import decode_meta
 from rlfabric.grpo_config import LLMConfig, plays_episodes
@@ -32,22 +31,6 @@ REWARD_GRACE_S = 30.0  # the reward pool's slack per call, for starting a replac
 ROLLOUT_ATTEMPTS = 3
 # Steps in a row whose every trained group had equal rewards before the run says its policy gradient is zero.
 FLAT_STEPS_NOTED = 3
-
-
-_EXCEPTION_NAME = re.compile(r"[A-Z]\w*(Error|Exception|Timeout|Interrupt)")
-_QUOTED_OR_NUMBER = re.compile(r"'[^']*'|\"[^\"]*\"|\d+(\.\d+)?")
-
-
-def error_kind(error: str) -> str:
-    """What one failed sample's error is an instance of: ``function: ExceptionType`` for a function that raised
-    (``"doubled: ValueError: cannot parse 'xy'"``), else the text with its quoted values and numbers blanked
-    (``"judge: no verdict that parses after … tries; it wrote …"``), so errors that differ only in the sample they
-    quote are one kind."""
-    function, _, rest = error.partition(": ")
-    exception = rest.partition(": ")[0]
-    if rest and _EXCEPTION_NAME.fullmatch(exception):
-        return f"{function}: {exception}"
-    return _QUOTED_OR_NUMBER.sub("…", error)
 
 
 @dataclass

@@ -80,7 +80,8 @@ class RunnerPool:
         # gets them all before it samples.
         self.state_calls: dict[str, tuple[Any, ...]] = {}
         self.lost_fragments = 0
-        self.failures: list[str] = []
+        self.failures: list[str] = []  # one line per failed sample, in order
+        self.failure_texts: list[str] = []  # beside each: the error's whole text (a remote traceback), or the line
         # per runner slot, whether each of its last FAILURE_WINDOW samples failed
         self.outcomes = [deque(maxlen=FAILURE_WINDOW) for _ in range(num_runners)]
 
@@ -155,7 +156,8 @@ class RunnerPool:
                     raise RunAbortedError(f"runner {flight.runner}: {cause}") from None
                 if self.on_failure is not None:
                     self.on_failure(exc)
-                self._replace(flight, f"runner {flight.runner} failed: {exc.__class__.__name__}: {error_summary(exc)}")
+                reason = f"runner {flight.runner} failed: {exc.__class__.__name__}: {error_summary(exc)}"
+                self._replace(flight, reason, str(exc))
                 failed.append(flight.runner)
                 continue
             self.slots.succeeded(flight.runner, flight.generation)
@@ -180,10 +182,12 @@ class RunnerPool:
                 except RayError:
                     pass
 
-    def _replace(self, flight: InFlight, reason: str) -> None:
+    def _replace(self, flight: InFlight, reason: str, text: str | None = None) -> None:
         """Replace the runner a failed sample ran on (once per runner) and count its fragment as lost; stop the
-        run (RunAbortedError) when half of the slot's last ``FAILURE_WINDOW`` samples failed."""
+        run (RunAbortedError) when half of the slot's last ``FAILURE_WINDOW`` samples failed. ``reason``: one
+        line; ``text``: the error's whole text (None: the line says it all)."""
         self.failures.append(reason)
+        self.failure_texts.append(text or reason)
         outcomes = self.outcomes[flight.runner]
         outcomes.append(True)
         if len(outcomes) == FAILURE_WINDOW and 2 * sum(outcomes) >= FAILURE_WINDOW:

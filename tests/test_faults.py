@@ -5,6 +5,7 @@ from __future__ import annotations
 import inspect
 import json
 import os
+import re
 import time
 from pathlib import Path
 
@@ -182,3 +183,54 @@ def test_a_long_actor_death_is_said_to_its_last_whole_sentence():
     assert error_summary(RuntimeError("x" * 400)) == "x" * 297 + "..."
     # a sentence that ends early keeps what follows, up to the limit
     assert error_summary(RuntimeError("CUDA out of memory. " + "y" * 400)) == "CUDA out of memory. " + "y" * 277 + "..."
+
+
+class _GlitchesThreeTimes(gym.Wrapper):
+    """CartPole whose step 20 raises the first three times any copy of it gets there (marker files shared across
+    processes), with the step's time in the message, so each failure's text differs."""
+
+    def __init__(self, markers: str) -> None:
+        super().__init__(gym.make("CartPole-v1"))
+        self.markers, self.steps = Path(markers), 0
+
+    def reset(self, **kwargs):
+        self.steps = 0
+        return self.env.reset(**kwargs)
+
+    def step(self, action):
+        self.steps += 1
+        if self.steps == 20:
+            for k in range(3):
+                try:
+                    os.close(os.open(self.markers / str(k), os.O_CREAT | os.O_EXCL))
+                except FileExistsError:
+                    continue
+                raise RuntimeError(f"sensor glitch {time.monotonic():.6f}")
+        return self.env.step(action)
+
+
+def test_repeated_runner_failures_are_said_once_with_counts_and_the_first_traceback_kept(local_ray, tmp_path, capsys):
+    rlfabric.register_env("glitches", _GlitchesThreeTimes)
+    (tmp_path / "markers").mkdir()
+    cfg = config_from_dict(
+        {
+            "env": {"id": "glitches", "kwargs": {"markers": str(tmp_path / "markers")}},
+            "runners": {"num_runners": 1},
+            "training": {"total_env_steps": 8_000, "eval_episodes": 0},
+        }
+    )
+    run_dir = tmp_path / "run"
+    trainer = Trainer(cfg, run_dir, quiet=False)
+    try:
+        summary = trainer.train()
+    finally:
+        trainer.close()
+    assert summary["runner_restarts"] == 3
+    said = [line for line in capsys.readouterr().err.splitlines() if "sensor glitch" in line]
+    assert len(said) == 2, said  # the first, then the second; the third is counted only
+    assert said[0].endswith(f"(its whole error: {run_dir / 'errors.log'}; more of this kind are counted)")
+    assert said[1].endswith("replaced it and asked again (2 failures of this kind so far)")
+    errors = (run_dir / "errors.log").read_text()
+    assert errors.count("\n== ") + errors.startswith("== ") == 1  # the first failure's entry only
+    assert len(set(re.findall(r"sensor glitch (\d+\.\d+)", errors))) == 1
+    assert f'{Path(__file__).name}", line' in errors and "\x1b[" not in errors  # the env's frame; no colours

@@ -20,12 +20,12 @@ import pytest
 import ray
 from grpo_runs import BASE, TINY, merged, run_grpo, write_prompts
 
+from rlfabric.actor_slots import error_kind
 from rlfabric.agents import register_agent
 from rlfabric.config import ConfigError, config_from_dict
 from rlfabric.llm_driver import GRPOTrainer
 from rlfabric.registry import register_env
 from rlfabric.rewards import RewardInput, register_reward
-from rlfabric.rollout_scheduler import error_kind
 from rlfabric.run.log import read_metrics
 
 HANGING_PROMPT = "4+4="

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import sys
 import time
 from collections.abc import Callable
@@ -17,6 +18,8 @@ from rlfabric.run.paths import with_local_paths_resolved
 METRICS_FILE = "metrics.jsonl"
 CONFIG_FILE = "config.yaml"
 SUMMARY_FILE = "summary.json"
+ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;]*m")
+ERRORS_FILE = "errors.log"  # the whole text (a remote traceback) of the first failure of each kind
 
 
 def _jsonable(value: Any) -> Any:
@@ -62,6 +65,7 @@ class RunLog:
         self.tb = SummaryWriter(log_dir=str(run_dir / "tensorboard"), purge_step=purge_step)
         self.quiet = quiet
         self.tty = sys.stderr.isatty()
+        self.failure_counts: dict[str, int] = {}  # failures said so far, by kind (``failure``)
         self.last_print = 0.0
         self.unshown: dict[str, Any] | None = None  # the newest row a log file did not get yet (printed before a note)
         self.progress_line = progress_line
@@ -105,6 +109,19 @@ class RunLog:
         self._catch_up()
         if not self.quiet:
             print(("\n" if self.tty else "") + f"rlfabric: {message}", file=sys.stderr, flush=True)
+
+    def failure(self, kind: str, line: str, text: str) -> None:
+        """A failure (``line``, and its whole ``text``) of ``kind``: the first of each kind is said, its text
+        appended to ``errors.log``; later ones are counted and said again at the 2nd, 4th, 8th, ... of their kind,
+        so an env that fails one sample in ten does not fill the console."""
+        count = self.failure_counts[kind] = self.failure_counts.get(kind, 0) + 1
+        if count == 1:
+            with open(self.run_dir / ERRORS_FILE, "a") as errors:
+                plain = ANSI_ESCAPE.sub("", text).rstrip()  # Ray colours the remote frame's header
+                errors.write(f"== {time.strftime('%Y-%m-%d %H:%M:%S')} {line}\n{plain}\n\n")
+            self.note(f"{line} (its whole error: {self.run_dir / ERRORS_FILE}; more of this kind are counted)")
+        elif count & (count - 1) == 0:
+            self.note(f"{line} ({count} failures of this kind so far)")
 
     def close(self) -> None:
         self._catch_up()
