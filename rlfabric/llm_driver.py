@@ -38,7 +38,7 @@ from rlfabric.compact import payload_bytes
 from rlfabric.grpo_config import LLMConfig, plays_episodes
 from rlfabric.grpo_report import NO_ACCURACY_NOTE, eval_row, run_summary, step_row
 from rlfabric.likelihood_scorers import LikelihoodScorers
-from rlfabric.llm_actors import stop_actors
+from rlfabric.llm_actors import reward_weights, stop_actors
 from rlfabric.llm_episode_sources import EpisodeSources
 from rlfabric.llm_resources import SETUP_TIMEOUT_S
 from rlfabric.llm_run_state import (
@@ -157,7 +157,7 @@ class GRPOTrainer(GRPOSetup):
         )
         # The likelihood scorer (a policy likelihood reward): a named actor the reward services find by name.
         self.scorers = LikelihoodScorers(cfg, self.weights, self._note)
-        self.reward_watch = RewardWatch(cfg, self._component_references, self._note)
+        self.reward_watch = RewardWatch(cfg, self._component_references, self._note, reward_weights(cfg))
         # a generator lost with its node during a step's weight load that could not be replaced: raised once that
         # step (which the learners did train) is counted and logged
         self._unplaced: PlacementError | None = None

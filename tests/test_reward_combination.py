@@ -160,3 +160,23 @@ def test_a_name_no_declared_reward_gives_is_refused_before_any_actor_starts(no_r
     with pytest.raises(ConfigError, match=re.escape(says)):
         GRPOTrainer(config_from_dict(merged(BASE, {"rewards": rewards})), tmp_path / "run")
     assert not ray.is_initialized() and not (tmp_path / "run").exists()
+
+
+def test_several_components_summed_at_a_weight_nobody_gave_them_are_said_once():
+    from rlfabric.config import config_from_dict
+    from rlfabric.reward_watch import RewardWatch
+
+    def watch(weights: dict[str, float]) -> list[str]:
+        said: list[str] = []
+        cfg = config_from_dict({"rewards": {"weights": weights}})
+        w = RewardWatch(cfg, cfg.rewards.component_references(), said.append)
+        for _ in range(3):  # steps: said at the first only
+            w.after_step([{"rows": 8, "component_means": {"score": 0.5, "acc": 0.5, "format": 1.0}}], set())
+        return said
+
+    assert watch({"format": 0.1}) == [
+        "the reward trained on is the sum of 'acc', 'score', each at weight 1 (rewards.weights names none of them); "
+        "give a component that only describes a sample weight 0 in rewards.weights (e.g. 'rewards.weights={acc: "
+        "0}') to log it without rewarding it"
+    ]
+    assert watch({"acc": 0.0, "format": 0.1}) == []  # one component left at the implicit weight: it is the reward
