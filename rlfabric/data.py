@@ -60,10 +60,12 @@ def load_prompts(
     field: str = "data.train",
     fields: RowFields = PROMPT_FIELDS,
     keep_out: int = 0,
+    note: Callable[[str], None] | None = None,
 ) -> list[dict[str, Any]]:
     """The rows ``spec`` names; ``num_rows`` is required for generated tasks and optional (all rows) for files.
     ``fields``: the settings its errors name; ``keep_out``: the rows of the same file the caller holds out after
-    these (``fields.heldout_count`` of them), so a file too short for both says how to split it."""
+    these (``fields.heldout_count`` of them), so a file too short for both says how to split it; ``note`` is told,
+    in one line, of a file's rows that neither those nor the held-out ones use."""
     if num_rows is not None and (not isinstance(num_rows, int) or num_rows < 0):
         raise ConfigError(f"{field} = {spec!r}: number of rows {num_rows!r} must be an integer >= 0")
     if spec.startswith(TASK_PREFIX):
@@ -80,9 +82,21 @@ def load_prompts(
                     f"{field} = {spec!r}: has {_rows(len(rows))}, fewer than the {num_rows} asked for "
                     f"({fields.count}): {_fewer_rows_fix(len(rows), keep_out, fields)}"
                 )
+            if note is not None and len(rows) > num_rows + keep_out:
+                note(_unused_rows_note(len(rows), num_rows, keep_out, spec, field, fields))
             rows = rows[:num_rows]
     _check_rows(rows, spec, prompt_key, field, fields)
     return rows
+
+
+def _unused_rows_note(available: int, used: int, keep_out: int, spec: str, field: str, fields: RowFields) -> str:
+    """A file has more rows than training (``used``) and the held-out rows after them (``keep_out``) take."""
+    held = f" and holds out {keep_out} of the rest ({fields.heldout_count})" if keep_out else ""
+    every = available - keep_out if keep_out or not fields.count_takes_null else "null"
+    return (
+        f"{field} = {spec!r}: {available - used - keep_out} of its {available} rows are not used: the run trains on "
+        f"the first {used} ({fields.count}){held}; {fields.count}: {every} uses every row"
+    )
 
 
 def _rows(n: int) -> str:

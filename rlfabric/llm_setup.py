@@ -245,7 +245,13 @@ class GRPOSetup:
         keep_out = 0 if d.eval else (d.num_eval or 0)
         fields = TASK_FIELDS if plays_episodes(cfg) else PROMPT_FIELDS  # a text env's reset writes the prompt
         self.train_rows = load_prompts(
-            d.train, num_rows=d.num_train, seed=seed, prompt_key=d.prompt_key, keep_out=keep_out, fields=fields
+            d.train,
+            num_rows=d.num_train,
+            seed=seed,
+            prompt_key=d.prompt_key,
+            keep_out=keep_out,
+            fields=fields,
+            note=self.data_notes.append,
         )
         if not self.train_rows:
             raise ConfigError(f"data.train = {d.train!r}: holds no prompts")

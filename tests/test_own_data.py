@@ -235,6 +235,25 @@ def test_a_file_shorter_than_data_num_train_says_how_many_to_ask_for(tmp_path):
     assert str(info.value).endswith("(data.num_train): set data.num_train to at most 400, or null for every row")
 
 
+def test_a_file_longer_than_training_and_held_out_rows_says_how_many_it_leaves_unused(tmp_path):
+    train = write_jsonl(tmp_path / "double.jsonl", doubles(2700))
+    said: list[str] = []
+    rows = load_prompts(train, num_rows=2000, prompt_key="question", keep_out=200, note=said.append)
+    assert len(rows) == 2000 and said == [
+        f"data.train = {train!r}: 500 of its 2700 rows are not used: the run trains on the first 2000 "
+        "(data.num_train) and holds out 200 of the rest (data.num_eval); data.num_train: 2500 uses every row"
+    ]
+    said.clear()  # a held-out file of its own: null takes every row
+    load_prompts(train, num_rows=2000, prompt_key="question", note=said.append)
+    assert said[0].endswith(
+        "700 of its 2700 rows are not used: the run trains on the first 2000 (data.num_train); "
+        "data.num_train: null uses every row"
+    )
+    said.clear()
+    load_prompts(train, num_rows=2500, prompt_key="question", keep_out=200, note=said.append)
+    assert said == []  # every row used
+
+
 def test_every_row_for_training_leaves_no_held_out_prompts_and_says_the_fix(tmp_path):
     train = write_jsonl(tmp_path / "double.jsonl", doubles(400))
     message = setup_error(tmp_path, config(tmp_path, train, data={"num_train": None, "num_eval": 200}))
