@@ -7,6 +7,7 @@ and every not-installed module those reach, travel by value; installed modules (
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import importlib.util
 import sys
@@ -46,7 +47,13 @@ def why_not_importable(spec: str) -> str:
     its module lacks, or the module that is missing."""
     module, _, attr = spec.partition(":")
     if module_exists(module):
-        return f"module {module!r} has no function {attr!r}"
+        found = vars(sys.modules[module]) if module in sys.modules else {}  # import_callable imported it
+        names = [n for n, value in found.items() if not n.startswith("_") and callable(value)]
+        close = difflib.get_close_matches(attr, names, n=1)
+        return f"module {module!r} has no function {attr!r}" + (f" (did you mean {close[0]!r}?)" if close else "")
+    as_module = module.removesuffix(".py").replace("/", ".")
+    if as_module != module and module_exists(as_module):  # a file path where a module name goes
+        return f"no module {module!r}: a module is named without '.py' or slashes ('{as_module}:{attr}')"
     return f"no module {module!r} in the current directory or on the Python path"
 
 

@@ -115,6 +115,19 @@ def test_import_error_inside_a_user_module_is_not_hidden(tmp_path, monkeypatch):
         registry.resolve("rlfabric.envs.guess_number:make_it")
 
 
+def test_a_misspelt_factory_and_a_file_path_for_a_module_get_the_spec_meant(tmp_path, monkeypatch):
+    (tmp_path / "rl_user_envs.py").write_text("def make_env():\n    return None\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(EnvNotFoundError) as info:
+        registry.resolve("rl_user_envs:make_envs")
+    assert "module 'rl_user_envs' has no function 'make_envs' (did you mean 'make_env'?)" in str(info.value)
+    with pytest.raises(EnvNotFoundError) as info:
+        registry.resolve("rl_user_envs.py:make_env")
+    assert "no module 'rl_user_envs.py': a module is named without '.py' or slashes ('rl_user_envs:make_env')" in str(
+        info.value
+    )
+
+
 def test_specs_resolve_in_order():
     rlfabric.register_env("gym-alias", lambda: None)
     assert registry.resolve("gym-alias")() is None
