@@ -150,7 +150,7 @@ def _merge(
     (``declared``: its ``@gives``; None: any)."""
     if not isinstance(components, Mapping):
         hint = (
-            f", e.g. {{'reward': {components!r}}}"
+            f", e.g. {{'correct': {components!r}}} ('correct' is what held-out accuracy reads)"
             if isinstance(components, numbers.Real)
             else " (rlfabric.rewards.Unscored('why') for a sample it cannot score)"
             if components is None

@@ -261,7 +261,10 @@ def test_a_bare_float_or_none_for_a_sample_is_told_what_to_give_instead():
     register_reward("bare_floats", lambda inputs: [1.0 for _ in inputs])
     register_reward("nones", lambda inputs: [None for _ in inputs])
     floats = RewardServiceCore(["bare_floats"], group_timeout_s=5.0).score([group("a")])
-    assert floats[0][0].error == "bare_floats: sample 0 got a float, expected a dict, e.g. {'reward': 1.0}"
+    assert floats[0][0].error == (
+        "bare_floats: sample 0 got a float, expected a dict, e.g. {'correct': 1.0} ('correct' is what held-out "
+        "accuracy reads)"
+    )
     nones = RewardServiceCore(["nones"], group_timeout_s=5.0).score([group("a")])
     assert nones[0][0].error == (
         "nones: sample 0 got a NoneType, expected a dict (rlfabric.rewards.Unscored('why') for a "
