@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, Union
 
-from rlfabric.config_aliases import alias_for
+from rlfabric.config_aliases import Alias, alias_for, aliases_under
 
 
 class ConfigError(ValueError):
@@ -148,20 +148,32 @@ def coerce(value: Any, tp: Any, path: str) -> Any:
     raise TypeError(f"unsupported config annotation {tp!r} at {path}")
 
 
-def _key_hint(cls: type, key: str, path: str, algo: str | None) -> str:
-    """What to say beside an unknown key: the rlfabric key a TRL or CleanRL name stands for (it wins over a
-    close spelling: TRL's save_steps is not total_steps), else the closest key of its section."""
-    alias = alias_for(key, algo) if algo else None
+def _alias(key: str, path: str, algo: str | None) -> Alias | None:
+    """The row for an unknown ``key`` of section ``path``: by its whole dotted path (verl's names), else by the key
+    alone (TRL's and CleanRL's names, wherever they are)."""
+    if not algo:
+        return None
+    return alias_for(f"{path}.{key}" if path else key, algo) or alias_for(key, algo)
+
+
+def _key_hint(cls: type, key: str, path: str, algo: str | None, cite: bool = True) -> str:
+    """What to say beside an unknown key: the rlfabric key another library's name stands for (it wins over a
+    close spelling: TRL's save_steps is not total_steps), else the closest key of its section (none for a dotted
+    ``key``, an entry of an unknown section)."""
+    alias = _alias(key, path, algo)
     if alias is not None:
-        return f" ({alias.hint()})"
-    hint = difflib.get_close_matches(key, [f.name for f in dataclasses.fields(cls)], n=1)
+        return f" ({alias.hint(cite)})"
+    hint = [] if "." in key else difflib.get_close_matches(key, [f.name for f in dataclasses.fields(cls)], n=1)
     return f" (did you mean {(f'{path}.' if path else '') + hint[0]!r}?)" if hint else ""
 
 
 def _unknown_keys_error(found: list[tuple[type, str, str]], algo: str | None) -> ConfigError:
     """One line naming every unknown key of ``found`` ((section class, key, section path)), each with its hint,
-    and the keys allowed where they all are."""
-    named = [f"{(f'{path}.{key}' if path else key)!r}{_key_hint(cls, key, path, algo)}" for cls, key, path in found]
+    and the keys allowed where they all are. Several other libraries' names: docs/migrating.md is cited once."""
+    cite = sum(_alias(key, path, algo) is not None for _, key, path in found) < 2
+    named = [
+        f"{(f'{path}.{key}' if path else key)!r}{_key_hint(cls, key, path, algo, cite)}" for cls, key, path in found
+    ]
     sections = {cls for cls, _, _ in found}
     allowed = (
         f"allowed here: {', '.join(f.name for f in dataclasses.fields(found[0][0]))}"
@@ -169,34 +181,49 @@ def _unknown_keys_error(found: list[tuple[type, str, str]], algo: str | None) ->
         else "allowed keys: docs/config.md"
     )
     keys = "key" if len(found) == 1 else "keys"
-    return ConfigError(f"unknown config {keys} {', '.join(named)}; {allowed}")
+    doc = "" if cite else "; other libraries' names: see docs/migrating.md"
+    return ConfigError(f"unknown config {keys} {', '.join(named)}{doc}; {allowed}")
 
 
-def _unknown_keys(cls: type, data: dict[str, Any], path: str) -> list[tuple[type, str, str]]:
+def _unknown_entries(cls: type, key: str, path: str, value: Any, algo: str | None) -> list[tuple[type, str, str]]:
+    """The unknown ``key`` of section ``cls`` (at ``path``) as one entry, or, when another library's names lie
+    under it (verl's ``actor_rollout_ref: {rollout: {n: 8}}``), as its entries, each by its dotted name under
+    ``key``, so each meets its own row of the alias table."""
+    full = f"{path}.{key}" if path else key
+    if algo and isinstance(value, dict) and value and not alias_for(full, algo) and aliases_under(full, algo):
+        return [e for k, v in value.items() for e in _unknown_entries(cls, f"{key}.{k}", path, v, algo)]
+    return [(cls, key, path)]
+
+
+def _unknown_keys(cls: type, data: dict[str, Any], path: str, algo: str | None = None) -> list[tuple[type, str, str]]:
     """(section class, key, section path) of each key of ``data`` that ``cls`` lacks, in its sections too (so a
-    file's unknown keys are named together)."""
+    file's unknown keys are named together); ``algo``: the schema's, for the alias table (``_unknown_entries``)."""
     hints = typing.get_type_hints(cls)
     names = {f.name for f in dataclasses.fields(cls)}
     found = []
     for key, value in data.items():
         if key not in names:
-            found.append((cls, str(key), path))  # YAML reads keys like 2048, null or yes as int, None or bool
+            # YAML reads keys like 2048, null or yes as int, None or bool
+            found += _unknown_entries(cls, str(key), path, value, algo)
         elif dataclasses.is_dataclass(hints[key]) and isinstance(value, dict):
-            found += _unknown_keys(hints[key], value, f"{path}.{key}" if path else key)
+            found += _unknown_keys(hints[key], value, f"{path}.{key}" if path else key, algo)
     return found
 
 
 def build_config(cls: type, data: dict[str, Any], path: str = "") -> Any:
     """An instance of the dataclass ``cls`` from nested plain data: unknown keys, wrong types and non-finite numbers
     are ``ConfigError``s naming the dotted field (under ``path``); missing keys take the defaults. At the top
-    (``path`` ""), every unknown key of the file is named in the one error, with rlfabric's key for a TRL or
-    CleanRL name (``rlfabric.config_aliases``; the schema's ``algo`` says which)."""
+    (``path`` ""), every unknown key of the file is named in the one error, with rlfabric's key for a TRL,
+    CleanRL or verl name (``rlfabric.config_aliases``; the schema's ``algo`` says which)."""
     names = {f.name for f in dataclasses.fields(cls)}
     top = not path  # a section below is checked with the whole file, except entries of a list or mapping
-    unknown = _unknown_keys(cls, data, path) if top else [(cls, str(key), path) for key in data if key not in names]
+    algo = getattr(cls, "algo", None) if top else None  # the schema's Literal default: "grpo" or "ppo"
+    algo = algo if isinstance(algo, str) else None
+    unknown = (
+        _unknown_keys(cls, data, path, algo) if top else [(cls, str(key), path) for key in data if key not in names]
+    )
     if unknown:
-        algo = getattr(cls, "algo", None) if top else None  # the schema's Literal default: "grpo" or "ppo"
-        raise _unknown_keys_error(unknown, algo if isinstance(algo, str) else None)
+        raise _unknown_keys_error(unknown, algo)
     hints = typing.get_type_hints(cls)
     kwargs = {}
     for key, value in data.items():

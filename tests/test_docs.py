@@ -577,10 +577,11 @@ MIGRATING_DOC = ROOT / "docs" / "migrating.md"
 
 
 def _migrating_tables() -> dict[str, str]:
-    """The text of docs/migrating.md's TRL part and its CleanRL part, by library name."""
+    """The text of docs/migrating.md's TRL part, its CleanRL part and its verl part, by library name."""
     doc = MIGRATING_DOC.read_text()
-    trl_at, cleanrl_at = doc.index("\n## TRL"), doc.index("\n## CleanRL")
-    return {"TRL": doc[trl_at:cleanrl_at], "CleanRL": doc[cleanrl_at:]}
+    trl_at, cleanrl_at, verl_at = doc.index("\n## TRL"), doc.index("\n## CleanRL"), doc.index("\n## verl")
+    assert trl_at < cleanrl_at < verl_at, "docs/migrating.md: the TRL part, then CleanRL, then verl"
+    return {"TRL": doc[trl_at:cleanrl_at], "CleanRL": doc[cleanrl_at:verl_at], "verl": doc[verl_at:]}
 
 
 def test_the_migration_tables_and_the_alias_table_agree():
@@ -595,6 +596,10 @@ def test_the_migration_tables_and_the_alias_table_agree():
         row = re.search(rf"^\| `{alias.name}` \| (.*?) \|", parts[alias.library], flags=re.MULTILINE)
         assert row, f"docs/migrating.md: no {alias.library} row for `{alias.name}`"
         assert f"`{alias.target}`" in row.group(1), f"docs/migrating.md: `{alias.name}` is not `{alias.target}`"
+    for library, part in parts.items():  # and the other way: each row of a table is a name the error answers
+        rows = set(re.findall(r"^\| `([^`]+)` \| `", part, flags=re.MULTILINE))
+        mapped = {alias.name for alias in ALIASES if alias.library == library}
+        assert rows <= mapped, f"docs/migrating.md: {library} rows the alias table lacks: {sorted(rows - mapped)}"
 
 
 def test_the_migration_guides_yaml_configs_are_valid():

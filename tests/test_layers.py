@@ -48,6 +48,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "rlfabric.engines",
             "rlfabric.envs",
             "rlfabric.rewards",
+            "rlfabric.rewards.verl_compat",  # verl's compute_score functions, wrapped into the reward contract
             "rlfabric.vector",
             "rlfabric.text_env",  # the text env contract (multi-turn envs)
             "rlfabric.agent_loop",  # multi-turn episodes of text envs, built token by token

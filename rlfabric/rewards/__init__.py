@@ -8,6 +8,7 @@ Importing this package registers the built-ins (``math``, ``arithmetic``, ``coun
 from rlfabric.rewards import (
     builtin,  # noqa: F401 - registers the built-in rewards
     process,  # noqa: F401 - registers the built-in process rewards
+    verl_compat,  # noqa: F401 - resolve_reward takes verl's compute_score functions as they are
 )
 from rlfabric.rewards.math_verify import answers_match, extract_answer, normalize_answer
 from rlfabric.rewards.registry import (

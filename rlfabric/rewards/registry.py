@@ -33,6 +33,9 @@ the ``rlfabric.rewards`` entry-point group of installed packages, then ``package
 config is a name or ``{"name": ..., "kwargs": {...}}``; ``resolve_reward`` binds the kwargs (checked against the
 function's signature) with ``functools.partial``.
 
+A verl reward, ``compute_score(data_source, solution_str, ground_truth, extra_info=None, **kwargs)``, is used as it
+is: ``resolve_reward`` wraps it into this contract (``rlfabric.rewards.verl_compat``).
+
 Reward actors get the driver's registrations through ``snapshot()``, exactly like env runners get envs.
 """
 
@@ -131,6 +134,9 @@ ENTRY_POINT_GROUP = "rlfabric.rewards"
 # The attributes the decorators below set on a function (pointwise, process_reward, default_weights, gives)
 MARKS = ("pointwise", "scores_steps", "default_reward_weights", "reward_components")
 _REGISTRY: dict[str, RewardFn | str] = {}  # a name -> its function, or the path to import it from
+# Wrappers of other libraries' reward functions, tried in order by resolve_reward: adapt(fn, spec, field) gives fn
+# in this contract with spec.kwargs bound, or None when fn is not theirs. rlfabric.rewards.verl_compat adds verl's.
+ADAPTERS: list[Callable[[Callable[..., Any], RewardSpec, str], RewardFn | None]] = []
 
 
 class RewardNotFoundError(ConfigError):
@@ -353,7 +359,20 @@ def resolve_rewards(specs: Sequence[str | Mapping[str, Any] | RewardSpec], field
 def resolve_reward(spec: str | Mapping[str, Any] | RewardSpec, field: str = "rewards.functions") -> RewardFn:
     """The reward function ``spec`` names, with its kwargs bound; ConfigError naming ``field`` if there is none."""
     parsed = RewardSpec.parse(spec, field)
-    return _bind(_lookup(parsed.name, field), parsed, field)
+    return _adapted(_lookup(parsed.name, field), parsed, field)
+
+
+def _adapted(fn: Callable[..., Any], spec: RewardSpec, field: str) -> RewardFn:
+    """``fn`` with the spec's kwargs bound, by the first of ``ADAPTERS`` that takes it (another library's reward,
+    wrapped into this contract), else by ``_bind``. The registry keeps ``fn`` as it is, so the driver and each
+    reward actor wrap it once each."""
+    adapted = _adapt(fn, spec, field)
+    return adapted if adapted is not None else _bind(fn, spec, field)
+
+
+def _adapt(fn: Callable[..., Any], spec: RewardSpec, field: str) -> RewardFn | None:
+    """``fn`` wrapped by the first of ``ADAPTERS`` that takes it; None when none does (an rlfabric reward)."""
+    return next((a for a in (adapt(fn, spec, field) for adapt in ADAPTERS) if a is not None), None)
 
 
 def describe_reward(name: str) -> str:
@@ -361,6 +380,8 @@ def describe_reward(name: str) -> str:
     components (``@gives``) with the weights it declares (``@default_weights``), its keyword arguments, and
     whether it is a process reward or pointwise."""
     fn = _lookup(name, "rlfabric rewards list")
+    # another library's function is described as it runs here (a verl one: the components its wrapper gives)
+    fn = _adapt(fn, RewardSpec(name), "rlfabric rewards list") or fn
     components = declared_components(fn)
     weights = declared_weights(fn)
     gives_text = (
