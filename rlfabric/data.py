@@ -17,6 +17,7 @@ reset writes the prompt, so a task needs no prompt column, and one without it is
 
 from __future__ import annotations
 
+import glob
 import hashlib
 import inspect
 import json
@@ -309,13 +310,36 @@ def _generate(
         raise ConfigError(f"{field} = {spec!r}: {exc}") from exc
 
 
-def _read_file(spec: str, field: str) -> list[dict[str, Any]]:
+def data_files(spec: str, field: str) -> list[Path]:
+    """The files a file spec names: one path, or a glob pattern (``shards/train-*.parquet``, as Hugging Face
+    datasets' shards are named) matching files of one format, sorted by name; a ConfigError naming ``field`` when
+    there are none or the format is not one rlfabric reads."""
     path = Path(spec).expanduser()
     if path.suffix not in FILE_FORMATS:
         raise ConfigError(f"{field} = {spec!r}: not 'task:<name>' and not a {', '.join(FILE_FORMATS)} file")
-    if not path.is_file():
-        where = "" if path.is_absolute() else f" ({path.absolute()}: relative paths start at the current directory)"
-        raise ConfigError(f"{field} = {spec!r}: file does not exist{where}")
+    where = "" if path.is_absolute() else f" ({path.absolute()}: relative paths start at the current directory)"
+    if path.is_file() or not glob.has_magic(str(path)):
+        if not path.is_file():
+            raise ConfigError(f"{field} = {spec!r}: file does not exist{where}")
+        return [path]
+    matched = sorted(Path(p) for p in glob.glob(str(path)) if Path(p).is_file())
+    if not matched:
+        raise ConfigError(f"{field} = {spec!r}: the pattern matches no file{where}")
+    return matched
+
+
+def _read_file(spec: str, field: str) -> list[dict[str, Any]]:
+    """Every row of the file(s) ``spec`` names (``data_files``), in file order."""
+    files = data_files(spec, field)
+    rows: list[dict[str, Any]] = []
+    for path in files:
+        label = f"{field} = {spec!r}" + (f" (file {str(path)!r})" if len(files) > 1 else "")  # which one failed
+        rows += _read_one_file(path, label)
+    return rows
+
+
+def _read_one_file(path: Path, label: str) -> list[dict[str, Any]]:
+    """The rows of one file; ``label`` starts its errors (the setting, and the file when a pattern matched it)."""
     import datasets
 
     bars_were_on, verbosity = datasets.is_progress_bar_enabled(), datasets.logging.get_verbosity()
@@ -325,18 +349,18 @@ def _read_file(spec: str, field: str) -> list[dict[str, Any]]:
         table = datasets.load_dataset(FILE_FORMATS[path.suffix], data_files=str(path.resolve()), split="train")
     except Exception as exc:  # malformed JSON or parquet: one line naming the file, not a long arrow trace
         if _holds_no_rows(path):  # datasets fails on empty files with errors that do not say so
-            raise ConfigError(f"{field} = {spec!r}: the file holds no rows") from None
+            raise ConfigError(f"{label}: the file holds no rows") from None
         root = exc  # datasets wraps the parser's error (which names the row) in a generic one
         while root.__cause__ is not None:
             root = root.__cause__
         reason = (str(root).strip().splitlines() or [""])[0]
-        raise ConfigError(f"{field} = {spec!r}: could not be read: {root.__class__.__name__}: {reason}") from exc
+        raise ConfigError(f"{label}: could not be read: {root.__class__.__name__}: {reason}") from exc
     finally:
         datasets.logging.set_verbosity(verbosity)
         if bars_were_on:
             datasets.enable_progress_bars()
     if len(table) == 0:
-        raise ConfigError(f"{field} = {spec!r}: the file holds no rows")
+        raise ConfigError(f"{label}: the file holds no rows")
     return table.to_list()
 
 

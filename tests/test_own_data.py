@@ -25,6 +25,7 @@ from rlfabric.llm_driver import GRPOTrainer
 from rlfabric.reward_model_training import load_pair_rows
 from rlfabric.rewards import RewardInput
 from rlfabric.rewards.builtin import arithmetic_reward, math_reward
+from rlfabric.run.paths import with_local_paths_resolved
 
 TINY = {"builtin": {"num_layers": 1, "hidden_size": 32, "num_heads": 2}}
 
@@ -317,3 +318,25 @@ def test_a_short_pairs_file_names_reward_model_num_pairs_and_num_eval(tmp_path):
     )
     train, heldout = load_pair_rows(pairs, num_pairs=30, num_eval=20, seed=0)
     assert len(train) == 30 and len(heldout) == 20
+
+
+def test_a_glob_pattern_reads_every_matching_shard_in_name_order(tmp_path, monkeypatch):
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    write_jsonl(shards / "train-00001-of-00002.jsonl", doubles(3, question="B{i}?"))
+    write_jsonl(shards / "train-00000-of-00002.jsonl", doubles(2, question="A{i}?"))
+    (shards / "notes.txt").write_text("not a shard")
+    rows = load_prompts(str(shards / "train-*.jsonl"), prompt_key="question")
+    assert [r["question"] for r in rows] == ["A0?", "A1?", "B0?", "B1?", "B2?"]
+    with pytest.raises(ConfigError) as info:
+        load_prompts(str(shards / "val-*.jsonl"), prompt_key="question")
+    assert str(info.value) == f"data.train = {str(shards / 'val-*.jsonl')!r}: the pattern matches no file"
+    (shards / "train-00002-of-00002.jsonl").write_text("")
+    with pytest.raises(ConfigError) as info:  # a bad shard is named
+        load_prompts(str(shards / "train-*.jsonl"), prompt_key="question")
+    empty = str(shards / "train-00002-of-00002.jsonl")
+    assert str(info.value) == f"data.train = {str(shards / 'train-*.jsonl')!r} (file {empty!r}): the file holds no rows"
+    # a relative pattern is recorded with its directory absolute, so --resume reads the same shards from anywhere
+    monkeypatch.chdir(tmp_path)
+    saved = with_local_paths_resolved({"data": {"train": "shards/train-*.jsonl", "eval": "shards/none-*.jsonl"}})
+    assert saved == {"data": {"train": str(tmp_path / "shards" / "train-*.jsonl"), "eval": "shards/none-*.jsonl"}}

@@ -7,6 +7,7 @@ ids, ``builtin``, ``task:`` specs and anything else that is not a local file or 
 
 from __future__ import annotations
 
+import glob
 from pathlib import Path
 from typing import Any
 
@@ -16,11 +17,14 @@ PATH_KEYS = frozenset({"path", "train", "eval", "pairs", "model", "model_dir"})
 
 
 def local_path(value: str) -> Path | None:
-    """``value`` as an absolute path when it names an existing local file or folder relative to the current
-    directory (None otherwise: absolute already, a hub id, a spec)."""
-    if not value or Path(value).is_absolute() or not Path(value).exists():
+    """``value`` as an absolute path when it names an existing local file or folder, or is a glob pattern that
+    matches some (``data.train: shards/*.parquet``), relative to the current directory (None otherwise: absolute
+    already, a hub id, a spec)."""
+    if not value or Path(value).is_absolute():
         return None
-    return Path(value).resolve()
+    if glob.has_magic(value):
+        return Path(value).absolute() if glob.glob(value) else None  # the pattern kept, its directory resolved
+    return Path(value).resolve() if Path(value).exists() else None
 
 
 def with_local_paths_resolved(data: Any) -> Any:
