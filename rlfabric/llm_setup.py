@@ -175,8 +175,8 @@ def rendered_prompts(tokenizer: Any, rows: list[dict[str, Any]], prompt_key: str
 
 def check_reward_columns(cfg: LLMConfig, sources: dict[str, tuple[str, list[dict[str, Any]]]], skip: list[int]) -> None:
     """Before Ray: each column a reward reads (a builtin's ``answer_key``: ``rewards.builtin.columns_read``) is a column
-    of the rows of each of ``sources`` ({setting: (its value, its rows)}); ``skip``: indices of rewards.functions
-    not resolvable yet (the run's own reward model)."""
+    of the rows of each of ``sources`` ({setting: (its value, its rows)}), and a reward's ``check_row`` passes their
+    first row; ``skip``: indices of rewards.functions not resolvable yet (the run's own reward model)."""
     prompt_key = cfg.data.prompt_key
     for field, specs in (
         ("rewards.functions", cfg.rewards.functions),
@@ -186,6 +186,16 @@ def check_reward_columns(cfg: LLMConfig, sources: dict[str, tuple[str, list[dict
             if field == "rewards.functions" and i in skip:
                 continue
             fn = rewards.resolve_reward(dataclasses.asdict(spec), f"{field}[{i}]")
+            check_row = getattr(fn, "check_row", None)  # the reward's own look at a row (rlfabric.rewards)
+            for setting, (value, rows) in sources.items() if check_row is not None else ():
+                try:
+                    if rows:
+                        check_row({k: v for k, v in rows[0].items() if k != prompt_key})
+                except (KeyError, ValueError) as exc:
+                    why = exc.args[0] if exc.args else repr(exc)
+                    raise ConfigError(
+                        f"{field}[{i}] = {spec.name!r} is not valid for {setting} = {value!r}: {why}"
+                    ) from None
             for kwarg, column in columns_read(fn).items():
                 for setting, (value, rows) in sources.items():
                     # a file's rows share their columns (a task's too); metadata is the row less its prompt

@@ -233,3 +233,31 @@ def test_grpo_trains_on_a_verl_parquet_with_a_verl_reward_unchanged(tmp_path):
         assert row["reward_mean"] == pytest.approx(row["reward_score"], abs=1e-6), row
         assert "reward_correct" in row and "reward_bonus" not in row, row
     assert len(run.phase("eval")) >= 1
+
+
+def test_verl_rows_without_a_ground_truth_are_one_line_before_ray(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    import yaml
+    from grpo_runs import setup_error
+
+    rows = [
+        {"data_source": "sums", "prompt": f"{i}+1=", "reward_model": {"style": "rule"}, "answer": str(i + 1)}
+        for i in range(40)
+    ]
+    train = tmp_path / "train.parquet"
+    pq.write_table(pa.Table.from_pylist(rows), train)
+    cfg = {
+        "algo": "grpo",
+        "model": {"path": "builtin", "builtin": dict(TINY)},
+        "data": {"train": str(train), "num_train": 30, "num_eval": 10},
+        "rewards": {"functions": [{"name": "verl_style_rewards:compute_score"}]},
+        "training": {"total_steps": 1},
+    }
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(cfg))
+    message = setup_error(tmp_path, tmp_path / "config.yaml")
+    assert message == (
+        f"rewards.functions[0] = 'verl_style_rewards:compute_score' is not valid for data.train = {str(train)!r}: "
+        "no ground truth: a verl reward reads metadata['reward_model']['ground_truth'] or metadata['ground_truth'], "
+        "and the row has neither (its columns: data_source, reward_model, answer)"
+    )

@@ -26,7 +26,9 @@ selector's ``weights``), and the reward service fails a group whose result names
 A function marked ``@pointwise`` scores each sample on its own (a reward model's forward pass): the reward service
 hands it every sample of a call at once, across groups, so it can batch them. A function may carry
 ``check_kwargs(**kwargs)``, which ``resolve_reward`` calls on the driver, so a bad argument (a model path that
-does not exist) is one ConfigError before any actor starts.
+does not exist) is one ConfigError before any actor starts; and ``check_row(metadata)``, which the run calls on the
+first row of each data file before Ray starts (raising ``KeyError`` or ``ValueError`` with one line when the rows
+lack what it reads).
 
 Specs, tried in this order: a name given to ``register_reward`` (or shipped with a registry snapshot), a name from
 the ``rlfabric.rewards`` entry-point group of installed packages, then ``package.module:function``. A spec in the
@@ -132,7 +134,7 @@ class RewardSpec:
 ENTRY_POINT_GROUP = "rlfabric.rewards"
 
 # The attributes the decorators below set on a function (pointwise, process_reward, default_weights, gives)
-MARKS = ("pointwise", "scores_steps", "default_reward_weights", "reward_components")
+MARKS = ("pointwise", "scores_steps", "default_reward_weights", "reward_components", "check_row")
 _REGISTRY: dict[str, RewardFn | str] = {}  # a name -> its function, or the path to import it from
 # Wrappers of other libraries' reward functions, tried in order by resolve_reward: adapt(fn, spec, field) gives fn
 # in this contract with spec.kwargs bound, or None when fn is not theirs. rlfabric.rewards.verl_compat adds verl's.

@@ -146,6 +146,7 @@ def verl_reward(fn: Callable[..., Any], kwargs: Mapping[str, Any], field: str, n
     group = inspect.Parameter("inputs", inspect.Parameter.POSITIONAL_OR_KEYWORD)
     own = [p for p in signature.parameters.values() if p.name not in FILLED]
     wrapped.__signature__ = inspect.Signature([group, *own])  # type: ignore[attr-defined]
+    wrapped.check_row = ground_truth  # type: ignore[attr-defined]  # rows without one: said before Ray starts
     return gives("score", "correct")(default_weights(correct=0.0)(wrapped))
 
 
