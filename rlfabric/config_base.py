@@ -167,6 +167,11 @@ def _key_hint(cls: type, key: str, path: str, algo: str | None, cite: bool = Tru
     return f" (did you mean {(f'{path}.' if path else '') + hint[0]!r}?)" if hint else ""
 
 
+# Sections only a language-model config has (``rlfabric.grpo_config.LLMConfig``): in a PPO config they say the
+# user meant algo: grpo.
+LLM_SECTIONS = ("data", "sampling", "generator", "rewards", "grpo", "sft", "reward_model")
+
+
 def _unknown_keys_error(found: list[tuple[type, str, str]], algo: str | None) -> ConfigError:
     """One line naming every unknown key of ``found`` ((section class, key, section path)), each with its hint,
     and the keys allowed where they all are. Several other libraries' names: docs/migrating.md is cited once."""
@@ -182,6 +187,8 @@ def _unknown_keys_error(found: list[tuple[type, str, str]], algo: str | None) ->
     )
     keys = "key" if len(found) == 1 else "keys"
     doc = "" if cite else "; other libraries' names: see docs/migrating.md"
+    llm = algo == "ppo" and any(not path and key.split(".")[0] in LLM_SECTIONS for _, key, path in found)
+    doc += "; algo: ppo trains Gymnasium and PettingZoo envs, language models train with algo: grpo" if llm else ""
     return ConfigError(f"unknown config {keys} {', '.join(named)}{doc}; {allowed}")
 
 

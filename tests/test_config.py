@@ -84,6 +84,15 @@ def test_every_unknown_key_of_a_file_is_named_in_the_one_line():
     assert "\n" not in message
 
 
+def test_language_model_sections_in_a_ppo_config_point_to_algo_grpo():
+    message = _error({"algo": "ppo", "data": {"train": "train.parquet"}, "model": {"path": "Qwen/Qwen2.5-0.5B"}})
+    assert message.startswith(
+        "unknown config keys 'data', 'model.path'; algo: ppo trains Gymnasium and PettingZoo envs, language models "
+        "train with algo: grpo; allowed keys: docs/config.md"
+    )
+    assert "algo: grpo" not in _error({"algo": "ppo", "ppo": {"lrr": 1}})  # a PPO key misspelt: no such hint
+
+
 @pytest.mark.parametrize(
     "data",
     [{2048: 1}, {"ppo": {None: 1}}, {True: {}}],  # what YAML makes of the keys `2048:`, `null:` and `on:`
