@@ -71,6 +71,13 @@ VERL_ALIASES = (
     Alias(f"{_ACTOR}.clip_ratio", "verl", "grpo", "grpo.clip_low", "it is 'grpo.clip_low' and 'grpo.clip_high'"),
     Alias(f"{_ACTOR}.clip_ratio_low", "verl", "grpo", "grpo.clip_low"),
     Alias(f"{_ACTOR}.clip_ratio_high", "verl", "grpo", "grpo.clip_high"),
+    Alias(
+        f"{_ACTOR}.clip_ratio_c",
+        "verl",
+        "grpo",
+        "grpo.policy_loss",
+        "it is 'grpo.policy_loss: dual_clip' (c = 3, verl's default)",
+    ),
     Alias(f"{_ACTOR}.entropy_coeff", "verl", "grpo", "grpo.entropy_coef"),
     Alias(f"{_ACTOR}.ppo_micro_batch_size_per_gpu", "verl", "grpo", "grpo.micro_batch_size"),
     Alias(

@@ -113,6 +113,9 @@ POLICY_LOSSES = PartTable(
 )
 POLICY_LOSSES.add("clip", f"{_MATH}:clipped_policy_loss", "PPO's clipped surrogate (PPO, GRPO, DAPO, GSPO)")
 POLICY_LOSSES.add("cispo", f"{_MATH}:cispo_policy_loss", "REINFORCE with clipped, detached importance weights (CISPO)")
+POLICY_LOSSES.add(
+    "dual_clip", f"{_MATH}:dual_clip_policy_loss", "PPO-clip with a negative advantage's loss capped at 3|A| (verl)"
+)
 
 LOSS_AGGREGATIONS = PartTable(
     "loss aggregation",

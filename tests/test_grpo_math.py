@@ -260,6 +260,25 @@ def test_cispo_loss_by_hand_keeps_every_tokens_gradient():
     assert metrics["clip_fraction"] == pytest.approx(2 / 3)
 
 
+def test_dual_clip_loss_by_hand_caps_a_negative_advantages_loss_at_three_times_it():
+    """Dual-clip, c = 3, clip 0.2: ratios [5, 2, 0.5] with A = -1 give PPO-clip's [5, 2, 0.8], capped to
+    [3, 2, 0.8]; the first (capped) and the last (clipped) have no gradient, the middle's is -A r = 2. With A = +1
+    the cap never applies: the loss is PPO-clip's [-1.2, -1.2, -0.5]."""
+    old = t([[math.log(0.1), math.log(0.25), math.log(0.5), NAN], [math.log(0.1), math.log(0.25), math.log(0.5), 0]])
+    new = t([[math.log(0.5), math.log(0.5), math.log(0.25), INF], [math.log(0.5), math.log(0.5), math.log(0.25), 0]])
+    new.requires_grad_(True)
+    mask = t([[1.0, 1.0, 1.0, 0.0], [1.0, 1.0, 1.0, 0.0]])
+    loss, frac = grpo.dual_clip_policy_loss(new, old, t([-1.0, 1.0]), mask, clip_low=0.2, clip_high=0.2)
+    close(loss, [[3.0, 2.0, 0.8, 0.0], [-1.2, -1.2, -0.5, 0.0]])
+    close(frac, 4 / 6)  # capped or clipped: 5 and 0.5 under A = -1; 5 and 2 under A = +1
+    loss.sum().backward()
+    close(new.grad, [[0.0, 2.0, 0.0, 0.0], [0.0, 0.0, -0.5, 0.0]])
+    clip_only, _ = grpo.clipped_policy_loss(new.detach(), old, t([-1.0, 1.0]), mask, 0.2, 0.2)
+    close(clip_only[0], [5.0, 2.0, 0.8, 0.0])  # what the cap changed
+    total, _ = grpo.policy_objective(new.detach(), old, t([-1.0, 1.0]), mask, policy_loss="dual_clip")
+    close(total, (3.0 + 2.0 + 0.8 - 1.2 - 1.2 - 0.5) / 6)
+
+
 def test_clipped_policy_loss_accepts_per_token_advantages():
     new, old = _ratio_batch()
     per_seq, _ = grpo.clipped_policy_loss(new, old, ADV, PADDING, 0.2, 0.2)

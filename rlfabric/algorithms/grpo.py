@@ -182,6 +182,38 @@ def clipped_policy_loss(
     return loss, clip_fraction
 
 
+DUAL_CLIP_C = 3.0  # dual-clip PPO's bound on a negative advantage's loss, in |A| (Ye et al. 2020; verl's default)
+
+
+def dual_clip_policy_loss(
+    new_logp: Tensor,
+    old_logp: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    clip_low: float,
+    clip_high: float,
+    ratio_level: str = "token",
+) -> tuple[Tensor, Tensor]:
+    """Dual-clip PPO (Ye et al. 2020; verl's default policy loss): PPO-clip, and where the advantage is negative
+    the loss is also capped at c |A|, so a token whose ratio has grown far past 1 under a negative advantage (a
+    stale or off-policy sample) cannot dominate the update.
+
+    loss_{i,t} = max(-r A_i, -clip(r, 1 - clip_low, 1 + clip_high) A_i)              for A_i >= 0
+    loss_{i,t} = min(max(-r A_i, -clip(r, 1 - clip_low, 1 + clip_high) A_i), -c A_i)  for A_i < 0,  c = 3
+    Returns ([N, T] loss, 0 at masked positions; clip fraction = masked share of tokens whose gradient is zero:
+    the clipped term wins, or the cap does). ``advantages`` is [N] (or [N, T]).
+    """
+    advantages, ratio = _per_token(advantages), clamped_ratio(new_logp, old_logp, mask, ratio_level)
+    unclipped = -advantages * ratio
+    clipped = -advantages * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
+    ppo = torch.maximum(unclipped, clipped)
+    cap = -DUAL_CLIP_C * advantages
+    capped = (advantages < 0) & (ppo > cap)
+    loss = _zero_masked(torch.where(capped, cap.expand_as(ppo), ppo), mask)
+    clip_fraction = masked_mean(((clipped > unclipped) | capped).to(loss.dtype), mask).detach()
+    return loss, clip_fraction
+
+
 def cispo_policy_loss(
     new_logp: Tensor,
     old_logp: Tensor,
