@@ -159,6 +159,21 @@ def _per_token(advantages: Tensor) -> Tensor:
     return advantages.unsqueeze(-1) if advantages.dim() == 1 else advantages
 
 
+def surrogate_terms(
+    new_logp: Tensor,
+    old_logp: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    clip_low: float,
+    clip_high: float,
+    ratio_level: str = "token",
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The clipped surrogate's parts: (A per token, -r A, -clip(r, 1 - clip_low, 1 + clip_high) A), with
+    r = exp(clamp(log r, -20, 20)) at ``ratio_level``."""
+    advantages, ratio = _per_token(advantages), clamped_ratio(new_logp, old_logp, mask, ratio_level)
+    return advantages, -advantages * ratio, -advantages * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
+
+
 def clipped_policy_loss(
     new_logp: Tensor,
     old_logp: Tensor,
@@ -174,9 +189,7 @@ def clipped_policy_loss(
     Returns ([N, T] loss, 0 at masked positions; clip fraction = masked share of tokens where the clipped term
     wins, i.e. whose gradient is zero). ``advantages`` is [N] (or [N, T] for per-token advantages).
     """
-    advantages, ratio = _per_token(advantages), clamped_ratio(new_logp, old_logp, mask, ratio_level)
-    unclipped = -advantages * ratio
-    clipped = -advantages * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
+    _, unclipped, clipped = surrogate_terms(new_logp, old_logp, advantages, mask, clip_low, clip_high, ratio_level)
     loss = _zero_masked(torch.maximum(unclipped, clipped), mask)
     clip_fraction = masked_mean((clipped > unclipped).to(loss.dtype), mask).detach()
     return loss, clip_fraction
@@ -203,9 +216,9 @@ def dual_clip_policy_loss(
     Returns ([N, T] loss, 0 at masked positions; clip fraction = masked share of tokens whose gradient is zero:
     the clipped term wins, or the cap does). ``advantages`` is [N] (or [N, T]).
     """
-    advantages, ratio = _per_token(advantages), clamped_ratio(new_logp, old_logp, mask, ratio_level)
-    unclipped = -advantages * ratio
-    clipped = -advantages * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
+    advantages, unclipped, clipped = surrogate_terms(
+        new_logp, old_logp, advantages, mask, clip_low, clip_high, ratio_level
+    )
     ppo = torch.maximum(unclipped, clipped)
     cap = -DUAL_CLIP_C * advantages
     capped = (advantages < 0) & (ppo > cap)
