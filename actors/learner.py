@@ -317,6 +317,24 @@ class LearnerCore:
             },
         }
 
+    def init_from(self, state: dict[str, Any]) -> int:
+        """Start from another run's weights and normalizer statistics (``rlfabric.ppo_init.read_init_state``),
+        keeping this run's optimizer, counters and random streams; a ValueError naming ``model.init_from`` and the
+        first tensor whose shape differs (the env's observation or action size is not the checkpoint's)."""
+        own = self.model.state_dict()
+        for name, value in state["model"].items():
+            if name not in own or own[name].shape != value.shape:
+                has = "no such tensor" if name not in own else f"shape {tuple(own[name].shape)}"
+                raise ValueError(
+                    f"model.init_from = {state['source']!r}: its {name} has shape {tuple(value.shape)}, this run's "
+                    f"{has}: the env's observation or action space is not the one the checkpoint was trained on"
+                )
+        self.model.load_state_dict(state["model"])
+        for key in ("obs_stats", "return_stats", "value_stats"):
+            if key in state:
+                setattr(self, key, RunningStats.from_dict(state[key]))
+        return self.version
+
     def load_state(self, state: dict[str, Any]) -> int:
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])

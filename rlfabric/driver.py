@@ -25,6 +25,7 @@ from rlfabric.actors.learner import Learner
 from rlfabric.config import Config, ConfigError
 from rlfabric.placement import ActorRequest, RoleGroups, check_fits, record_plan
 from rlfabric.ppo_config import PPO_ROLES
+from rlfabric.ppo_init import read_init_state
 from rlfabric.ray_connect import ensure_ray
 from rlfabric.reward_shaping import MissingRewardComponent, component_metric, components_read
 from rlfabric.run.checkpoints import CHECKPOINT_DIR, CheckpointStore
@@ -96,6 +97,8 @@ class Trainer:
         registry.resolve(cfg.env.id)
         if not resume:
             refuse_run_over(self.run_dir, latest_checkpoint(self.run_dir) is not None)
+        # model.init_from: a new run's starting weights, checked before any actor starts (rlfabric.ppo_init)
+        self.init_state = None if resume else read_init_state(cfg)
         self.progress = Progress()
         self.pool: RunnerPool | None = None
         self.learner: Any = None
@@ -262,6 +265,11 @@ class Trainer:
             self._load_learner_state(checkpoint)
             self._restarts_before = self.progress.runner_restarts
             self._lost_before = self.progress.lost_fragments
+        elif self.init_state is not None:
+            try:
+                ray.get(self.learner.init_from.remote(self.init_state))
+            except ray.exceptions.RayTaskError as exc:  # the env's spaces do not fit the checkpoint's weights
+                raise ConfigError(str(exc.cause) if isinstance(exc.cause, ValueError) else error_summary(exc)) from None
         total, clock = self._steps_to_train(), EtaClock()
         self.log = RunLog(
             self.run_dir,
@@ -273,6 +281,8 @@ class Trainer:
         placement = self.cfg.ray.placement or dict.fromkeys(PPO_ROLES, self.cfg.ray.placement_strategy)
         for line in record_plan(self.run_dir, {"runners": self.pool.runners, "learner": self._learners()}, placement):
             self.log.note(f"placement: {line}")
+        if checkpoint is None and self.init_state is not None:
+            self.log.note(f"model.init_from: weights and normalizer statistics of {self.init_state['source']}")
         if total != self.cfg.training.total_env_steps:
             batch = self.cfg.ppo.train_batch_size
             self.log.note(

@@ -195,8 +195,13 @@ def _refuse_unsupported(cfg: Config) -> None:
 
 def refuse_reward_components(cfg: Config) -> None:
     """A game's runners read no step info: ``env.reward_components`` / ``env.reward_weights`` there would be ignored,
-    so they are one ConfigError."""
+    so they are one ConfigError; so is ``model.init_from``, a single-agent run's checkpoint."""
     env = cfg.env
+    if cfg.model.init_from:
+        raise ConfigError(
+            f"model.init_from = {cfg.model.init_from!r} is set, but env.id = {env.id!r} is a game: a game's policies "
+            "start from a checkpoint as multi_agent.policies.<name>.checkpoint (frozen); remove it"
+        )
     if env.reward_components or env.reward_weights:
         key = "env.reward_components" if env.reward_components else "env.reward_weights"
         raise ConfigError(

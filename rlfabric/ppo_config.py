@@ -58,6 +58,9 @@ class ModelConfig:
     activation: Literal["tanh", "relu"] = "tanh"
     # Initial log standard deviation of the Gaussian policy (continuous actions only).
     init_log_std: float = 0.0
+    # A PPO checkpoint (iter_*.pt, or a run directory: its latest) whose weights and normalizer statistics a new
+    # run starts from ("": fresh weights); see rlfabric.ppo_init.
+    init_from: str = ""
 
 
 @dataclass

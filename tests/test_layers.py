@@ -110,6 +110,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "rlfabric.evaluation",  # rlfabric eval: best-of-N with any reward as the selector, reward by length
             "rlfabric.eval_report",  # the eval's table and plots
             "rlfabric.ppo_eval",  # rlfabric eval on a PPO run: episodes with a checkpoint's policy; load_policy
+            "rlfabric.ppo_init",  # a new PPO run from another run's checkpoint: its weights and normalizer statistics
             "rlfabric.rollout_scheduler",  # which prompts go out, which groups come back to train on
             "rlfabric.reward_watch",  # rewards failing on every sample, misspelt or never-given component names
             "rlfabric.weight_publisher",  # learner 0's weights to the generators
