@@ -145,11 +145,11 @@ def load_heldout(
     if not spec.startswith(TASK_PREFIX):
         file_rows = load_prompts(spec, prompt_key=prompt_key, field=field, fields=fields)
         own_file = bool(fields.heldout) and field == fields.heldout
-        in_train, repeats = _dropped_rows(file_rows, seen, prompt_key)
+        new, in_train, repeats = _new_rows(file_rows, seen, prompt_key)
         dropped = _dropped_text(len(file_rows), in_train, repeats, fields) if own_file and in_train + repeats else ""
         if dropped and note is not None:
             note(f"{field} = {spec!r}: {dropped}")
-        rows = _new_rows(file_rows, seen, prompt_key, num_rows)
+        rows = new if num_rows is None else new[:num_rows]
         if num_rows is not None and len(rows) < num_rows:
             kind = "task is not a training task" if fields.tasks else "prompt is not a training prompt"
             fixes = _fewer_heldout_fixes(len(rows), count_field, fields, len(train_rows), own_file)
@@ -168,28 +168,13 @@ def load_heldout(
     for round_ in range(HELDOUT_ROUNDS):
         batch = _generate(generate, options, 2 * num_rows + 16, derive_seed(seed, f"heldout/{round_}"), spec, field)
         _check_rows(batch, spec, prompt_key, field, fields)
-        rows += _new_rows(batch, seen, prompt_key, num_rows - len(rows))
+        rows += _new_rows(batch, seen, prompt_key)[0][: num_rows - len(rows)]
         if len(rows) == num_rows:
             return rows
     raise ConfigError(
         f"{field} = {spec!r}: found only {len(rows)} prompts that are not among the {len(seen)} training "
         f"prompts, {num_rows} asked for ({count_field}); ask for fewer rows or widen the task's options"
     )
-
-
-def _dropped_rows(rows: list[dict[str, Any]], train: set[str], prompt_key: str) -> tuple[int, int]:
-    """How many of ``rows`` a held-out set leaves out: (those whose identity is in ``train``, those repeating an
-    earlier row of ``rows``)."""
-    in_train = repeats = 0
-    seen: set[str] = set()
-    for row in rows:
-        identity = row_identity(row, prompt_key)
-        if identity in train:
-            in_train += 1
-        elif identity in seen:
-            repeats += 1
-        seen.add(identity)
-    return in_train, repeats
 
 
 def _dropped_text(total: int, in_train: int, repeats: int, fields: RowFields) -> str:
@@ -474,15 +459,19 @@ def row_identity(row: dict[str, Any], prompt_key: str) -> str:
     return json.dumps(row, sort_keys=True, default=str)
 
 
-def _new_rows(rows: list[dict[str, Any]], seen: set[str], prompt_key: str, limit: int | None) -> list[dict[str, Any]]:
-    """Rows whose identity (``row_identity``) is not in ``seen`` (which grows as they are taken), at most ``limit``
-    of them."""
-    out = []
+def _new_rows(rows: list[dict[str, Any]], seen: set[str], prompt_key: str) -> tuple[list[dict[str, Any]], int, int]:
+    """(the rows whose identity (``row_identity``) is neither in ``seen`` nor an earlier row's, how many were left
+    out as in ``seen``, how many as repeating an earlier row); ``seen`` then holds the identities taken too."""
+    out, in_seen, repeats = [], 0, 0
+    taken: set[str] = set()
     for row in rows:
-        if limit is not None and len(out) >= limit:
-            break
         identity = row_identity(row, prompt_key)
-        if identity not in seen:
-            seen.add(identity)
+        if identity in seen:
+            in_seen += 1
+        elif identity in taken:
+            repeats += 1
+        else:
+            taken.add(identity)
             out.append(row)
-    return out
+    seen |= taken
+    return out, in_seen, repeats
