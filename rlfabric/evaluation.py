@@ -42,13 +42,7 @@ from rlfabric.grpo_config import LLMConfig, episode_source, episode_source_field
 from rlfabric.llm_actors import judge_request, reward_resources, reward_weights, start_generator
 from rlfabric.llm_resources import SETUP_TIMEOUT_S, openmp_env
 from rlfabric.llm_run_state import FINAL_MODEL_DIR, INITIAL_MODEL_DIR, latest_checkpoint, read_trainer_state
-from rlfabric.llm_setup import (
-    check_chat_template,
-    check_prompt_ids,
-    check_reward_columns,
-    encode_prompts,
-    rendered_prompts,
-)
+from rlfabric.llm_setup import check_reward_columns, encode_checked, rendered_prompts
 from rlfabric.models.hf import check_model_source, model_max_positions
 from rlfabric.placement import ActorRequest, check_fits, check_fits_locally
 from rlfabric.policies.served import GeneratorsFailed, ServedLLMPolicy
@@ -272,9 +266,7 @@ class BestOfNEval:
         tokenizer = load_tokenizer(model_dir)
         self.decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)  # as the generator decodes
         named = f"{source[0]} = {source[1]!r}"
-        check_chat_template(self.cfg, tokenizer, model_dir, [(named, "held-out row", rows)])
-        ids = encode_prompts(self.cfg, tokenizer, rows, named, "held-out row", model_dir)
-        check_prompt_ids(self.cfg, tokenizer, model_dir, [(named, "held-out row", ids)])
+        (ids,) = encode_checked(self.cfg, tokenizer, model_dir, [(named, "held-out row", rows)])
         rows = rendered_prompts(tokenizer, rows, d.prompt_key)  # a conversational prompt as the text the model sees
         check_prompt_lengths(
             {"data.eval": ids},

@@ -162,6 +162,19 @@ def check_prompt_ids(
             )
 
 
+def encode_checked(
+    cfg: LLMConfig, tokenizer: Any, model_dir: str, sources: Sequence[tuple[str, str, list[dict[str, Any]]]]
+) -> list[list[list[int]]]:
+    """The prompts' token ids of each of ``sources`` ((a data setting and its value, what its rows are called, the
+    rows)), after the chat template's check and before the ids' (``check_chat_template``, ``encode_prompts``,
+    ``check_prompt_ids``): what a run and ``rlfabric eval`` check of their prompts before Ray."""
+    check_chat_template(cfg, tokenizer, model_dir, sources)
+    ids = [encode_prompts(cfg, tokenizer, rows, source, row_name, model_dir) for source, row_name, rows in sources]
+    encoded = [(source, name, prompt_ids) for (source, name, _), prompt_ids in zip(sources, ids, strict=True)]
+    check_prompt_ids(cfg, tokenizer, model_dir, encoded)
+    return ids
+
+
 def rendered_prompts(tokenizer: Any, rows: list[dict[str, Any]], prompt_key: str) -> list[dict[str, Any]]:
     """``rows`` with each conversational prompt replaced by the text its chat template renders (the text the model
     is prompted with): what the reward functions receive as the prompt and samples.jsonl shows."""
@@ -187,10 +200,11 @@ def check_reward_columns(cfg: LLMConfig, sources: dict[str, tuple[str, list[dict
                 continue
             fn = rewards.resolve_reward(dataclasses.asdict(spec), f"{field}[{i}]")
             check_row = getattr(fn, "check_row", None)  # the reward's own look at a row (rlfabric.rewards)
-            for setting, (value, rows) in sources.items() if check_row is not None else ():
+            for setting, (value, rows) in sources.items():
+                if check_row is None or not rows:
+                    continue
                 try:
-                    if rows:
-                        check_row({k: v for k, v in rows[0].items() if k != prompt_key})
+                    check_row({k: v for k, v in rows[0].items() if k != prompt_key})
                 except (KeyError, ValueError) as exc:
                     why = exc.args[0] if exc.args else repr(exc)
                     raise ConfigError(
@@ -293,11 +307,7 @@ class GRPOSetup:
         # numbered as held-out rows: with data.eval '' they are the rows of data.train that training leaves
         heldout = f"data.eval = {d.eval!r}" if d.eval else train
         rows = [(train, "row", self.train_rows), (heldout, "held-out row", self.eval_rows)]
-        check_chat_template(cfg, self.tokenizer, self.model_dir, rows)
-        self.train_ids = encode_prompts(cfg, self.tokenizer, self.train_rows, train, "row", self.model_dir)
-        self.eval_ids = encode_prompts(cfg, self.tokenizer, self.eval_rows, heldout, "held-out row", self.model_dir)
-        ids = [(train, "row", self.train_ids), (heldout, "held-out row", self.eval_ids)]
-        check_prompt_ids(cfg, self.tokenizer, self.model_dir, ids)
+        self.train_ids, self.eval_ids = encode_checked(cfg, self.tokenizer, self.model_dir, rows)
         # from here on a conversational prompt is the text the model sees: the rewards' prompt, samples.jsonl's
         self.train_rows = rendered_prompts(self.tokenizer, self.train_rows, d.prompt_key)
         self.eval_rows = rendered_prompts(self.tokenizer, self.eval_rows, d.prompt_key)
