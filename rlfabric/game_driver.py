@@ -13,7 +13,6 @@ runners report update win rates and Elo, and each change of the pool goes to eve
 from __future__ import annotations
 
 import math
-import os
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -47,7 +46,7 @@ from rlfabric.multiagent.config import (
 from rlfabric.multiagent.games import is_parallel
 from rlfabric.multiagent.mapping import plan_game
 from rlfabric.multiagent.selfplay import OpponentPool
-from rlfabric.ray_connect import ensure_ray
+from rlfabric.ray_connect import cluster_address, ensure_ray
 from rlfabric.reward_shaping import components_read
 from rlfabric.run.plots import plot_self_play
 from rlfabric.runner_pool import Completed
@@ -526,7 +525,7 @@ def is_game_config(cfg: Config) -> bool:
 def runs_on_local_ray(cfg: Config) -> bool:
     """Whether the run starts (or joins) a Ray instance on this machine, rather than a cluster whose workers may
     have what this process lacks (a GPU simulator, a licence, files, the env's packages)."""
-    return (cfg.ray.address or os.environ.get("RAY_ADDRESS") or "local") == "local"
+    return cluster_address(cfg.ray) is None
 
 
 def check_env_builds(cfg: Config) -> None:
