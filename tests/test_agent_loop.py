@@ -295,7 +295,10 @@ def test_the_learner_rejects_a_row_whose_logprobs_drifted_and_checks_only_rows_o
     local_ray, tmp_path, capsys
 ):
     model_dir, _, traj, _ = sampled_episodes(tmp_path)
-    traj.final_rewards["correct"] = np.array([1.0, 0.0] * 3, np.float32)  # every row has an advantage
+    # The rewards set outright, so every row has an advantage: the env's own ``invalid`` counts, summed in, put a
+    # row on its group's mean now and then, and a zero-advantage row is skipped before the check sees it.
+    traj.final_rewards = {"correct": np.array([1.0, 0.0] * 3, np.float32)}
+    traj.step_rewards = {}
 
     def learner():
         config = {**GRPOConfig().__dict__, "norm_length": 6}
