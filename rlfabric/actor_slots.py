@@ -4,8 +4,10 @@ The one fault mechanism for every role: env runners (``RunnerPool``), reward ser
 generators and rollout workers (the LLM driver). Every piece of work is handed out with the (slot, generation) of
 the actor doing it; a failure report names both. ``replace`` starts a fresh
 actor in the slot only when the report is about the slot's current generation, so several reports about one dead
-actor (a late reply, or two requests in flight on it) replace it once. A slot that fails too often in a row with
-no success in between is a bug, not bad luck: the run stops with its last error.
+actor (a late reply, or two requests in flight on it) replace it once. A slot that fails too often is a bug, not
+bad luck: the run stops with its last error, after ``MAX_CONSECUTIVE_FAILURES`` + 1 failures in a row with no
+success in between, or when half of its last ``FAILURE_WINDOW`` outcomes were failures (work that fails every
+other time, each replacement's first call succeeding, never fails twice in a row).
 
 A replacement needs a node that can hold it: when the failed actor's node died with the only resources of its
 kind, a pending replacement would make every later call wait out its deadline. ``replace`` waits a while for such
@@ -18,6 +20,7 @@ import re
 import sysconfig
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -26,6 +29,8 @@ import ray
 from ray.exceptions import GetTimeoutError, ObjectLostError, RayError, RayTaskError
 
 MAX_CONSECUTIVE_FAILURES = 5
+# A slot's last outcomes looked at: the run stops when half of them were failures.
+FAILURE_WINDOW = 2 * (MAX_CONSECUTIVE_FAILURES + 1)
 
 
 MAX_SUMMARY = 300  # characters of an error said on one line
@@ -148,16 +153,19 @@ class ActorSlots:
         max_consecutive_failures: int = MAX_CONSECUTIVE_FAILURES,
         resources: Mapping[str, float] | None = None,
         placement_wait_s: float = 0.0,
+        work: str = "calls",
     ) -> None:
-        """``make(slot, generation)`` starts the actor for a slot; ``role`` names it in notes and errors.
+        """``make(slot, generation)`` starts the actor for a slot; ``role`` names it in notes and errors, and
+        ``work`` what its outcomes are called there ("samples" for env runners).
         ``resources``: what one actor asks Ray for ("CPU", "GPU", custom); a replacement waits up to
         ``placement_wait_s`` for an alive node that has them (None: not checked)."""
-        self.role, self.make = role, make
+        self.role, self.make, self.work = role, make, work
         self.max_consecutive_failures = max_consecutive_failures
         self.resources, self.placement_wait_s = resources, placement_wait_s
         self.generations = [0] * count
         self.handles = [make(i, 0) for i in range(count)]
         self.consecutive_failures = [0] * count
+        self.outcomes = [deque(maxlen=FAILURE_WINDOW) for _ in range(count)]  # per slot: True for a failure
         self.restarts = 0
         self.closed = False
         self._lock = threading.Lock()  # between replace and shutdown, which may run on different threads
@@ -173,6 +181,7 @@ class ActorSlots:
         """Work of ``slot``'s ``generation`` came back: its run of failures is over."""
         if generation == self.generations[slot]:
             self.consecutive_failures[slot] = 0
+            self.outcomes[slot].append(False)
 
     def replace(self, slot: int, generation: int, reason: str, failure: bool = True) -> bool:
         """Kill and restart ``slot`` if ``generation`` is still its current one; False when it already was
@@ -187,6 +196,14 @@ class ActorSlots:
             raise RunAbortedError(
                 f"{self.role} {slot} failed {self.consecutive_failures[slot]} times in a row; last: {reason}"
             )
+        if failure:
+            outcomes = self.outcomes[slot]
+            outcomes.append(True)
+            if len(outcomes) == FAILURE_WINDOW and 2 * sum(outcomes) >= FAILURE_WINDOW:
+                raise RunAbortedError(
+                    f"{self.role} {slot} failed {sum(outcomes)} of its last {FAILURE_WINDOW} {self.work}; last: "
+                    f"{reason}"
+                )
         self._wait_for_room(slot, reason)
         with self._lock:  # a shutdown from another thread (a threaded actor closing) may have come meanwhile
             if self.closed:

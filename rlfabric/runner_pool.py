@@ -5,8 +5,8 @@ The pool hands out ObjectRefs only; fragment data never passes through the drive
 killed and replaced by a fresh actor with the current weights; its fragment is counted as lost and the driver simply
 asks again. A replacement waits up to ``sample_timeout_s`` for an alive node with the resources a runner asks for,
 else the run stops (``PlacementError``). A runner slot that fails too often stops the run with its last error: 6
-times in a row (``ActorSlots``), or half of its last 12 samples (``FAILURE_WINDOW``: an env that fails after more
-steps than a fragment has fails every other sample, each replacement's first one succeeding). An error of a
+times in a row, or half of its last 12 samples (``ActorSlots``' rule: an env that fails after more steps than a
+fragment has fails every other sample, each replacement's first one succeeding). An error of a
 ``fatal`` kind (the config and the env disagree, so every runner would fail the same way) stops the run at once
 with the error's own line.
 """
@@ -14,7 +14,6 @@ with the error's own line.
 from __future__ import annotations
 
 import time
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -22,12 +21,15 @@ from typing import Any
 import ray
 from ray.exceptions import RayError, RayTaskError
 
-from rlfabric.actor_slots import MAX_CONSECUTIVE_FAILURES, ActorSlots, RunAbortedError, error_summary
+from rlfabric.actor_slots import (
+    FAILURE_WINDOW,
+    MAX_CONSECUTIVE_FAILURES,
+    ActorSlots,
+    RunAbortedError,
+    error_summary,
+)
 
 __all__ = ["FAILURE_WINDOW", "MAX_CONSECUTIVE_FAILURES", "Completed", "RunAbortedError", "RunnerPool", "error_summary"]
-
-# A runner slot's last samples looked at: the run stops when half of them failed.
-FAILURE_WINDOW = 2 * (MAX_CONSECUTIVE_FAILURES + 1)
 
 
 @dataclass
@@ -73,7 +75,7 @@ class RunnerPool:
         self.on_failure = on_failure
         self.num_fragments = num_fragments
         self.slots = ActorSlots(
-            "runner", make_runner, num_runners, resources=resources, placement_wait_s=sample_timeout_s
+            "runner", make_runner, num_runners, resources=resources, placement_wait_s=sample_timeout_s, work="samples"
         )
         self.in_flight: dict[ray.ObjectRef, InFlight] = {}
         # The latest call of each state-setting method (weights, opponents) with its args: a replacement runner
@@ -82,8 +84,6 @@ class RunnerPool:
         self.lost_fragments = 0
         self.failures: list[str] = []  # one line per failed sample, in order
         self.failure_texts: list[str] = []  # beside each: the error's whole text (a remote traceback), or the line
-        # per runner slot, whether each of its last FAILURE_WINDOW samples failed
-        self.outcomes = [deque(maxlen=FAILURE_WINDOW) for _ in range(num_runners)]
 
     @property
     def runners(self) -> list[Any]:
@@ -161,7 +161,6 @@ class RunnerPool:
                 failed.append(flight.runner)
                 continue
             self.slots.succeeded(flight.runner, flight.generation)
-            self.outcomes[flight.runner].append(False)
             done.append(Completed(flight.runner, meta, flight.data_refs))
         now = time.monotonic()
         for ref, flight in list(self.in_flight.items()):
@@ -183,17 +182,11 @@ class RunnerPool:
                     pass
 
     def _replace(self, flight: InFlight, reason: str, text: str | None = None) -> None:
-        """Replace the runner a failed sample ran on (once per runner) and count its fragment as lost; stop the
-        run (RunAbortedError) when half of the slot's last ``FAILURE_WINDOW`` samples failed. ``reason``: one
-        line; ``text``: the error's whole text (None: the line says it all)."""
+        """Replace the runner a failed sample ran on (once per runner) and count its fragment as lost; the slots
+        stop the run (RunAbortedError) when it fails too often. ``reason``: one line; ``text``: the error's whole
+        text (None: the line says it all)."""
         self.failures.append(reason)
         self.failure_texts.append(text or reason)
-        outcomes = self.outcomes[flight.runner]
-        outcomes.append(True)
-        if len(outcomes) == FAILURE_WINDOW and 2 * sum(outcomes) >= FAILURE_WINDOW:
-            raise RunAbortedError(
-                f"runner {flight.runner} failed {sum(outcomes)} of its last {FAILURE_WINDOW} samples; last: {reason}"
-            )
         if self.slots.replace(flight.runner, flight.generation, reason):
             for method, args in self.state_calls.items():
                 getattr(self.runners[flight.runner], method).remote(*args)

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import gymnasium as gym
 import pytest
+import ray
 from runner_faults import kill_runner_after
 
 import rlfabric
@@ -234,3 +235,35 @@ def test_repeated_runner_failures_are_said_once_with_counts_and_the_first_traceb
     assert errors.count("\n== ") + errors.startswith("== ") == 1  # the first failure's entry only
     assert len(set(re.findall(r"sensor glitch (\d+\.\d+)", errors))) == 1
     assert f'{Path(__file__).name}", line' in errors and "\x1b[" not in errors  # the env's frame; no colours
+
+
+@ray.remote(num_cpus=0)
+class _Worker:
+    def ping(self) -> int:
+        return os.getpid()
+
+
+def test_a_slot_that_fails_every_other_call_stops_the_run_whatever_its_role(local_ray):
+    """Failures with a success between them never reach the in-a-row limit; every role's slots stop the run
+    when half of a slot's last FAILURE_WINDOW outcomes were failures, with a new process after each."""
+    from rlfabric.actor_slots import FAILURE_WINDOW, ActorSlots, RunAbortedError
+
+    slots = ActorSlots("generator", lambda slot, generation: _Worker.remote(), 1)
+    pids = []
+    try:
+        with pytest.raises(RunAbortedError) as raised:
+            for call in range(FAILURE_WINDOW):
+                _, generation, handle = slots.entries()[0]
+                pids.append(ray.get(handle.ping.remote()))
+                if call % 2:
+                    slots.replace(0, generation, f"generator 0 died on call {call}")
+                else:
+                    slots.succeeded(0, generation)
+    finally:
+        slots.shutdown()
+    half = FAILURE_WINDOW // 2
+    assert str(raised.value) == (
+        f"generator 0 failed {half} of its last {FAILURE_WINDOW} calls; last: generator 0 died on call "
+        f"{FAILURE_WINDOW - 1}"
+    )
+    assert len(set(pids)) == half  # each failure before the last replaced the process
