@@ -23,9 +23,10 @@ from rlfabric.actor_slots import error_kind, evaluation_failure, lost_object
 from rlfabric.actors.env_runner import EnvRunner
 from rlfabric.actors.learner import Learner
 from rlfabric.config import Config, ConfigError
-from rlfabric.placement import ActorRequest, RoleGroups, check_fits, record_plan
+from rlfabric.placement import RoleGroups, check_fits, record_plan
 from rlfabric.ppo_config import PPO_ROLES
 from rlfabric.ppo_init import read_init_state
+from rlfabric.ppo_placement import SETUP_TIMEOUT_S, ActorPlacement
 from rlfabric.ray_connect import ensure_ray
 from rlfabric.reward_shaping import MissingRewardComponent, component_metric, components_read
 from rlfabric.run.checkpoints import CHECKPOINT_DIR, CheckpointStore
@@ -36,8 +37,6 @@ from rlfabric.run.progress import EtaClock, ppo_progress_line
 from rlfabric.run.resume import finished_summary, no_checkpoint_error, refuse_run_over, resumed_config
 from rlfabric.runner_pool import Completed, RunAbortedError, RunnerPool, error_summary
 
-# How long setup waits for an actor to start before blaming the cluster's resources.
-SETUP_TIMEOUT_S = 120.0
 # What a checkpoint's weights and statistics depend on: a resumed run may not change these. The reward weights are
 # the reward the critic and the return statistics learned (as env.kwargs may be: a MuJoCo env's ctrl_cost_weight);
 # env.reward_components only adds what is logged and recorded, so it may change.
@@ -85,7 +84,7 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
     return checkpoints(Path(run_dir)).latest()
 
 
-class Trainer:
+class Trainer(ActorPlacement):
     """Runs one PPO training job described by a validated Config, writing to ``run_dir``."""
 
     def __init__(self, cfg: Config, run_dir: str | Path, resume: bool = False, quiet: bool = False) -> None:
@@ -142,69 +141,7 @@ class Trainer:
             )
         return cls(cfg, run_dir, resume=True, quiet=quiet)
 
-    # -- setup ------------------------------------------------------------------------------------------
-
-    def _num_learners(self) -> int:
-        """Learner actors that take ``learner``'s resources (a game has one per trainable neural policy)."""
-        return 1
-
-    def _actor_options(
-        self, num_cpus: float, num_gpus: float, resources: dict[str, float], role: str, index: int
-    ) -> dict[str, Any]:
-        """Ray options for the ``index``-th actor of ``role`` ("learner" or "runners"); with a placement group, it
-        goes in its own reservation (the learners' bundles first, then one per runner), so a runner can never take
-        a learner's GPU bundle."""
-        opts: dict[str, Any] = {"num_cpus": num_cpus, "num_gpus": num_gpus, "resources": resources or None}
-        if self.placement_group is not None:
-            from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-            bundle = index if role == "learner" else self._num_learners() + index
-            opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
-                self.placement_group, placement_group_bundle_index=bundle
-            )
-        elif self.role_groups is not None:
-            opts.update(self.role_groups.options(role, index))
-        return opts
-
-    def _cpus_wanted(self) -> float:
-        """CPUs the run's actors take: what a local Ray instance must have at least."""
-        r = self.cfg.runners
-        return r.num_runners * r.num_cpus + self._num_learners() * self.cfg.learner.num_cpus
-
-    def _runner_resources(self) -> dict[str, float]:
-        """What one runner asks Ray for: its bundle, and what a replacement needs a node to have."""
-        return {"CPU": self.cfg.runners.num_cpus, **self.cfg.runners.resources}
-
-    def _actor_requests(self) -> list[ActorRequest]:
-        """The runners and learners the run starts, each with what it asks Ray for."""
-        r, lc = self.cfg.runners, self.cfg.learner
-        learner_bundle = {"CPU": lc.num_cpus, **({"GPU": lc.num_gpus} if lc.num_gpus else {}), **lc.resources}
-        return [
-            ActorRequest("runners", r.num_runners, self._runner_resources()),
-            ActorRequest("learner", self._num_learners(), learner_bundle),
-        ]
-
-    def _make_placement_group(self) -> None:
-        r = self.cfg.runners
-        runners, learner = self._actor_requests()
-        if self.cfg.ray.placement:
-            self.role_groups = RoleGroups([runners, learner], self.cfg.ray.placement, SETUP_TIMEOUT_S)
-        strategy = self.cfg.ray.placement_strategy
-        if strategy is None:
-            return
-        from ray.util.placement_group import placement_group
-
-        runner_bundles = [self._runner_resources() for _ in range(r.num_runners)]
-        pg = placement_group([*[learner.resources] * learner.count, *runner_bundles], strategy=strategy)
-        try:
-            ray.get(pg.ready(), timeout=SETUP_TIMEOUT_S)
-        except ray.exceptions.GetTimeoutError:
-            ray.util.remove_placement_group(pg)
-            raise ConfigError(
-                f"ray.placement_strategy = {strategy!r}: the cluster cannot place {learner.count} learner(s) and "
-                f"{r.num_runners} runners with the requested resources within {SETUP_TIMEOUT_S:g} s"
-            ) from None
-        self.placement_group = pg
+    # -- setup (what each actor asks Ray for, and its reservations: ``ActorPlacement``) ---------------------
 
     def _make_runner(self, index: int, generation: int) -> Any:
         r, t = self.cfg.runners, self.cfg.training

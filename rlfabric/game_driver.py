@@ -30,7 +30,7 @@ from rlfabric.actors.game_runner import GameRunner
 from rlfabric.actors.learner import Learner
 from rlfabric.config import Config, ConfigError, config_from_dict
 from rlfabric.config_base import changed_keys, raised_by_user_code
-from rlfabric.driver import SETUP_TIMEOUT_S, Trainer, latest_checkpoint, next_episode_id_range
+from rlfabric.driver import Trainer, latest_checkpoint, next_episode_id_range
 from rlfabric.game_llm_servers import LLMServers
 from rlfabric.models import ActionSpec, ActorCritic
 from rlfabric.models.hf import check_model_source
@@ -46,6 +46,7 @@ from rlfabric.multiagent.config import (
 from rlfabric.multiagent.games import is_parallel
 from rlfabric.multiagent.mapping import plan_game
 from rlfabric.multiagent.selfplay import OpponentPool
+from rlfabric.ppo_placement import SETUP_TIMEOUT_S
 from rlfabric.ray_connect import cluster_address, ensure_ray
 from rlfabric.reward_shaping import components_read
 from rlfabric.run.plots import plot_self_play

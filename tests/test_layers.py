@@ -88,6 +88,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
         (
             "rlfabric",  # the package's face: re-exports config and registry, and the driver on demand
             "rlfabric.placement",  # whether a run's actors fit the cluster, checked by the drivers before setup
+            "rlfabric.ppo_placement",  # what a PPO run's actors ask Ray for, and their reservations
             "rlfabric.ray_connect",  # the cluster a run joins (its token sent) or the local Ray instance it starts
             "rlfabric.driver",
             "rlfabric.game_driver",  # PPO on multi-agent games: a learner per trainable policy, self-play
