@@ -27,9 +27,11 @@ from rlfabric.models.packed_batch import is_row_column
 from rlfabric.models.prefix_packing import check_maskable, maskable
 from rlfabric.models.sequences import (
     batched_response_logprobs,
+    consecutive_slices,
     keep_rows_with_advantage,
     layout_positions,
     micro_slices,
+    mini_batch_slices,
     packed_layout,
     response_logprobs,
     response_logprobs_in,
@@ -295,7 +297,8 @@ class LLMLearnerCore:
         }
 
     def train_step(self, batch: dict[str, np.ndarray], lr: float) -> dict[str, float]:
-        """One GRPO-family update on a batch: ``epochs`` passes, each one optimizer step over all micro-batches.
+        """One GRPO-family update on a batch: ``epochs`` passes, each one optimizer step per mini-batch
+        (``grpo.mini_batches``: contiguous slices of the rows), over its micro-batches.
 
         batch columns: input_ids, attention_mask, response_mask (loss mask), prompt_len, advantages [N] (or [N, R]
         per token, with step-level credit), behaviour_logprobs [N, R] (from the generators), and ref_logprobs
@@ -306,24 +309,29 @@ class LLMLearnerCore:
         """
         g = self.g
         b = self._shard(batch)
-        mask = b["response_mask"]
-        # The loss's normaliser is the whole batch's (all ranks, all micro-batches), so accumulation and
-        # data parallelism give the same gradient as one big batch.
-        denominator = self._global_denominator(mask)
-        full_rows = len(mask)
-        entropy_scale = 1.0
+        full_rows = len(b["response_mask"])
+        minis = mini_batch_slices(full_rows, g["mini_batches"])
+        # Each mini-batch's loss is normalised by its own rows' denominator over all ranks, so accumulation and
+        # data parallelism give the same gradient as one big mini-batch.
+        denominators = [self._global_denominator(b["response_mask"][mini]) for mini in minis]
+        entropy_scales = [1.0] * len(minis)
         if g["skip_zero_advantage_rows"] and g["kl_coef"] == 0 and g["entropy_coef"] == 0:
             # Every remaining loss term is scaled by the advantage, so zero-advantage rows (groups whose rewards
             # are all equal; with per-token advantages, rows with 0 on every token) add exactly zero to the
-            # gradient: skip their forward and backward. The denominator above still counts them, so the update
+            # gradient: skip their forward and backward. The denominators above still count them, so the update
             # is the one the whole batch gives.
-            b = select_rows(b, keep_rows_with_advantage(b["advantages"]))
-            mask = b["response_mask"]
-            # The entropy diagnostic is over the rows trained on: rescale it from the whole batch's denominator.
-            entropy_scale = denominator / max(self._global_denominator(mask), 1e-12)
-        # With one pass, the weights do not change before the optimizer step, so the "old" logprobs are the first
-        # forward's own (detached): exact, and one forward pass cheaper. More passes need them up front.
-        single_pass = g["epochs"] == 1
+            keeps = [keep_rows_with_advantage(b["advantages"][mini]) for mini in minis]
+            b = select_rows(b, torch.cat(keeps))
+            minis = consecutive_slices([int(keep.sum()) for keep in keeps])
+            # The entropy diagnostic is over the rows trained on: rescale it from the whole denominators.
+            entropy_scales = [
+                whole / max(self._global_denominator(b["response_mask"][mini]), 1e-12)
+                for whole, mini in zip(denominators, minis, strict=True)
+            ]
+        mask = b["response_mask"]
+        # With one pass in one step, the weights do not change before the optimizer step, so the "old" logprobs are
+        # the first forward's own (detached): exact, and one forward pass cheaper. More steps need them up front.
+        single_pass = g["epochs"] == 1 and len(minis) == 1
         old_logp = None if single_pass else torch.as_tensor(self._logprobs_of(b)).to(self.device)
         ref_logp = None
         if g["kl_coef"] > 0:
@@ -334,58 +342,70 @@ class LLMLearnerCore:
         metrics: dict[str, float] = {}
         gap_sum = 0.0  # sum over loss tokens of |learner logprob - behaviour logprob|, at the batch's weights
         prompt_len = int(b["prompt_len"])
-        slices = micro_slices(len(mask), g["micro_batch_size"])
-        loss_masks = [mask[rows] for rows in slices]  # the logprob check may take rows out at the first pass
+        # (mini-batch, rows) of each micro-batch, mini-batch by mini-batch
+        slices = [
+            (m, slice(mini.start + rows.start, mini.start + rows.stop))
+            for m, mini in enumerate(minis)
+            for rows in micro_slices(mini.stop - mini.start, g["micro_batch_size"])
+        ]
+        loss_masks = [mask[rows] for _, rows in slices]  # the logprob check may take rows out at the first pass
         logprob_drifted_rows = 0
         ids, attention = b["input_ids"].cpu().numpy(), b["attention_mask"].cpu().numpy()
         # Each micro-batch's layout, chosen (and packed) once for every epoch.
-        layouts = [packed_layout(self.model, ids[rows], attention[rows], prompt_len, self.packing) for rows in slices]
+        layouts = [packed_layout(self.model, ids[r], attention[r], prompt_len, self.packing) for _, r in slices]
         for epoch in range(g["epochs"]):
             sums: dict[str, float] = {}
-            for k, (rows, layout) in enumerate(zip(slices, layouts, strict=True)):
-                new_logp, entropy = response_logprobs_in(
-                    self.model,
-                    b["input_ids"][rows],
-                    b["attention_mask"][rows],
-                    prompt_len,
-                    layout,
-                    self.temperature,
-                    with_entropy=True,
-                    matmul_dtype=self.matmul_dtype,
-                )
-                if g["entropy_coef"] == 0:
-                    entropy = entropy.detach()
-                old = new_logp.detach() if single_pass else old_logp[rows]
-                if epoch == 0:
-                    gap_sum += float(((old - b["behaviour_logprobs"][rows]).abs() * mask[rows]).sum())
-                    loss_masks[k], rejected = self._check_logprobs(old, b, rows, loss_masks[k])
-                    logprob_drifted_rows += rejected
-                loss, m = policy_objective(
-                    new_logp,
-                    old,
-                    b["advantages"][rows],
-                    loss_masks[k],
-                    clip_low=g["clip_low"],
-                    clip_high=g["clip_high"],
-                    ratio_level=g["ratio_level"],
-                    policy_loss=g["policy_loss"],
-                    aggregation=g["loss_aggregation"],
-                    norm_length=g["norm_length"],
-                    ref_logp=None if ref_logp is None else ref_logp[rows],
-                    kl_coef=g["kl_coef"],
-                    kl_estimator=g["kl_estimator"],
-                    entropy=entropy,
-                    entropy_coef=g["entropy_coef"],
-                    denominator=denominator,
-                )
-                loss.backward()
-                weight = float(mask[rows].sum()) / max(float(mask.sum()), 1.0)
-                for key, value in m.items():  # additive ones sum; the per-call means are token-weighted
-                    additive = key in ("pg_loss", "kl", "entropy")
-                    sums[key] = sums.get(key, 0.0) + (value if additive else value * weight)
-            sums["grad_norm"] = self._step(lr, g["max_grad_norm"])
-            if "entropy" in sums:
-                sums["entropy"] *= entropy_scale
+            norms = []
+            for m in range(len(minis)):
+                for k in (k for k, (of, _) in enumerate(slices) if of == m):
+                    rows = slices[k][1]
+                    new_logp, entropy = response_logprobs_in(
+                        self.model,
+                        b["input_ids"][rows],
+                        b["attention_mask"][rows],
+                        prompt_len,
+                        layouts[k],
+                        self.temperature,
+                        with_entropy=True,
+                        matmul_dtype=self.matmul_dtype,
+                    )
+                    if g["entropy_coef"] == 0:
+                        entropy = entropy.detach()
+                    old = new_logp.detach() if single_pass else old_logp[rows]
+                    if epoch == 0:
+                        gap_sum += float(((old - b["behaviour_logprobs"][rows]).abs() * mask[rows]).sum())
+                        loss_masks[k], rejected = self._check_logprobs(old, b, rows, loss_masks[k])
+                        logprob_drifted_rows += rejected
+                    loss, values = policy_objective(
+                        new_logp,
+                        old,
+                        b["advantages"][rows],
+                        loss_masks[k],
+                        clip_low=g["clip_low"],
+                        clip_high=g["clip_high"],
+                        ratio_level=g["ratio_level"],
+                        policy_loss=g["policy_loss"],
+                        aggregation=g["loss_aggregation"],
+                        norm_length=g["norm_length"],
+                        ref_logp=None if ref_logp is None else ref_logp[rows],
+                        kl_coef=g["kl_coef"],
+                        kl_estimator=g["kl_estimator"],
+                        entropy=entropy,
+                        entropy_coef=g["entropy_coef"],
+                        denominator=denominators[m],
+                    )
+                    loss.backward()
+                    weight = float(mask[rows].sum()) / max(float(mask.sum()), 1.0)
+                    for key, value in values.items():
+                        # additive ones sum within a mini-batch and are averaged over mini-batches (each is over
+                        # its own denominator); the per-call means are token-weighted
+                        if key in ("pg_loss", "kl", "entropy"):
+                            value *= (entropy_scales[m] if key == "entropy" else 1.0) / len(minis)
+                        else:
+                            value *= weight
+                        sums[key] = sums.get(key, 0.0) + value
+                norms.append(self._step(lr, g["max_grad_norm"]))
+            sums["grad_norm"] = float(np.mean(norms))
             if epoch == 0:
                 metrics.update(sums)
                 metrics["logprob_gap"] = gap_sum / max(float(mask.sum()), 1.0)
@@ -395,13 +415,14 @@ class LLMLearnerCore:
                 metrics["skipped_rows"] = float(full_rows - len(mask))
                 # What the forward/backward ran over: real tokens, and the model's rows and positions as packed.
                 metrics["trained_tokens"] = float(b["attention_mask"].sum())
-                for rows, layout in zip(slices, layouts, strict=True):
+                for (_, rows), layout in zip(slices, layouts, strict=True):
                     for key, value in layout_positions(layout, ids[rows], prompt_len).items():
                         metrics[f"trained_{key}"] = metrics.get(f"trained_{key}", 0.0) + value
             # How far the update moved the policy: the last pass's ratio to the batch's weights (the first pass's
-            # is 1 exactly, its "old" logprobs being its own), so with one epoch these stay 1, 0 and 0.
+            # is 1 exactly, its "old" logprobs being its own, unless an earlier mini-batch's step moved them), so
+            # with one epoch and one mini-batch these stay 1, 0 and 0.
             metrics.update({k: v for k, v in sums.items() if k in MOVED_BY_THE_UPDATE})
-        self.version += 1  # one policy version per batch, however many epochs it took
+        self.version += 1  # one policy version per batch, however many epochs and mini-batches it took
         return metrics
 
     def _check_logprobs(

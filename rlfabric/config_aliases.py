@@ -84,8 +84,8 @@ VERL_ALIASES = (
         f"{_ACTOR}.ppo_mini_batch_size",
         "verl",
         "grpo",
-        "grpo.prompts_per_step",
-        "each epoch is one optimizer step on the whole batch ('grpo.prompts_per_step'): no mini-batches",
+        "grpo.mini_batches",
+        "it is 'grpo.mini_batches': optimizer steps per epoch, data.train_batch_size / ppo_mini_batch_size",
     ),
     Alias(f"{_ACTOR}.ppo_epochs", "verl", "grpo", "grpo.epochs"),
     Alias(
@@ -150,6 +150,7 @@ ALIASES = (
     Alias("epsilon", "TRL", "grpo", "grpo.clip_low"),
     Alias("epsilon_high", "TRL", "grpo", "grpo.clip_high"),
     Alias("num_iterations", "TRL", "grpo", "grpo.epochs"),
+    Alias("steps_per_generation", "TRL", "grpo", "grpo.mini_batches"),
     Alias("mask_truncated_completions", "TRL", "grpo", "grpo.overlong_filter"),
     Alias("reward_weights", "TRL", "grpo", "rewards.weights"),
     Alias("max_steps", "TRL", "grpo", "training.total_steps"),

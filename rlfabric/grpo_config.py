@@ -238,7 +238,11 @@ class GRPOConfig:
     max_logprob_gap: float | None = 0.5
     # Passes over each batch; > 1 makes the clip matter (the first pass is on-policy).
     epochs: int = 1
-    # Sequences per forward/backward; gradients accumulate over the batch before one optimizer step.
+    # Optimizer steps per pass: the batch's rows split into this many contiguous mini-batches, each its own step
+    # (verl's train_batch_size / ppo_mini_batch_size, TRL's steps_per_generation). From the second on the policy
+    # has moved, so the ratio and the clip act even with one epoch.
+    mini_batches: int = 1
+    # Sequences per forward/backward; gradients accumulate over a mini-batch before its optimizer step.
     micro_batch_size: int = 64
     lr: float = 5e-4
     weight_decay: float = 0.0
@@ -351,6 +355,7 @@ def validate_llm(cfg: LLMConfig) -> LLMConfig:
     for path, value in (
         ("grpo.prompts_per_step", g.prompts_per_step),
         ("grpo.epochs", g.epochs),
+        ("grpo.mini_batches", g.mini_batches),
         ("grpo.micro_batch_size", g.micro_batch_size),
         ("grpo.max_sampling_rounds", g.max_sampling_rounds),
         ("sampling.max_new_tokens", s.max_new_tokens),
@@ -425,6 +430,14 @@ def validate_llm(cfg: LLMConfig) -> LLMConfig:
         "learner.num_learners",
         cfg.learner.num_learners,
         f"must divide the batch (grpo.prompts_per_step * grpo.group_size = {cfg.batch_size})",
+    )
+    rows_per_learner = cfg.batch_size // cfg.learner.num_learners
+    require(
+        g.mini_batches <= rows_per_learner,
+        "grpo.mini_batches",
+        g.mini_batches,
+        f"must be at most the rows each learner trains (grpo.prompts_per_step * grpo.group_size / "
+        f"learner.num_learners = {rows_per_learner})",
     )
     require(
         cfg.generator.backend != "vllm" or cfg.generator.num_gpus > 0,

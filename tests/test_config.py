@@ -443,3 +443,15 @@ def test_resume_refuses_changes_the_checkpoint_depends_on(tmp_path):
 def test_multi_turn_settings_out_of_range_name_the_field(data, field):
     message = _error({"algo": "grpo", **data})
     assert message.startswith(f"{field} = ") and "is not valid" in message
+
+
+@pytest.mark.parametrize("mini_batches, expected", [(0, "must be at least 1"), (9, "must be at most the rows")])
+def test_grpo_mini_batches_between_one_and_the_rows_of_a_learner(mini_batches, expected):
+    """4 prompts x 2 completions over 2 learners: 4 rows each, so at most 4 optimizer steps per pass."""
+    grpo = {"prompts_per_step": 4, "group_size": 2, "mini_batches": mini_batches}
+    message = _error({"algo": "grpo", "grpo": grpo, "learner": {"num_learners": 2}})
+    assert message.startswith(f"grpo.mini_batches = {mini_batches} is not valid: {expected}")
+    if mini_batches == 9:
+        assert message.endswith("(grpo.prompts_per_step * grpo.group_size / learner.num_learners = 4)")
+    config = config_from_dict({"algo": "grpo", "grpo": {**grpo, "mini_batches": 4}, "learner": {"num_learners": 2}})
+    assert config.grpo.mini_batches == 4

@@ -36,6 +36,7 @@ from grpo_runs import BASE, TINY, Run, merged, run_grpo, write_prompts
 
 from rlfabric.actors.generator import Generator
 from rlfabric.actors.llm_learner import LLMLearner, LLMLearnerCore
+from rlfabric.algorithms.grpo import policy_objective
 from rlfabric.config import ConfigError, config_from_dict, dump_config
 from rlfabric.grpo_config import GRPOConfig, SFTConfig
 from rlfabric.llm_driver import GRPOTrainer
@@ -43,6 +44,7 @@ from rlfabric.llm_resources import concurrent_actors
 from rlfabric.llm_run_state import latest_checkpoint
 from rlfabric.models.hf import build_small_model_dir, load_causal_lm, load_tokenizer
 from rlfabric.models.packed_batch import pack_sequences
+from rlfabric.models.sequences import response_logprobs
 from rlfabric.models.shared_weights import SHM_DIR
 from rlfabric.models.weights import as_state_dict
 from rlfabric.rewards import RewardInput, default_weights, register_reward
@@ -326,6 +328,44 @@ def set_aggregation(learner, aggregation: str) -> None:
         learner.g["loss_aggregation"] = aggregation
     else:
         ray.get(learner.__ray_call__.remote(lambda actor, a: actor.core.g.update(loss_aggregation=a), aggregation))
+
+
+def test_mini_batches_step_in_turn_against_the_logprobs_the_batch_met(dp_setup):
+    """grpo.mini_batches: 2 is one AdamW step on each half of the rows in turn, each half's loss over its own
+    tokens, both against the logprobs of the weights the batch met (so the second half's ratio is not 1): what a
+    plain loop over the halves gives, written out here on the padded rows."""
+    model_dir, batch = dp_setup
+    g = GRPOConfig()
+    threads = torch.get_num_threads()
+    try:
+        learners = {}
+        for parts in (1, 2):
+            learners[parts] = LLMLearnerCore(**learner_kwargs(model_dir, "token_mean", 3, sequence_packing="padded"))
+            learners[parts].g.update(mini_batches=parts, max_grad_norm=None)
+        metrics = {parts: learner.train_step(batch, 1e-3) for parts, learner in learners.items()}
+
+        model = load_causal_lm(str(model_dir), dtype="float32", device="cpu")
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=g.weight_decay)
+        ids, attention = torch.tensor(batch["input_ids"]), torch.tensor(batch["attention_mask"])
+        mask, advantages = torch.tensor(batch["response_mask"]), torch.tensor(batch["advantages"])
+        prompt_len = int(batch["prompt_len"])
+        with torch.no_grad():
+            old, _ = response_logprobs(model, ids, attention, prompt_len)
+        for half in (slice(0, 4), slice(4, 8)):
+            new, _ = response_logprobs(model, ids[half], attention[half], prompt_len)
+            loss, _ = policy_objective(
+                new, old[half], advantages[half], mask[half], clip_low=g.clip_low, clip_high=g.clip_high
+            )
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    finally:
+        torch.set_num_threads(threads)
+    expected = {k: v.detach() for k, v in model.state_dict().items()}
+    assert max_abs_diff(learners[2].state_dict_cpu(), expected) < 1e-5
+    assert max_abs_diff(learners[1].state_dict_cpu(), expected) > 1e-4  # one step on the whole batch is not that
+    assert metrics[1]["ratio_mean"] == 1.0 and abs(metrics[2]["ratio_mean"] - 1.0) > 1e-5  # the 2nd half moved
+    assert learners[2].version == learners[1].version == 1  # one policy version per batch
 
 
 @pytest.mark.parametrize("zero_groups", ["some", "all"])

@@ -76,6 +76,19 @@ def micro_slices(n: int, size: int) -> list[slice]:
     return [slice(i, min(i + size, n)) for i in range(0, n, size)]
 
 
+def mini_batch_slices(n: int, parts: int) -> list[slice]:
+    """``n`` rows in min(parts, n) contiguous slices whose sizes differ by at most one, larger ones first (at
+    least one slice, empty for n = 0)."""
+    parts = max(1, min(parts, n))
+    return consecutive_slices([n // parts + int(i < n % parts) for i in range(parts)])
+
+
+def consecutive_slices(sizes: list[int]) -> list[slice]:
+    """Slices of the given sizes, one after another from 0."""
+    ends = np.cumsum(sizes, dtype=np.int64).tolist()
+    return [slice(end - size, end) for end, size in zip(ends, sizes, strict=True)]
+
+
 def layout_positions(layout: SharedPrefixPack | None, input_ids: np.ndarray, prompt_len: int) -> dict[str, float]:
     """What the model runs over for one micro-batch in ``layout`` (``packed_layout``'s pack, or None for the padded
     rows ``input_ids``): ``sequences`` (rows of its input), ``positions`` (their positions, padding included) and
