@@ -31,7 +31,7 @@ import ray
 
 from rlfabric import rewards
 from rlfabric.actor_slots import ActorSlots, PlacementError, RunAbortedError, error_summary, lost_object
-from rlfabric.actors.llm_learner import ADDITIVE_LEARNER_METRICS, LEARNER_METRICS
+from rlfabric.actors.llm_learner_metrics import ADDITIVE_LEARNER_METRICS, LEARNER_METRICS
 from rlfabric.actors.llm_rollout import RolloutRequest
 from rlfabric.algorithms.lr_schedules import scheduled_lr
 from rlfabric.compact import payload_bytes

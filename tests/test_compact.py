@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from rlfabric.actors.llm_learner import LEARNER_METRICS
+from rlfabric.actors.llm_learner_metrics import LEARNER_METRICS
 from rlfabric.actors.rollout_meta import decode_meta, encode_meta
 from rlfabric.compact import FloatFields, payload_bytes
 
