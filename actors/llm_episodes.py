@@ -15,7 +15,12 @@ from typing import Any
 
 import numpy as np
 
-from rlfabric.actors.rollout_meta import MAX_ERRORS_IN_META, episodes_meta, last_row_of_each_episode
+from rlfabric.actors.rollout_meta import (
+    MAX_ERRORS_IN_META,
+    episodes_meta,
+    last_row_of_each_episode,
+    sums_by_source,
+)
 from rlfabric.agent_loop import Episode, episodes_to_trajectories, run_episodes
 from rlfabric.agent_rollout import agent_trajectories, episode_versions, play_agents, transcript
 from rlfabric.agents import AgentEpisode
@@ -212,6 +217,17 @@ class EpisodeRollouts:
         if request.prompt_set == "eval":
             # always: an env gives 'correct' on the episodes it counts right only, so its absence is a wrong answer
             meta["correct_sum"] = float(sum(c.get("correct", 0.0) for _, c, error in outcomes if error is None))
-            meta["reward_sum"] = float(scalar[last_row_of_each_episode(trajectories.episode_id)].sum())
+            episode_rewards = scalar[last_row_of_each_episode(trajectories.episode_id)]
+            meta["reward_sum"] = float(episode_rewards.sum())
+            ok = [error is None for _, _, error in outcomes]
+            if sum(ok) == len(episode_rewards):  # the record holds the episodes that did not fail, in order
+                scored = iter(episode_rewards.tolist())
+                by_source = sums_by_source(
+                    [task.get("data_source") for task in tasks],
+                    [components if good else None for (_, components, _), good in zip(outcomes, ok, strict=True)],
+                    [next(scored) if good else None for good in ok],
+                )
+                if by_source:
+                    meta["by_source"] = by_source
             return meta, None
         return meta, trajectories

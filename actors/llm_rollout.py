@@ -39,6 +39,7 @@ from rlfabric.actors.rollout_meta import (
     group_statistics,
     process_means,
     step_credit_signal,
+    sums_by_source,
 )
 from rlfabric.agent_loop import EpisodeLimits
 from rlfabric.agent_rollout import (
@@ -346,6 +347,14 @@ class LLMRolloutCore(EpisodeRollouts):
             if any("correct" in c for c in scored):  # absent: no reward gives one, accuracy is n/a
                 meta["correct_sum"] = float(sum(c.get("correct", 0.0) for c in scored))
             meta["reward_sum"] = float(scalar.sum())
+            reward_of = dict(zip(kept.tolist(), scalar.tolist(), strict=True))
+            by_source = sums_by_source(
+                [row.get("data_source") for row in rows],
+                [r.components if r.error is None else None for r in results],
+                [reward_of.get(i) for i in range(len(rows))],
+            )
+            if by_source:
+                meta["by_source"] = by_source
             return meta, None
         return meta, trajectories
 

@@ -4,11 +4,12 @@ The rollout worker (``actors/llm_rollout.py``) fills a metadata dict per rollout
 float32 buffers whose field names both sides import (``rlfabric.compact``), ``decode_meta`` reads it back on the
 driver. The helpers here compute the parts every kind of rollout reports: ``group_statistics`` (what the driver
 decides batching, dynamic sampling and staleness from), ``step_credit_signal``, ``episodes_meta`` for multi-turn
-episodes, ``process_means``.
+episodes, ``process_means``, and an evaluation's ``sums_by_source``.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -142,6 +143,30 @@ def process_means(step_components: list[list[dict[str, float]] | None]) -> dict[
     scored = [steps for steps in step_components if steps]
     names = sorted({k for steps in scored for step in steps for k in step})
     return {k: float(np.mean([np.mean([step.get(k, 0.0) for step in steps]) for steps in scored])) for k in names}
+
+
+def sums_by_source(
+    sources: Sequence[Any], components: Sequence[Mapping[str, float] | None], rewards: Sequence[float | None]
+) -> dict[str, dict[str, float]]:
+    """An evaluation's sums per data source (a row's ``data_source`` column, verl's and Hugging Face datasets'
+    name for where a row comes from), given per sample its source, its reward components and scalar reward (None
+    for both where the rewards failed it): samples, scored (samples - failed), reward_sum, and correct_sum where
+    some sample of the source was given a ``correct`` component. Empty when the samples come from fewer than two
+    sources (the overall figures say it all); a sample without a source counts under "none"."""
+    names = ["none" if source is None else str(source) for source in sources]
+    if len(set(names)) < 2:
+        return {}
+    out: dict[str, dict[str, float]] = {}
+    for name, given, reward in zip(names, components, rewards, strict=True):
+        sums = out.setdefault(name, {"samples": 0.0, "scored": 0.0, "reward_sum": 0.0})
+        sums["samples"] += 1
+        if given is None or reward is None:
+            continue
+        sums["scored"] += 1
+        sums["reward_sum"] += float(reward)
+        if "correct" in given:
+            sums["correct_sum"] = sums.get("correct_sum", 0.0) + float(given["correct"])
+    return out
 
 
 def encode_meta(meta: dict[str, Any]) -> tuple:

@@ -85,10 +85,11 @@ def eval_row(meta: Mapping[str, Any], label: str) -> dict[str, Any]:
     """An evaluation's row from its rollout's metadata: accuracy = correct / scored (None without a ``correct``
     component: n/a, not 0) and the mean reward = reward /
     scored, over the samples the rewards scored (scored = samples - failed; both None when none was). A sample some
-    reward failed is not a wrong answer: it is counted apart, as ``eval_failed`` of ``eval_samples``."""
+    reward failed is not a wrong answer: it is counted apart, as ``eval_failed`` of ``eval_samples``. With
+    ``meta["by_source"]`` (``sums_by_source``: held-out rows of several data sources) both again per source."""
     n, failed = meta["samples"], meta.get("failed", meta["samples"])
     scored = n - failed
-    return {
+    row = {
         "phase": "eval",
         "label": label,
         "eval_accuracy": meta["correct_sum"] / scored if scored > 0 and gives_accuracy(meta) else None,
@@ -96,6 +97,12 @@ def eval_row(meta: Mapping[str, Any], label: str) -> dict[str, Any]:
         "eval_failed": failed,
         "eval_samples": n,
     }
+    # held-out rows from several data sources: the same two figures per source (``eval_accuracy/<source>``)
+    for source, sums in sorted(meta.get("by_source", {}).items()):
+        scored = sums["scored"]
+        row[f"eval_accuracy/{source}"] = sums["correct_sum"] / scored if scored and "correct_sum" in sums else None
+        row[f"eval_reward_mean/{source}"] = sums["reward_sum"] / scored if scored else None
+    return row
 
 
 def run_summary(

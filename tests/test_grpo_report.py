@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from rlfabric.actors.rollout_meta import sums_by_source
 from rlfabric.grpo_report import eval_row, run_summary, step_row
 from rlfabric.llm_run_state import Counters
 from rlfabric.run.progress import grpo_progress_line as progress_line
@@ -54,6 +55,32 @@ def test_an_eval_row_is_accuracy_and_reward_over_the_scored_samples_with_the_uns
     assert progress_line({**nothing, "step": 50, "time_s": 3.0}) == (
         "eval step    50 | held-out accuracy n/a (3 of 3 unscored) |      3s"
     )
+
+
+def test_held_out_rows_of_several_data_sources_are_summed_and_reported_per_source():
+    # 5 samples: gsm8k right, gsm8k wrong (reward 0.5 from a format bonus), math failed by a reward, math right,
+    # one row without a source, wrong
+    sums = sums_by_source(
+        ["gsm8k", "gsm8k", "math", "math", None],
+        [{"correct": 1.0}, {"correct": 0.0, "format": 0.5}, None, {"correct": 1.0}, {"correct": 0.0}],
+        [1.0, 0.5, None, 1.0, 0.0],
+    )
+    assert sums == {
+        "gsm8k": {"samples": 2, "scored": 2, "reward_sum": 1.5, "correct_sum": 1.0},
+        "math": {"samples": 2, "scored": 1, "reward_sum": 1.0, "correct_sum": 1.0},
+        "none": {"samples": 1, "scored": 1, "reward_sum": 0.0, "correct_sum": 0.0},
+    }
+    assert sums_by_source(["gsm8k"] * 2, [{"correct": 1.0}] * 2, [1.0, 1.0]) == {}  # one source: the totals say it
+    meta = {"samples": 5, "failed": 1, "correct_sum": 2.0, "reward_sum": 2.5, "by_source": sums}
+    row = eval_row(meta, "final")
+    assert row["eval_accuracy"] == 0.5
+    assert (row["eval_accuracy/gsm8k"], row["eval_accuracy/math"], row["eval_accuracy/none"]) == (0.5, 1.0, 0.0)
+    assert (row["eval_reward_mean/gsm8k"], row["eval_reward_mean/math"]) == (0.75, 1.0)
+    assert progress_line({**row, "step": 9, "time_s": 4.0}) == (
+        "eval step     9 | held-out accuracy 0.500 (gsm8k 0.500, math 1.000, none 0.000) (1 of 5 unscored) |      4s"
+    )
+    unscored = eval_row({**meta, "by_source": {"a": {"samples": 1, "scored": 0, "reward_sum": 0.0}}}, "final")
+    assert unscored["eval_accuracy/a"] is None and unscored["eval_reward_mean/a"] is None
 
 
 def test_without_a_correct_component_held_out_accuracy_is_n_a_not_zero():

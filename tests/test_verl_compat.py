@@ -192,14 +192,17 @@ def test_trl_names_and_spelling_hints_still_work_beside_verl_names():
 # -- a GRPO run on verl's data and reward -----------------------------------------------------------------------
 
 
-def write_verl_parquet(path: Path, pairs: list[tuple[int, int]], split: str) -> str:
-    """verl's preprocessed parquet: chat-message prompts, the ground truth in the reward_model struct."""
+def write_verl_parquet(
+    path: Path, pairs: list[tuple[int, int]], split: str, sources: tuple[str, ...] = ("sums",)
+) -> str:
+    """verl's preprocessed parquet: chat-message prompts, the ground truth in the reward_model struct; rows take
+    their ``data_source`` from ``sources`` in turn."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     rows = [
         {
-            "data_source": "sums",
+            "data_source": sources[i % len(sources)],
             "prompt": [{"role": "user", "content": f"{a}+{b}="}],
             "ability": "math",
             "reward_model": {"style": "rule", "ground_truth": str(a + b)},
@@ -214,7 +217,7 @@ def write_verl_parquet(path: Path, pairs: list[tuple[int, int]], split: str) -> 
 def test_grpo_trains_on_a_verl_parquet_with_a_verl_reward_unchanged(tmp_path):
     pairs = [(a, b) for a in range(6) for b in range(6)]
     train = write_verl_parquet(tmp_path / "train.parquet", pairs[:32], "train")
-    heldout = write_verl_parquet(tmp_path / "test.parquet", pairs[32:], "test")
+    heldout = write_verl_parquet(tmp_path / "test.parquet", pairs[32:], "test", sources=("sums", "more_sums"))
     run = run_grpo(
         tmp_path / "run",
         data={"train": train, "eval": heldout, "num_train": None, "num_eval": None},
@@ -232,7 +235,13 @@ def test_grpo_trains_on_a_verl_parquet_with_a_verl_reward_unchanged(tmp_path):
     for row in rows:
         assert row["reward_mean"] == pytest.approx(row["reward_score"], abs=1e-6), row
         assert "reward_correct" in row and "reward_bonus" not in row, row
-    assert len(run.phase("eval")) >= 1
+    # verl's data_source column: each evaluation's accuracy per source too, 2 held-out rows each
+    evals = run.phase("eval")
+    assert evals
+    for row in evals:
+        per_source = [row["eval_accuracy/sums"], row["eval_accuracy/more_sums"]]
+        assert sum(per_source) / 2 == pytest.approx(row["eval_accuracy"]), row
+        assert all(accuracy in (0.0, 0.5, 1.0) for accuracy in per_source), row
 
 
 def test_verl_rows_without_a_ground_truth_are_one_line_before_ray(tmp_path):

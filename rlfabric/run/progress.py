@@ -81,7 +81,13 @@ def grpo_progress_line(row: dict[str, Any], total: int | None = None, eta_s: flo
     if row.get("phase") == "eval":
         when = EVAL_LABELS.get(row.get("label"), f"step {row['step']:>5}")
         accuracy = "n/a" if row["eval_accuracy"] is None else f"{row['eval_accuracy']:.3f}"
-        return f"eval {when} | held-out accuracy {accuracy}{unscored_note(row)} | {row['time_s']:6.0f}s"
+        by_source = [  # held-out rows of several data sources: each one's accuracy after the whole
+            f"{key.removeprefix('eval_accuracy/')} {value:.3f}"
+            for key, value in row.items()
+            if key.startswith("eval_accuracy/") and value is not None
+        ]
+        sources = f" ({', '.join(by_source)})" if by_source else ""
+        return f"eval {when} | held-out accuracy {accuracy}{sources}{unscored_note(row)} | {row['time_s']:6.0f}s"
     accuracy = row.get("accuracy")
     lr = f" | lr {row['lr']:.1e}" if row.get("lr") is not None else ""  # the schedule's rate this step
     return (
