@@ -229,10 +229,14 @@ class LLMLearnerCore:
         groups: list[int] | None,
         lr: float,
         ref_logprobs: np.ndarray | None = None,
+        kl_coef: float | None = None,
     ) -> dict[str, float]:
         """One GRPO-family update on the chosen groups of the records (see ``train_step``), with the seconds it
-        spent building the batch and computing the update."""
+        spent building the batch and computing the update. ``kl_coef``: the KL term's coefficient from this update
+        on (an adaptive controller's, ``grpo.kl_target``); None keeps the current one."""
         started = time.perf_counter()
+        if kl_coef is not None:
+            self.g["kl_coef"] = kl_coef
         batch = self.batch_from(trajectories, groups)
         if ref_logprobs is not None:
             batch["ref_logprobs"] = ref_logprobs
@@ -499,10 +503,12 @@ class LLMLearner:
         groups: list[int] | None,
         lr: float,
         ref_logprobs: np.ndarray | None = None,
+        kl_coef: float | None = None,
     ) -> bytes:
         """An update on the chosen groups of the trajectory records (read from the object store here); its metrics
         as ``LEARNER_METRICS`` packs them (the driver reads them every step: small)."""
-        return LEARNER_METRICS.pack(self.core.train_on(ray.get(trajectory_refs), groups, lr, ref_logprobs))
+        records = ray.get(trajectory_refs)
+        return LEARNER_METRICS.pack(self.core.train_on(records, groups, lr, ref_logprobs, kl_coef))
 
     def node_id(self) -> str:
         return ray.get_runtime_context().get_node_id()

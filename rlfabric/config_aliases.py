@@ -97,6 +97,14 @@ VERL_ALIASES = (
     ),
     Alias("algorithm.norm_adv_by_std_in_grpo", "verl", "grpo", "grpo.scale_by_std"),
     Alias(
+        "algorithm.kl_ctrl",
+        "verl",
+        "grpo",
+        "grpo.kl_target",
+        "it is 'grpo.kl_target' (type adaptive's target_kl; horizon is 'grpo.kl_horizon', kl_coef 'grpo.kl_coef'), "
+        "on the KL loss term",
+    ),
+    Alias(
         "algorithm.filter_groups",
         "verl",
         "grpo",

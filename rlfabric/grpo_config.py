@@ -213,6 +213,11 @@ class GRPOConfig:
     loss_aggregation: str = "token_mean"
     kl_coef: float = 0.0
     kl_estimator: str = "k3"
+    # Adaptive KL (Ziegler et al. 2019): the measured KL this coefficient steers toward (null: kl_coef stays fixed).
+    # kl_coef is then the starting coefficient, multiplied after each update by 1 + clip(KL / kl_target - 1, -0.2,
+    # 0.2) * samples / kl_horizon.
+    kl_target: float | None = None
+    kl_horizon: int = 10000
     # Where the frozen reference model's logprobs are computed: in the learner or in a reference actor.
     reference: Literal["learner", "actor"] = "learner"
     entropy_coef: float = 0.0
@@ -356,6 +361,7 @@ def validate_llm(cfg: LLMConfig) -> LLMConfig:
         ("grpo.prompts_per_step", g.prompts_per_step),
         ("grpo.epochs", g.epochs),
         ("grpo.mini_batches", g.mini_batches),
+        ("grpo.kl_horizon", g.kl_horizon),
         ("grpo.micro_batch_size", g.micro_batch_size),
         ("grpo.max_sampling_rounds", g.max_sampling_rounds),
         ("sampling.max_new_tokens", s.max_new_tokens),
@@ -398,6 +404,7 @@ def validate_llm(cfg: LLMConfig) -> LLMConfig:
         ("sampling.temperature", s.temperature),
         ("sampling.top_k", s.top_k),
         ("grpo.max_logprob_gap", 0.0 if g.max_logprob_gap is None else g.max_logprob_gap),
+        ("grpo.kl_target", 0.0 if g.kl_target is None else g.kl_target),
         ("training.max_policy_lag", t.max_policy_lag),
         ("training.eval_every", t.eval_every),
         ("training.checkpoint_every", t.checkpoint_every),
@@ -430,6 +437,12 @@ def validate_llm(cfg: LLMConfig) -> LLMConfig:
         "learner.num_learners",
         cfg.learner.num_learners,
         f"must divide the batch (grpo.prompts_per_step * grpo.group_size = {cfg.batch_size})",
+    )
+    require(
+        g.kl_target is None or (g.kl_target > 0 and g.kl_coef > 0),
+        "grpo.kl_target",
+        g.kl_target,
+        "must be > 0, with grpo.kl_coef > 0 as the starting coefficient (the KL term and its reference model)",
     )
     rows_per_learner = cfg.batch_size // cfg.learner.num_learners
     require(

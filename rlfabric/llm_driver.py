@@ -33,6 +33,7 @@ from rlfabric import rewards
 from rlfabric.actor_slots import ActorSlots, PlacementError, RunAbortedError, error_summary, lost_object
 from rlfabric.actors.llm_learner_metrics import ADDITIVE_LEARNER_METRICS, LEARNER_METRICS
 from rlfabric.actors.llm_rollout import RolloutRequest
+from rlfabric.algorithms.grpo import adaptive_kl_coef
 from rlfabric.algorithms.lr_schedules import scheduled_lr
 from rlfabric.compact import payload_bytes
 from rlfabric.grpo_config import LLMConfig, plays_episodes
@@ -119,6 +120,7 @@ class GRPOTrainer(GRPOSetup):
         check_model_source(cfg.model.path)  # a missing folder or unknown hub id: one line, before anything starts
         self.counters = Counters()
         self.version = 0
+        self.kl_coef = cfg.grpo.kl_coef  # the KL term's coefficient now: adapted after each update with kl_target
         self.rng = np.random.default_rng(cfg.training.seed)
         self.generators: ActorSlots | None = None
         self.rollout_workers: ActorSlots | None = None
@@ -266,7 +268,7 @@ class GRPOTrainer(GRPOSetup):
             if self.reference is not None:  # an ObjectRef the learners resolve: never fetched here
                 ref_logprobs = self.reference.logprobs_of.remote(step.refs, groups)
             with self._timed("update_time_s"):
-                steps = [ln.train_on.remote(step.refs, groups, lr, ref_logprobs) for ln in self.learners]
+                steps = [ln.train_on.remote(step.refs, groups, lr, ref_logprobs, self.kl_coef) for ln in self.learners]
                 publishing = self.weights.start()  # every generator and scorer, queued behind the step
                 lost = self._lost_record(steps, step)
                 if lost is None:
@@ -287,10 +289,17 @@ class GRPOTrainer(GRPOSetup):
                     f"learner 0 failed during the weight publication at step {step}: {error_summary(exc)}"
                 ) from None
         # Some metrics are each rank's share of the whole batch's value (one shared denominator, or counts): they add.
-        return {
+        combined = {
             k: float((np.sum if k in ADDITIVE_LEARNER_METRICS else np.mean)([m[k] for m in metrics]))
             for k in metrics[0]
         }
+        g = self.cfg.grpo
+        if g.kl_coef > 0:
+            combined["kl_coef"] = self.kl_coef  # the coefficient this update used
+        if g.kl_target is not None:
+            trained = sum(n for _, n, _ in step.groups)
+            self.kl_coef = adaptive_kl_coef(self.kl_coef, combined["kl"], g.kl_target, trained, g.kl_horizon)
+        return combined
 
     # -- SFT warm-up and evaluation ---------------------------------------------------------------------------
 
@@ -508,6 +517,7 @@ class GRPOTrainer(GRPOSetup):
             "order": [int(i) for i in [*self.rollouts.order, *ahead]],
             "group_counter": self.rollouts.group_counter,
             "reference_model": reference,
+            "kl_coef": self.kl_coef,  # adaptive KL's coefficient (grpo.kl_target), carried on
             "elapsed_s": time.monotonic() - self._start,  # wall clock of every session so far
             # a count whose actors did not answer keeps at least the earlier sessions' (None would not resume)
             "restarts": {k: self._restarts_before.get(k, 0) if v is None else v for k, v in self._restarts().items()},
@@ -522,6 +532,8 @@ class GRPOTrainer(GRPOSetup):
         self.rollouts.order = [int(i) for i in state["order"]]
         self.rollouts.group_counter = int(state["group_counter"])
         self.reference_dir = reference_path(state.get("reference_model"), self.run_dir)
+        if self.cfg.grpo.kl_target is not None:  # else the config's coefficient, as a resumed run may change it
+            self.kl_coef = float(state.get("kl_coef", self.cfg.grpo.kl_coef))
         self._elapsed_before = float(state.get("elapsed_s", 0.0))
         self._restarts_before = {k: int(v) for k, v in state.get("restarts", {}).items()}
 

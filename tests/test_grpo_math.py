@@ -368,6 +368,14 @@ def test_aggregation_mode_errors_name_what_is_allowed():
 # -- KL, entropy, log-probs --------------------------------------------------------------------------------------
 
 
+def test_adaptive_kl_coefficient_by_hand():
+    # Ziegler et al.: e = clip(KL / target - 1, -0.2, 0.2), coef * (1 + e * samples / horizon); 64 samples of 640
+    assert grpo.adaptive_kl_coef(0.1, kl=0.2, target=0.1, samples=64, horizon=640) == pytest.approx(0.102)  # e 0.2
+    assert grpo.adaptive_kl_coef(0.1, kl=0.11, target=0.1, samples=64, horizon=640) == pytest.approx(0.101)  # e 0.1
+    assert grpo.adaptive_kl_coef(0.1, kl=0.0, target=0.1, samples=64, horizon=640) == pytest.approx(0.098)  # e -0.2
+    assert grpo.adaptive_kl_coef(0.1, kl=NAN, target=0.1, samples=64, horizon=640) == 0.1  # not measured: kept
+
+
 def test_kl_penalty_k1_and_k3_by_hand():
     logp, ref = t([math.log(0.5), math.log(0.25), -1.0]), t([math.log(0.25), math.log(0.5), -1.0])
     ln2 = math.log(2)

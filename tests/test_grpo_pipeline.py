@@ -330,6 +330,27 @@ def set_aggregation(learner, aggregation: str) -> None:
         ray.get(learner.__ray_call__.remote(lambda actor, a: actor.core.g.update(loss_aggregation=a), aggregation))
 
 
+def test_adaptive_kl_steers_the_coefficient_each_step_and_a_resumed_run_carries_it_on(local_ray, tmp_path):
+    """grpo.kl_target: each update uses the coefficient the last one left, coef * (1 + clip(KL / target - 1, -0.2,
+    0.2) * samples / horizon), logged as kl_coef; a resumed run goes on from the checkpoint's."""
+    run_dir = tmp_path / "run"
+    grpo = {"kl_coef": 0.1, "kl_target": 1e-4, "kl_horizon": 16, "reference": "learner", "lr": 1e-2}
+    first = run_grpo(run_dir, grpo=grpo, training={"total_steps": 3, "checkpoint_every": 1})
+    trainer = GRPOTrainer.from_run_dir(run_dir, ["training.total_steps=4"], quiet=True)
+    try:
+        trainer.train()
+    finally:
+        trainer.close()
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if r.get("phase") == "grpo"]
+    assert [r["step"] for r in steps] == [1, 2, 3, 4] and steps[:3] == first.phase("grpo")
+    assert steps[0]["kl_coef"] == 0.1
+    for before, after in zip(steps, steps[1:], strict=False):
+        error = min(max(before["kl"] / 1e-4 - 1.0, -0.2), 0.2)
+        assert after["kl_coef"] == pytest.approx(before["kl_coef"] * (1 + error * before["trained_samples"] / 16))
+    assert len({r["kl_coef"] for r in steps}) == 4  # it moved at every step, across the resume too
+
+
 def test_mini_batches_step_in_turn_against_the_logprobs_the_batch_met(dp_setup):
     """grpo.mini_batches: 2 is one AdamW step on each half of the rows in turn, each half's loss over its own
     tokens, both against the logprobs of the weights the batch met (so the second half's ratio is not 1): what a

@@ -14,6 +14,8 @@ equals the full-batch value. With several data-parallel ranks, all-reduce D as a
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
@@ -347,6 +349,21 @@ def kl_penalty(logp: Tensor, ref_logp: Tensor, estimator: str = "k3") -> Tensor:
     """Per-token estimate of KL(pi || pi_ref) from samples of pi, by the estimator's name in
     ``rlfabric.objectives.KL_ESTIMATORS`` ("k1", "k3")."""
     return KL_ESTIMATORS.resolve(estimator)(logp, ref_logp)
+
+
+def adaptive_kl_coef(
+    coef: float, kl: float, target: float, samples: int, horizon: int, max_error: float = 0.2
+) -> float:
+    """The KL coefficient after one update, by Ziegler et al. (2019)'s adaptive controller:
+    e = clip(kl / target - 1, -max_error, max_error), coef' = coef * (1 + e * samples / horizon).
+
+    It grows while the measured KL (``kl``, the update's mean per token) is above ``target`` and shrinks while below,
+    by at most ``max_error`` per ``horizon`` samples trained. A KL that was not measured (NaN) leaves it as it is.
+    """
+    if math.isnan(kl):
+        return coef
+    error = min(max(kl / target - 1.0, -max_error), max_error)
+    return coef * (1.0 + error * samples / horizon)
 
 
 def entropy_from_logits(logits: Tensor) -> Tensor:
