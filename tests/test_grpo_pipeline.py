@@ -512,6 +512,38 @@ def test_data_parallel_learners_and_accumulation_match_one_big_batch(local_ray, 
             ray.kill(ln, no_restart=True)
 
 
+def test_data_parallel_mini_batches_are_each_ranks_share_of_each_step(local_ray, dp_setup):
+    """Two ranks with grpo.mini_batches: 2 each split their own half of the rows (rank 0 rows 0-3, rank 1 rows
+    4-7), so step one trains rows 0, 1, 4, 5 and step two rows 2, 3, 6, 7: what one learner does with the rows in
+    that order, mini-batches and metrics alike."""
+    model_dir, batch = dp_setup
+    order = [0, 1, 4, 5, 2, 3, 6, 7]
+    reordered = {k: v[order] if isinstance(v, np.ndarray) and v.ndim and len(v) == 8 else v for k, v in batch.items()}
+    threads = torch.get_num_threads()
+    try:
+        single = LLMLearnerCore(**learner_kwargs(model_dir, "seq_mean_token_mean", 64))
+        single.g["mini_batches"] = 2
+        m_single = single.train_step(reordered, 1e-3)
+    finally:
+        torch.set_num_threads(threads)
+    options = learner_kwargs(model_dir, "seq_mean_token_mean", 64, world_size=2)
+    options["grpo"]["mini_batches"] = 2
+    learners = [LLMLearner.options(num_cpus=0.5).remote(**{**options, "rank": r}) for r in range(2)]
+    try:
+        address = ray.get(learners[0].node_address.remote(), timeout=120)
+        port = ray.get(learners[0].free_port.remote(), timeout=60)
+        ray.get([ln.init_process_group.remote(address, port, "gloo") for ln in learners], timeout=120)
+        m_ranks = ray.get([ln.train_step.remote([ray.put(batch)], 1e-3) for ln in learners], timeout=120)
+        state_ref, _, _ = ray.get(learners[0].publish.remote(), timeout=60)
+        published = as_state_dict(ray.get(state_ref[0], timeout=60))
+    finally:
+        for ln in learners:
+            ray.kill(ln, no_restart=True)
+    assert max_abs_diff(published, single.state_dict_cpu()) < 1e-5
+    assert sum(m["pg_loss"] for m in m_ranks) == pytest.approx(m_single["pg_loss"], rel=1e-5, abs=1e-7)
+    assert m_ranks[0]["grad_norm"] == pytest.approx(m_single["grad_norm"], rel=1e-5)
+
+
 # -- 3. reward faults in a real run ----------------------------------------------------------------------------
 
 
