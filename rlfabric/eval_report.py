@@ -30,6 +30,9 @@ def format_report(report: dict[str, Any]) -> str:
         cells = [report["selectors"][label]["best_of_n"][k]["accuracy"] for label in labels]
         cells += [report["pass_at_n"][k]["accuracy"], report["accuracy"]]
         lines.append("    " + f"{n:>4}" + "".join(f"{100 * v:>{width - 1}.1f}%" for v in cells))
+    for source, sums in report.get("by_source", {}).items():
+        passes = ", ".join(f"pass@{row['n']} {100 * row['accuracy']:.1f}%" for row in sums["pass_at_n"])
+        lines.append(f"  {source} ({sums['prompts']} prompts): accuracy {100 * sums['accuracy']:.1f}%, {passes}")
     for label in labels:
         sel = report["selectors"][label]
         r = sel["length_score_correlation"]

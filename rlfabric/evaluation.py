@@ -32,7 +32,7 @@ import ray
 
 from rlfabric import rewards
 from rlfabric.actor_slots import RunAbortedError
-from rlfabric.algorithms.best_of_n import best_of_n, length_bins, pass_at_n, step_aggregate
+from rlfabric.algorithms.best_of_n import accuracy_by_source, best_of_n, length_bins, pass_at_n, step_aggregate
 from rlfabric.algorithms.reward_combination import combine_rewards
 from rlfabric.algorithms.step_credit import efficiency_penalty
 from rlfabric.config import ConfigError, load_config
@@ -477,6 +477,10 @@ class BestOfNEval:
             "correct_component": self.correct,
             "accuracy": float(correct.mean()),
             "pass_at_n": [{"n": n, "accuracy": float(np.mean([pass_at_n(c, n) for c in correct]))} for n in self.n],
+            # prompts of several data sources (a data_source column): accuracy and pass@N per source too
+            "by_source": accuracy_by_source(
+                [e["inputs"][0].metadata.get("data_source") for e in prompts], correct, self.n
+            ),
             "verifier_failed_samples": len(verdicts) - len(scored),
             "selectors": selectors,
             "time_s": round(elapsed, 2),

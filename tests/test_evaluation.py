@@ -14,9 +14,17 @@ import pytest
 import ray
 from grpo_runs import run_grpo
 
-from rlfabric.algorithms.best_of_n import best_of_n, length_bins, pass_at_n, pick_probabilities, step_aggregate
+from rlfabric.algorithms.best_of_n import (
+    accuracy_by_source,
+    best_of_n,
+    length_bins,
+    pass_at_n,
+    pick_probabilities,
+    step_aggregate,
+)
 from rlfabric.cli import main
 from rlfabric.config import ConfigError, config_from_dict
+from rlfabric.eval_report import format_report
 from rlfabric.eval_selectors import VERIFIER, check_selectors, parse_selector
 from rlfabric.evaluation import eval_actor_requests
 from rlfabric.rewards import RewardInput, process_reward, register_reward
@@ -107,6 +115,43 @@ def test_pass_at_n_by_hand():
         pass_at_n(np.array([0, 1, 0]), 4)
 
 
+def test_accuracy_by_data_source_by_hand():
+    correct = np.array([[1, 0], [1, 1], [0, 0], [0, 1]])  # two completions of each of four prompts
+    by_source = accuracy_by_source(["gsm8k", "math", "gsm8k", None], correct, [1, 2])
+    assert by_source == {
+        "gsm8k": {
+            "prompts": 2,
+            "accuracy": 0.25,
+            "pass_at_n": [{"n": 1, "accuracy": 0.25}, {"n": 2, "accuracy": 0.5}],  # prompt 0 has one right
+        },
+        "math": {"prompts": 1, "accuracy": 1.0, "pass_at_n": [{"n": 1, "accuracy": 1.0}, {"n": 2, "accuracy": 1.0}]},
+        "none": {"prompts": 1, "accuracy": 0.5, "pass_at_n": [{"n": 1, "accuracy": 0.5}, {"n": 2, "accuracy": 1.0}]},
+    }
+    assert accuracy_by_source(["gsm8k"] * 4, correct, [1, 2]) == {}  # one source: the totals say it all
+    report = {
+        "policy": "p",
+        "config": "c",
+        "data": "d",
+        "prompts": 4,
+        "samples_per_prompt": 2,
+        "sampling": {"temperature": 1.0},
+        "correct_component": "correct",
+        "verifier_failed_samples": 0,
+        "n": [1, 2],
+        "selectors": {
+            "train": {
+                "best_of_n": [{"n": n, "accuracy": 0.5, "response_tokens": 3.0} for n in (1, 2)],
+                "length_score_correlation": None,
+                "length_bins": [],
+            }
+        },
+        "pass_at_n": [{"n": 1, "accuracy": 0.5}, {"n": 2, "accuracy": 0.75}],
+        "accuracy": 0.5,
+        "by_source": by_source,
+    }
+    assert "  gsm8k (2 prompts): accuracy 25.0%, pass@1 25.0%, pass@2 50.0%" in format_report(report).splitlines()
+
+
 def test_length_bins_by_hand():
     bins = length_bins(
         np.array([1, 2, 3, 4, 10]), np.array([1.0, 2.0, np.nan, 4.0, 5.0]), np.array([1, 0, 1, 0, 1]), num_bins=2
@@ -143,6 +188,7 @@ def test_eval_of_a_run_writes_its_report_and_the_selectors_pick_as_they_should(t
     assert (report["prompts"], report["samples_per_prompt"], report["n"]) == (6, 4, [1, 2, 4])
     assert list(report["selectors"]) == ["train", "shortness"]
     assert len(samples) == 24 and report["verifier_failed_samples"] == 0
+    assert report["by_source"] == {}  # a generated task: no data_source column
 
     correct = np.array([s["correct"] for s in samples]).reshape(6, 4)
     tokens = np.array([s["response_tokens"] for s in samples]).reshape(6, 4)

@@ -10,6 +10,7 @@ pass@k is computed from n samples (Chen et al. 2021).
 from __future__ import annotations
 
 from math import comb
+from typing import Any
 
 import numpy as np
 
@@ -56,6 +57,25 @@ def pass_at_n(correct: np.ndarray, n: int) -> float:
     if not 1 <= n <= m:
         raise ValueError(f"n = {n!r}: must be an integer in [1, {m}] (the completions sampled)")
     return 1.0 - comb(m - int(c.sum()), n) / comb(m, n)
+
+
+def accuracy_by_source(sources: list[Any], correct: np.ndarray, ns: list[int]) -> dict[str, dict[str, Any]]:
+    """Per data source (each prompt's ``data_source``; "none" where it has none), over its prompts: ``prompts``,
+    ``accuracy`` (the share of its completions correct, ``correct`` [prompts, M]) and ``pass_at_n`` per n of ``ns``
+    (``pass_at_n`` averaged over its prompts). Empty when the prompts come from fewer than two sources."""
+    names = np.array(["none" if source is None else str(source) for source in sources])
+    if len(set(names.tolist())) < 2:
+        return {}
+    correct = np.asarray(correct, bool)
+    out = {}
+    for name in sorted(set(names.tolist())):
+        rows = correct[names == name]
+        out[name] = {
+            "prompts": len(rows),
+            "accuracy": float(rows.mean()),
+            "pass_at_n": [{"n": n, "accuracy": float(np.mean([pass_at_n(c, n) for c in rows]))} for n in ns],
+        }
+    return out
 
 
 def length_bins(lengths: np.ndarray, scores: np.ndarray, correct: np.ndarray, num_bins: int = 8) -> list[dict]:
