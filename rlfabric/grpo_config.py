@@ -213,9 +213,9 @@ class GRPOConfig:
     loss_aggregation: str = "token_mean"
     kl_coef: float = 0.0
     kl_estimator: str = "k3"
-    # Adaptive KL (Ziegler et al. 2019): the measured KL this coefficient steers toward (null: kl_coef stays fixed).
-    # kl_coef is then the starting coefficient, multiplied after each update by 1 + clip(KL / kl_target - 1, -0.2,
-    # 0.2) * samples / kl_horizon.
+    # Adaptive KL (Ziegler et al. 2019): the measured KL this coefficient steers toward (null: kl_coef stays fixed),
+    # the update's logged `kl` (its loss aggregation's mean of the per-token estimate). kl_coef is then the starting
+    # coefficient, multiplied after each update by 1 + clip(kl / kl_target - 1, -0.2, 0.2) * samples / kl_horizon.
     kl_target: float | None = None
     kl_horizon: int = 10000
     # Where the frozen reference model's logprobs are computed: in the learner or in a reference actor.
@@ -243,9 +243,9 @@ class GRPOConfig:
     max_logprob_gap: float | None = 0.5
     # Passes over each batch; > 1 makes the clip matter (the first pass is on-policy).
     epochs: int = 1
-    # Optimizer steps per pass: the batch's rows split into this many contiguous mini-batches, each its own step
-    # (verl's train_batch_size / ppo_mini_batch_size, TRL's steps_per_generation). From the second on the policy
-    # has moved, so the ratio and the clip act even with one epoch.
+    # Optimizer steps per pass: each learner's rows split into this many contiguous mini-batches, each its own step
+    # (verl's train_batch_size / ppo_mini_batch_size, TRL's steps_per_generation / gradient_accumulation_steps).
+    # From the second on the policy has moved, so the ratio and the clip act even with one epoch.
     mini_batches: int = 1
     # Sequences per forward/backward; gradients accumulate over a mini-batch before its optimizer step.
     micro_batch_size: int = 64
@@ -443,6 +443,13 @@ def validate_llm(cfg: LLMConfig) -> LLMConfig:
         "grpo.kl_target",
         g.kl_target,
         "must be > 0, with grpo.kl_coef > 0 as the starting coefficient (the KL term and its reference model)",
+    )
+    require(
+        g.kl_target is None or g.kl_horizon >= cfg.batch_size,
+        "grpo.kl_horizon",
+        g.kl_horizon,
+        f"must be at least the samples of a step (grpo.prompts_per_step * grpo.group_size = {cfg.batch_size}) with "
+        "grpo.kl_target, so one update moves the coefficient by at most 20%",
     )
     rows_per_learner = cfg.batch_size // cfg.learner.num_learners
     require(

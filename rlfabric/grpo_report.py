@@ -100,7 +100,10 @@ def eval_row(meta: Mapping[str, Any], label: str) -> dict[str, Any]:
     # held-out rows from several data sources: the same two figures per source (``eval_accuracy/<source>``)
     for source, sums in sorted(meta.get("by_source", {}).items()):
         scored = sums["scored"]
-        row[f"eval_accuracy/{source}"] = sums["correct_sum"] / scored if scored and "correct_sum" in sums else None
+        # a source none of whose samples got 'correct' is 0, as in the totals, where the evaluation gives accuracy
+        row[f"eval_accuracy/{source}"] = (
+            sums.get("correct_sum", 0.0) / scored if scored and gives_accuracy(meta) else None
+        )
         row[f"eval_reward_mean/{source}"] = sums["reward_sum"] / scored if scored else None
     return row
 

@@ -9,12 +9,15 @@ import math
 import os
 import socket
 import sys
-import time
 from collections.abc import Iterator
 
 import ray
 
 from rlfabric.config import ConfigError, RayConfig
+
+# How long the auth check waits for a cluster's GCS to answer (the port has answered already): a loaded head's
+# reply can take seconds.
+GCS_ANSWER_S = 15.0
 
 
 def use_cluster_token() -> bool:
@@ -28,30 +31,24 @@ def use_cluster_token() -> bool:
 
 def refused_by(gcs_address: str, with_token: bool) -> bool | None:
     """Whether the cluster's GCS at ``host:port`` refuses a request for want of a token (with this machine's
-    token in it, or with none); None where it does not answer. A call to the GCS's cheapest RPC (tried again if it
-    times out on a busy head), which answers in milliseconds where ``ray.init`` would retry for about 20 s."""
+    token in it, or with none); None where it does not answer within ``GCS_ANSWER_S``. One call to the GCS's
+    cheapest RPC, which answers in milliseconds where ``ray.init`` would retry for about 20 s; it waits for the
+    channel to connect rather than failing at a busy head's first refusal."""
     import grpc
     from ray._raylet import AuthenticationTokenLoader
     from ray.core.generated import gcs_service_pb2, gcs_service_pb2_grpc
 
     loader = AuthenticationTokenLoader.instance()
     metadata = tuple(loader.get_token_for_http_header(ignore_auth_mode=True).items()) if with_token else ()
-    transient = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
     # straight to the GCS, as Ray's own clients go (an http_proxy in the environment would swallow the call)
     with grpc.insecure_channel(gcs_address, options=[("grpc.enable_http_proxy", 0)]) as channel:
-        for attempt in range(3):  # a busy head may miss one call's deadline; the port has answered already
-            try:
-                gcs_service_pb2_grpc.NodeInfoGcsServiceStub(channel).GetClusterId(
-                    gcs_service_pb2.GetClusterIdRequest(), timeout=10, metadata=metadata
-                )
-                return False
-            except grpc.RpcError as exc:
-                if exc.code() == grpc.StatusCode.UNAUTHENTICATED:
-                    return True
-                if exc.code() not in transient or attempt == 2:
-                    return None
-                time.sleep(0.5)
-    return None
+        try:
+            gcs_service_pb2_grpc.NodeInfoGcsServiceStub(channel).GetClusterId(
+                gcs_service_pb2.GetClusterIdRequest(), timeout=GCS_ANSWER_S, metadata=metadata, wait_for_ready=True
+            )
+        except grpc.RpcError as exc:
+            return True if exc.code() == grpc.StatusCode.UNAUTHENTICATED else None
+    return False
 
 
 def match_cluster_auth(gcs_address: str, where: str) -> None:

@@ -445,6 +445,20 @@ def test_multi_turn_settings_out_of_range_name_the_field(data, field):
     assert message.startswith(f"{field} = ") and "is not valid" in message
 
 
+def test_adaptive_kl_needs_a_coefficient_and_a_horizon_of_a_step_at_least():
+    grpo = {"prompts_per_step": 4, "group_size": 8, "kl_target": 0.05}
+    assert _error({"algo": "grpo", "grpo": grpo}).startswith(
+        "grpo.kl_target = 0.05 is not valid: must be > 0, with grpo.kl_coef > 0 as the starting coefficient"
+    )
+    message = _error({"algo": "grpo", "grpo": {**grpo, "kl_coef": 0.1, "kl_horizon": 31}})
+    assert message == (
+        "grpo.kl_horizon = 31 is not valid: must be at least the samples of a step (grpo.prompts_per_step * "
+        "grpo.group_size = 32) with grpo.kl_target, so one update moves the coefficient by at most 20%"
+    )
+    config = config_from_dict({"algo": "grpo", "grpo": {**grpo, "kl_coef": 0.1, "kl_horizon": 32}})
+    assert (config.grpo.kl_target, config.grpo.kl_horizon) == (0.05, 32)
+
+
 @pytest.mark.parametrize("mini_batches, expected", [(0, "must be at least 1"), (9, "must be at most the rows")])
 def test_grpo_mini_batches_between_one_and_the_rows_of_a_learner(mini_batches, expected):
     """4 prompts x 2 completions over 2 learners: 4 rows each, so at most 4 optimizer steps per pass."""

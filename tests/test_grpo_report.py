@@ -81,6 +81,12 @@ def test_held_out_rows_of_several_data_sources_are_summed_and_reported_per_sourc
     )
     unscored = eval_row({**meta, "by_source": {"a": {"samples": 1, "scored": 0, "reward_sum": 0.0}}}, "final")
     assert unscored["eval_accuracy/a"] is None and unscored["eval_reward_mean/a"] is None
+    # a text env gives 'correct' only to the episodes it counts right: a source with none solved is 0, not n/a
+    none_solved = {"b": {"samples": 2, "scored": 2, "reward_sum": 0.0}, "c": {**sums["math"]}}
+    row = eval_row({**meta, "by_source": none_solved}, "final")
+    assert row["eval_accuracy/b"] == 0.0 and row["eval_accuracy/c"] == 1.0
+    without_accuracy = eval_row({"samples": 2, "failed": 0, "reward_sum": 1.0, "by_source": none_solved}, "final")
+    assert without_accuracy["eval_accuracy/b"] is None  # no reward gives 'correct': n/a, as the total
 
 
 def test_without_a_correct_component_held_out_accuracy_is_n_a_not_zero():

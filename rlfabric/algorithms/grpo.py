@@ -357,8 +357,9 @@ def adaptive_kl_coef(
     """The KL coefficient after one update, by Ziegler et al. (2019)'s adaptive controller:
     e = clip(kl / target - 1, -max_error, max_error), coef' = coef * (1 + e * samples / horizon).
 
-    It grows while the measured KL (``kl``, the update's mean per token) is above ``target`` and shrinks while below,
-    by at most ``max_error`` per ``horizon`` samples trained. A KL that was not measured (NaN) leaves it as it is.
+    It grows while the measured KL (``kl``, the update's as logged: its loss aggregation's mean of the per-token
+    estimate) is above ``target`` and shrinks while below, by at most ``max_error`` per ``horizon`` samples trained
+    (so with ``samples`` <= ``horizon`` it stays positive). A KL that was not measured (NaN) leaves it as it is.
     """
     if math.isnan(kl):
         return coef
