@@ -24,7 +24,7 @@ from rlfabric.actors.rollout_meta import (
 from rlfabric.agent_loop import Episode, episodes_to_trajectories, run_episodes
 from rlfabric.agent_rollout import agent_trajectories, episode_versions, play_agents, transcript
 from rlfabric.agents import AgentEpisode
-from rlfabric.data import row_metadata
+from rlfabric.data import data_sources, row_metadata
 from rlfabric.episode_rewards import score_episodes
 from rlfabric.policies.batching import ActBatcher
 from rlfabric.policies.served import GeneratorsFailed, ServedLLMPolicy
@@ -220,14 +220,14 @@ class EpisodeRollouts:
             episode_rewards = scalar[last_row_of_each_episode(trajectories.episode_id)]
             meta["reward_sum"] = float(episode_rewards.sum())
             ok = [error is None for _, _, error in outcomes]
-            if sum(ok) == len(episode_rewards):  # the record holds the episodes that did not fail, in order
+            sources = data_sources(tasks)
+            # the record holds the episodes that did not fail, in order
+            if sources is not None and sum(ok) == len(episode_rewards):
                 scored = iter(episode_rewards.tolist())
-                by_source = sums_by_source(
-                    [task.get("data_source") for task in tasks],
+                meta["by_source"] = sums_by_source(
+                    sources,
                     [components if good else None for (_, components, _), good in zip(outcomes, ok, strict=True)],
                     [next(scored) if good else None for good in ok],
                 )
-                if by_source:
-                    meta["by_source"] = by_source
             return meta, None
         return meta, trajectories

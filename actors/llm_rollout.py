@@ -46,7 +46,7 @@ from rlfabric.agent_rollout import (
     AgentSource,
 )
 from rlfabric.algorithms.record_rewards import outcome_rewards
-from rlfabric.data import row_metadata
+from rlfabric.data import data_sources, row_metadata
 from rlfabric.models.chat_tokens import ChatTokens
 from rlfabric.models.hf import load_tokenizer
 from rlfabric.policies.served import GeneratorsFailed, ServedLLMPolicy
@@ -347,14 +347,14 @@ class LLMRolloutCore(EpisodeRollouts):
             if any("correct" in c for c in scored):  # absent: no reward gives one, accuracy is n/a
                 meta["correct_sum"] = float(sum(c.get("correct", 0.0) for c in scored))
             meta["reward_sum"] = float(scalar.sum())
-            reward_of = dict(zip(kept.tolist(), scalar.tolist(), strict=True))
-            by_source = sums_by_source(
-                [row.get("data_source") for row in rows],
-                [r.components if r.error is None else None for r in results],
-                [reward_of.get(i) for i in range(len(rows))],
-            )
-            if by_source:
-                meta["by_source"] = by_source
+            sources = data_sources(rows)
+            if sources is not None:  # held-out rows of several data sources: their sums per source too
+                reward_of = dict(zip(kept.tolist(), scalar.tolist(), strict=True))
+                meta["by_source"] = sums_by_source(
+                    sources,
+                    [r.components if r.error is None else None for r in results],
+                    [reward_of.get(i) for i in range(len(rows))],
+                )
             return meta, None
         return meta, trajectories
 

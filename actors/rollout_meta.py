@@ -146,18 +146,13 @@ def process_means(step_components: list[list[dict[str, float]] | None]) -> dict[
 
 
 def sums_by_source(
-    sources: Sequence[Any], components: Sequence[Mapping[str, float] | None], rewards: Sequence[float | None]
+    sources: Sequence[str], components: Sequence[Mapping[str, float] | None], rewards: Sequence[float | None]
 ) -> dict[str, dict[str, float]]:
-    """An evaluation's sums per data source (a row's ``data_source`` column, verl's and Hugging Face datasets'
-    name for where a row comes from), given per sample its source, its reward components and scalar reward (None
-    for both where the rewards failed it): samples, scored (samples - failed), reward_sum, and correct_sum where
-    some sample of the source was given a ``correct`` component. Empty when the samples come from fewer than two
-    sources (the overall figures say it all); a sample without a source counts under "none"."""
-    names = ["none" if source is None else str(source) for source in sources]
-    if len(set(names)) < 2:
-        return {}
+    """An evaluation's sums per data source (``rlfabric.data.data_sources``), given per sample its source, its
+    reward components and scalar reward (None for both where the rewards failed it): samples, scored (samples -
+    failed), reward_sum, and correct_sum where some sample of the source was given a ``correct`` component."""
     out: dict[str, dict[str, float]] = {}
-    for name, given, reward in zip(names, components, rewards, strict=True):
+    for name, given, reward in zip(sources, components, rewards, strict=True):
         sums = out.setdefault(name, {"samples": 0.0, "scored": 0.0, "reward_sum": 0.0})
         sums["samples"] += 1
         if given is None or reward is None:

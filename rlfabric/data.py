@@ -239,6 +239,14 @@ def row_metadata(row: dict[str, Any], prompt_key: str = "prompt") -> dict[str, A
     return {k: v for k, v in row.items() if k != prompt_key}
 
 
+def data_sources(rows: Sequence[Mapping[str, Any]]) -> list[str] | None:
+    """Each row's data source, its ``data_source`` column (verl's and Hugging Face datasets' name for where a row
+    comes from; "none" where it has none), or None when the rows come from fewer than two sources: figures per
+    source would repeat the totals."""
+    names = ["none" if row.get("data_source") is None else str(row["data_source"]) for row in rows]
+    return names if len(set(names)) >= 2 else None
+
+
 def derive_seed(seed: int, purpose: str) -> int:
     """A seed for ``purpose`` that does not collide with ``seed`` itself or other purposes (a 63-bit hash)."""
     digest = hashlib.sha256(f"{seed}/{purpose}".encode()).digest()

@@ -36,7 +36,7 @@ from rlfabric.algorithms.best_of_n import accuracy_by_source, best_of_n, length_
 from rlfabric.algorithms.reward_combination import combine_rewards
 from rlfabric.algorithms.step_credit import efficiency_penalty
 from rlfabric.config import ConfigError, load_config
-from rlfabric.data import check_prompt_lengths, load_heldout, load_prompts, row_metadata
+from rlfabric.data import check_prompt_lengths, data_sources, load_heldout, load_prompts, row_metadata
 from rlfabric.eval_selectors import VERIFIER, Selector, check_selectors
 from rlfabric.grpo_config import LLMConfig, episode_source, episode_source_fields
 from rlfabric.llm_actors import judge_request, reward_resources, reward_weights, start_generator
@@ -447,6 +447,7 @@ class BestOfNEval:
                 "length_score_correlation": _correlation(tokens.ravel(), sc.ravel()),
             }
         s = self.cfg.sampling
+        sources = data_sources([e["inputs"][0].metadata for e in prompts])
         samples = [
             {
                 "prompt_index": e["index"],
@@ -478,9 +479,7 @@ class BestOfNEval:
             "accuracy": float(correct.mean()),
             "pass_at_n": [{"n": n, "accuracy": float(np.mean([pass_at_n(c, n) for c in correct]))} for n in self.n],
             # prompts of several data sources (a data_source column): accuracy and pass@N per source too
-            "by_source": accuracy_by_source(
-                [e["inputs"][0].metadata.get("data_source") for e in prompts], correct, self.n
-            ),
+            "by_source": {} if sources is None else accuracy_by_source(sources, correct, self.n),
             "verifier_failed_samples": len(verdicts) - len(scored),
             "selectors": selectors,
             "time_s": round(elapsed, 2),

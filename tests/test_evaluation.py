@@ -24,6 +24,7 @@ from rlfabric.algorithms.best_of_n import (
 )
 from rlfabric.cli import main
 from rlfabric.config import ConfigError, config_from_dict
+from rlfabric.data import data_sources
 from rlfabric.eval_report import format_report
 from rlfabric.eval_selectors import VERIFIER, check_selectors, parse_selector
 from rlfabric.evaluation import eval_actor_requests
@@ -117,7 +118,8 @@ def test_pass_at_n_by_hand():
 
 def test_accuracy_by_data_source_by_hand():
     correct = np.array([[1, 0], [1, 1], [0, 0], [0, 1]])  # two completions of each of four prompts
-    by_source = accuracy_by_source(["gsm8k", "math", "gsm8k", None], correct, [1, 2])
+    sources = data_sources([{"data_source": "gsm8k"}, {"data_source": "math"}, {"data_source": "gsm8k"}, {}])
+    by_source = accuracy_by_source(sources, correct, [1, 2])
     assert by_source == {
         "gsm8k": {
             "prompts": 2,
@@ -127,7 +129,7 @@ def test_accuracy_by_data_source_by_hand():
         "math": {"prompts": 1, "accuracy": 1.0, "pass_at_n": [{"n": 1, "accuracy": 1.0}, {"n": 2, "accuracy": 1.0}]},
         "none": {"prompts": 1, "accuracy": 0.5, "pass_at_n": [{"n": 1, "accuracy": 0.5}, {"n": 2, "accuracy": 1.0}]},
     }
-    assert accuracy_by_source(["gsm8k"] * 4, correct, [1, 2]) == {}  # one source: the totals say it all
+    assert data_sources([{"data_source": "gsm8k"}] * 4) is None  # one source: the totals say it all
     report = {
         "policy": "p",
         "config": "c",

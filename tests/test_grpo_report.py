@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from rlfabric.actors.rollout_meta import sums_by_source
+from rlfabric.data import data_sources
 from rlfabric.grpo_report import eval_row, run_summary, step_row
 from rlfabric.llm_run_state import Counters
 from rlfabric.run.progress import grpo_progress_line as progress_line
@@ -60,8 +61,10 @@ def test_an_eval_row_is_accuracy_and_reward_over_the_scored_samples_with_the_uns
 def test_held_out_rows_of_several_data_sources_are_summed_and_reported_per_source():
     # 5 samples: gsm8k right, gsm8k wrong (reward 0.5 from a format bonus), math failed by a reward, math right,
     # one row without a source, wrong
+    sources = data_sources([{"data_source": "gsm8k"}] * 2 + [{"data_source": "math"}] * 2 + [{"prompt": "x"}])
+    assert sources == ["gsm8k", "gsm8k", "math", "math", "none"]
     sums = sums_by_source(
-        ["gsm8k", "gsm8k", "math", "math", None],
+        sources,
         [{"correct": 1.0}, {"correct": 0.0, "format": 0.5}, None, {"correct": 1.0}, {"correct": 0.0}],
         [1.0, 0.5, None, 1.0, 0.0],
     )
@@ -70,7 +73,7 @@ def test_held_out_rows_of_several_data_sources_are_summed_and_reported_per_sourc
         "math": {"samples": 2, "scored": 1, "reward_sum": 1.0, "correct_sum": 1.0},
         "none": {"samples": 1, "scored": 1, "reward_sum": 0.0, "correct_sum": 0.0},
     }
-    assert sums_by_source(["gsm8k"] * 2, [{"correct": 1.0}] * 2, [1.0, 1.0]) == {}  # one source: the totals say it
+    assert data_sources([{"data_source": "gsm8k"}] * 2) is None  # one source: the totals say it
     meta = {"samples": 5, "failed": 1, "correct_sum": 2.0, "reward_sum": 2.5, "by_source": sums}
     row = eval_row(meta, "final")
     assert row["eval_accuracy"] == 0.5

@@ -59,13 +59,11 @@ def pass_at_n(correct: np.ndarray, n: int) -> float:
     return 1.0 - comb(m - int(c.sum()), n) / comb(m, n)
 
 
-def accuracy_by_source(sources: list[Any], correct: np.ndarray, ns: list[int]) -> dict[str, dict[str, Any]]:
-    """Per data source (each prompt's ``data_source``; "none" where it has none), over its prompts: ``prompts``,
+def accuracy_by_source(sources: list[str], correct: np.ndarray, ns: list[int]) -> dict[str, dict[str, Any]]:
+    """Per data source (each prompt's, ``rlfabric.data.data_sources``), over its prompts: ``prompts``,
     ``accuracy`` (the share of its completions correct, ``correct`` [prompts, M]) and ``pass_at_n`` per n of ``ns``
-    (``pass_at_n`` averaged over its prompts). Empty when the prompts come from fewer than two sources."""
-    names = np.array(["none" if source is None else str(source) for source in sources])
-    if len(set(names.tolist())) < 2:
-        return {}
+    (``pass_at_n`` averaged over its prompts)."""
+    names = np.array(sources)
     correct = np.asarray(correct, bool)
     out = {}
     for name in sorted(set(names.tolist())):
