@@ -315,11 +315,12 @@ class LLMLearnerCore:
         ids, attention = b["input_ids"].cpu().numpy(), b["attention_mask"].cpu().numpy()
         # Each micro-batch's layout, chosen (and packed) once for every epoch.
         layouts = [packed_layout(self.model, ids[r], attention[r], prompt_len, self.packing) for _, r in slices]
+        micro_of = [[k for k, (of, _) in enumerate(slices) if of == m] for m in range(len(minis))]  # per mini-batch
         for epoch in range(g["epochs"]):
             sums: dict[str, float] = {}
             norms = []
-            for m in range(len(minis)):
-                for k in (k for k, (of, _) in enumerate(slices) if of == m):
+            for m, micros in enumerate(micro_of):
+                for k in micros:
                     rows = slices[k][1]
                     new_logp, entropy = response_logprobs_in(
                         self.model,
