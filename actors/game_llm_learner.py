@@ -17,6 +17,7 @@ from typing import Any
 import ray
 
 from rlfabric.actors.llm_learner import LLMLearnerCore
+from rlfabric.allocator import retain_freed_memory
 from rlfabric.grpo_config import GRPOConfig, SFTConfig
 from rlfabric.models.weights import FlatWeights
 
@@ -51,6 +52,7 @@ class GameLLMLearner:
         seed: int,
     ) -> None:
         """``generator``: the actor serving the policy, which ``publish`` loads the new weights into."""
+        retain_freed_memory()
         options = game_llm_learner_options(lr, invalid_move_penalty, max_new_tokens)
         self.core = LLMLearnerCore(
             model_dir,

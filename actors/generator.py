@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import ray
 
+from rlfabric.allocator import retain_freed_memory
 from rlfabric.models.hf import load_tokenizer
 
 if TYPE_CHECKING:
@@ -39,6 +40,7 @@ class Generator:
     def __init__(self, backend: str, model_dir: str, options: dict[str, Any], num_threads: int | None = None) -> None:
         import torch
 
+        retain_freed_memory()
         if num_threads:
             torch.set_num_threads(num_threads)
         self.tokenizer = load_tokenizer(model_dir)

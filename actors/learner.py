@@ -17,6 +17,7 @@ import ray
 import torch
 
 from rlfabric.algorithms import ppo
+from rlfabric.allocator import retain_freed_memory
 from rlfabric.config import Config, config_from_dict
 from rlfabric.models import ActionSpec, ActorCritic
 from rlfabric.normalization import Normalizer, RunningStats, scale_rewards
@@ -355,6 +356,10 @@ class LearnerCore:
 @ray.remote
 class Learner(LearnerCore):
     """The Ray actor: takes fragment refs, publishes weights as one object per version."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        retain_freed_memory()
+        super().__init__(*args, **kwargs)
 
     def publish(self) -> tuple[ray.ObjectRef, int]:
         """Put this version's weights into the object store once; (ref, version) for the driver to hand out.

@@ -16,6 +16,7 @@ import numpy as np
 import ray
 import torch
 
+from rlfabric.allocator import retain_freed_memory
 from rlfabric.models.hf import load_causal_lm, load_tokenizer
 from rlfabric.models.shared_weights import SharedFlatWeights
 from rlfabric.models.weights import as_state_dict
@@ -27,6 +28,7 @@ from rlfabric.rewards.registry import Unscored
 class LikelihoodScorer:
     def __init__(self, model_dir: str, dtype: str = "float32", device: str = "cpu", num_threads: int = 0) -> None:
         """The run's first model (``model_dir``, policy version 0) until the first published weights arrive."""
+        retain_freed_memory()
         if num_threads:
             torch.set_num_threads(num_threads)
         self.model = load_causal_lm(model_dir, dtype=dtype, device=device)

@@ -20,6 +20,7 @@ import torch
 from rlfabric import objectives
 from rlfabric.actors.llm_learner_metrics import BATCH_STATISTICS, LEARNER_METRICS, MOVED_BY_THE_UPDATE
 from rlfabric.algorithms.grpo import aggregate_denominator, logprob_drifted, policy_objective, row_logprob_gaps
+from rlfabric.allocator import retain_freed_memory
 from rlfabric.models.dropout import disable_dropout
 from rlfabric.models.hf import load_causal_lm, load_tokenizer, save_pretrained
 from rlfabric.models.llm_batch import grpo_batch
@@ -473,6 +474,7 @@ class LLMLearner:
     """A Ray actor around LLMLearnerCore; batches arrive as ObjectRefs inside a list (read zero-copy)."""
 
     def __init__(self, **kwargs: Any) -> None:
+        retain_freed_memory()
         self.core = LLMLearnerCore(**kwargs)
 
     def node_address(self) -> str:

@@ -13,6 +13,7 @@ import ray
 import torch
 
 from rlfabric import objectives
+from rlfabric.allocator import retain_freed_memory
 from rlfabric.models.hf import load_causal_lm
 from rlfabric.models.llm_batch import grpo_batch
 from rlfabric.models.prefix_packing import check_maskable, maskable
@@ -39,6 +40,7 @@ class Reference:
     ) -> None:
         """``parts``: what the driver's user code added to ``rlfabric.objectives`` (its advantage estimator: the
         batch is the learner's)."""
+        retain_freed_memory()
         objectives.load_snapshot(parts)
         if num_threads:
             torch.set_num_threads(num_threads)

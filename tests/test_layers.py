@@ -38,6 +38,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "rlfabric.reward_shaping",
             "rlfabric.shipping",
             "rlfabric.multiagent.config",  # the multi_agent section of a PPO config
+            "rlfabric.allocator",  # the compute actors' malloc settings
         ),
     ),
     (
