@@ -6,6 +6,7 @@ Completions come back with their text decoded here, next to the tokenizer, so th
 
 from __future__ import annotations
 
+import asyncio
 import os
 from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
@@ -45,14 +46,24 @@ class Generator:
             torch.set_num_threads(num_threads)
         self.tokenizer = load_tokenizer(model_dir)
         self.engine = build_engine(backend, model_dir, options)
+        self._loaded = asyncio.Condition()  # notified after every weight load
 
     async def generate(
-        self, prompts: list[list[int]], params: dict[str, Any], sessions: list[str | None] | None = None
+        self,
+        prompts: list[list[int]],
+        params: dict[str, Any],
+        sessions: list[str | None] | None = None,
+        after_version: int | None = None,
     ) -> list[dict[str, Any]]:
         """One completion per prompt: token ids, behaviour logprobs, finish reason, version and decoded text.
-        ``sessions``: a conversation key (or None) per prompt, so the engine continues its stored turns."""
+        ``sessions``: a conversation key (or None) per prompt, so the engine continues its stored turns.
+        ``after_version``: first wait until the engine holds at least this policy version (a rollout sent while
+        its weights were still being trained starts the moment they are loaded)."""
         from rlfabric.engines.base import SamplingParams
 
+        if after_version is not None:
+            async with self._loaded:
+                await self._loaded.wait_for(lambda: self.engine.version >= after_version)
         completions = await self.engine.generate(prompts, SamplingParams(**params), sessions)
         texts = self.tokenizer.batch_decode([c.token_ids for c in completions], skip_special_tokens=True)
         return [{**asdict(c), "text": text} for c, text in zip(completions, texts, strict=False)]
@@ -67,6 +78,8 @@ class Generator:
         await self.engine.load_weights(as_state_dict(published), version)
         if isinstance(published, SharedFlatWeights):
             published.check_intact()
+        async with self._loaded:
+            self._loaded.notify_all()
         return version
 
     def stats(self) -> dict[str, int]:

@@ -70,7 +70,7 @@ class EpisodeRollouts:
         rows = self.prompt_sets[request.prompt_set].rows
         tasks = [rows[i] for i in request.indices for _ in range(request.group_size)]
         meta: dict[str, Any] = {**request.meta, "samples": len(tasks)}
-        return tasks, meta, ServedLLMPolicy(request.generators, request.params, request.timeout_s)
+        return tasks, meta, ServedLLMPolicy(request.generators, request.params, request.timeout_s, after=request.after)
 
     def _play(self, request: Any) -> tuple[dict[str, Any], Trajectories | None]:
         """``rollout`` on a text env: ``group_size`` episodes per task row, all in flight at once, the policy's
@@ -106,7 +106,8 @@ class EpisodeRollouts:
                     f"invalid_tool_calls_{kind}": sum(e.invalid_tool_calls.get(kind, 0) for e in episodes)
                     for kind in ERROR_KINDS
                 },
-                "generate_time_s": played - started,  # episodes interleave generation and env steps
+                # episodes interleave generation and env steps; a rollout sent ahead waited for its weights first
+                "generate_time_s": played - max(started, policy.landed_at or started),
                 "reward_restarts": reward_restarts,
                 "reward_time_s": reward_time_s,
             }
@@ -180,7 +181,8 @@ class EpisodeRollouts:
                 ),
                 "rewrites": sum(e.trace.rewrites for e in episodes),
                 **refused,
-                "generate_time_s": played - started,  # episodes interleave calls and the agents' work
+                # episodes interleave calls and the agents' work; a rollout sent ahead waited for its weights first
+                "generate_time_s": played - max(started, policy.landed_at or started),
                 "reward_restarts": reward_restarts,
                 "reward_time_s": reward_time_s,
             }

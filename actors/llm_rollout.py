@@ -49,7 +49,7 @@ from rlfabric.algorithms.record_rewards import outcome_rewards
 from rlfabric.data import data_sources, row_metadata
 from rlfabric.models.chat_tokens import ChatTokens
 from rlfabric.models.hf import load_tokenizer
-from rlfabric.policies.served import GeneratorsFailed, ServedLLMPolicy
+from rlfabric.policies.served import GeneratorsFailed, PendingWeights, ServedLLMPolicy
 from rlfabric.reward_config import parse_split
 from rlfabric.reward_pool import RewardPool
 from rlfabric.rewards import RewardInput, RewardResult
@@ -92,6 +92,7 @@ class RolloutRequest:
     timeout_s: float  # the generation deadline
     keep_samples: int = 0  # eval: completions to return in the metadata (text, components, error)
     meta: dict[str, Any] = field(default_factory=dict)  # echoed back (the driver's bookkeeping)
+    after: PendingWeights | None = None  # sent before its weights were loaded: generated with them all the same
 
 
 class LLMRolloutCore(EpisodeRollouts):
@@ -271,13 +272,14 @@ class LLMRolloutCore(EpisodeRollouts):
         rows = [prompts.rows[i] for i in request.indices for _ in range(g)]
         prompt_ids = [prompts.token_ids[i] for i in request.indices for _ in range(g)]
         meta: dict[str, Any] = {**request.meta, "samples": len(rows)}
-        policy = ServedLLMPolicy(request.generators, request.params, request.timeout_s, keep_together=g)
+        policy = ServedLLMPolicy(request.generators, request.params, request.timeout_s, g, request.after)
         try:
             acted = policy.act(prompt_ids)
         except GeneratorsFailed as failed:
             return {**meta, "generator_failures": failed.failures}, None
         sampled, texts, finish = acted.actions, acted.info["text"], acted.info["finish_reason"]
         generated = time.perf_counter()
+        started = max(started, policy.landed_at or started)  # a rollout sent ahead waited for its weights first
         steps = self._split(sampled, texts)
         inputs = self._inputs(rows, sampled, texts, finish, steps)
         results, restarts = self._score(inputs, g)

@@ -62,6 +62,7 @@ from rlfabric.models.hf import check_model_source
 from rlfabric.models.packed_batch import pad_rows_for_learners
 from rlfabric.objectives import LR_SCHEDULES
 from rlfabric.placement import RoleGroups
+from rlfabric.policies.served import PendingWeights
 from rlfabric.reward_model_stage import point_at_run_reward_model
 from rlfabric.reward_names import check_references_declared
 from rlfabric.reward_watch import RewardWatch, failing_part
@@ -256,12 +257,18 @@ class GRPOTrainer(GRPOSetup):
         shape = LR_SCHEDULES.resolve(g.lr_schedule)
         return scheduled_lr(shape, g.lr, self.counters.step, self.cfg.training.total_steps, g.warmup_steps)
 
-    def _update(self, step: StepBatch, lr: float) -> dict[str, float]:
+    def _update(self, step: StepBatch, lr: float, send_next: bool = False) -> dict[str, float]:
         """One learner update on the chosen groups: the learners (and a reference actor) read the records by
         ref and pack the batch themselves; the driver sends refs and group ids and gets the metrics back.
 
+        ``send_next`` (sync mode, another step to come): the next step's rollout goes out as soon as the update
+        and the weights' loads are queued, holding in the generators until they have loaded the new version
+        (``PendingWeights``), so generation starts when the weights land instead of a driver round trip later.
+
         A record lost with its rollout worker's node after it arrived fails every learner before it trains: it
-        is collected again (``RolloutScheduler.recollect``) and the update asked again."""
+        is collected again (``RolloutScheduler.recollect``) and the update asked again. (A rollout sent ahead
+        then waits for the retry's weights, within its generation deadline.)"""
+        next_version = self.version + 1  # each update makes one policy version
         while True:
             groups = [gid for gid, _, _ in step.groups]
             ref_logprobs = None
@@ -270,6 +277,9 @@ class GRPOTrainer(GRPOSetup):
             with self._timed("update_time_s"):
                 steps = [ln.train_on.remote(step.refs, groups, lr, ref_logprobs, self.kl_coef) for ln in self.learners]
                 publishing = self.weights.start()  # every generator and scorer, queued behind the step
+                if send_next:
+                    loads = [load for *_, load in (*publishing.loads, *publishing.scorer_loads)]
+                    self.rollouts.fill(after=PendingWeights(next_version, loads))
                 lost = self._lost_record(steps, step)
                 if lost is None:
                     metrics = [LEARNER_METRICS.unpack(m) for m in self._from_learners(steps, "its update")]
@@ -288,6 +298,7 @@ class GRPOTrainer(GRPOSetup):
                 raise RunAbortedError(
                     f"learner 0 failed during the weight publication at step {step}: {error_summary(exc)}"
                 ) from None
+        self.rollouts.weights_landed()
         # Some metrics are each rank's share of the whole batch's value (one shared denominator, or counts): they add.
         combined = {
             k: float((np.sum if k in ADDITIVE_LEARNER_METRICS else np.mean)([m[k] for m in metrics]))
@@ -461,7 +472,8 @@ class GRPOTrainer(GRPOSetup):
                     self._replace_scorer(slot, generation, reason)
             metrics: dict[str, float] = {"lr": self._lr()}
             if step.groups:
-                metrics |= self._update(step, metrics["lr"])
+                send_next = t.max_policy_lag == 0 and self.counters.step + 1 < t.total_steps and not stop.is_set()
+                metrics |= self._update(step, metrics["lr"], send_next)
             self.counters.step += 1
             self.counters.trained_samples += sum(n for _, n, _ in step.groups)
             if self.counters.step < t.total_steps and self._unplaced is None and not stop.is_set():

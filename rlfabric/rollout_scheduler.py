@@ -24,6 +24,7 @@ from rlfabric.actors.rollout_meta import decode_meta
 from rlfabric.grpo_config import LLMConfig, plays_episodes
 from rlfabric.llm_resources import SETUP_TIMEOUT_S
 from rlfabric.llm_run_state import Counters
+from rlfabric.policies.served import PendingWeights
 
 REWARD_GRACE_S = 30.0  # the reward pool's slack per call, for starting a replacement service and transfers
 # Tries of one rollout before its samples count as failed: a replaced actor's retry may meet another fault,
@@ -134,8 +135,9 @@ class RolloutScheduler:
         deadline = time.monotonic() + self._deadline(request)
         return Pending(request, meta_ref, data_ref, attempt, slot, generation, deadline)
 
-    def submit(self, num_prompts: int) -> Pending:
-        """A train rollout of ``num_prompts`` prompts, each ``grpo.group_size`` times, with fresh group ids."""
+    def submit(self, num_prompts: int, after: PendingWeights | None = None) -> Pending:
+        """A train rollout of ``num_prompts`` prompts, each ``grpo.group_size`` times, with fresh group ids;
+        ``after``: the weights it must be generated with, when they are still to be loaded."""
         indices = self.sample_rows(num_prompts)
         request = RolloutRequest(
             "train",
@@ -145,14 +147,26 @@ class RolloutScheduler:
             first_group=self.group_counter,
             generators=[],
             timeout_s=self.cfg.generator.timeout_s,
+            after=after,
         )
         self.group_counter += len(indices)
         return self.send(request)
 
-    def fill(self) -> None:
-        """Keep the pipeline as deep as the lag allows: 1 + ``training.max_policy_lag`` rollouts in flight."""
+    def fill(self, after: PendingWeights | None = None) -> None:
+        """Keep the pipeline as deep as the lag allows: 1 + ``training.max_policy_lag`` rollouts in flight.
+
+        ``after``: in sync mode, the next step's rollout is sent while the learner trains the weights it needs; its
+        generators start on it the moment they have loaded them (``weights_landed`` then restarts its deadline)."""
         while len(self.in_flight) < 1 + self.cfg.training.max_policy_lag:
-            self.in_flight.append(self.submit(self.cfg.grpo.prompts_per_step))
+            self.in_flight.append(self.submit(self.cfg.grpo.prompts_per_step, after))
+
+    def weights_landed(self) -> None:
+        """The weights the rollouts in flight were waiting for are loaded: their deadlines count from now, and a
+        retry sends them without the wait."""
+        for pending in self.in_flight:
+            if pending.request.after is not None:
+                pending.request.after = None
+                pending.deadline = time.monotonic() + self._deadline(pending.request)
 
     def cancel_in_flight(self) -> None:
         """Drop the rollouts generated ahead for steps that will not run."""

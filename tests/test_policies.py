@@ -4,6 +4,7 @@ served by a generator actor, each called in batches across many episodes in flig
 from __future__ import annotations
 
 import asyncio
+import time
 
 import numpy as np
 import pytest
@@ -15,7 +16,7 @@ from rlfabric.actors.generator import Generator
 from rlfabric.models import ActionSpec, ActorCritic
 from rlfabric.models.hf import build_small_model_dir, load_causal_lm, load_tokenizer
 from rlfabric.policies import ActBatcher, LocalPolicy, NeuralNetPolicy, Policy, PolicyOutput, ScriptedPolicy
-from rlfabric.policies.served import GeneratorsFailed, ServedLLMPolicy
+from rlfabric.policies.served import GeneratorsFailed, PendingWeights, ServedLLMPolicy
 
 
 class CountingRule:
@@ -196,6 +197,44 @@ def test_served_policy_names_a_dead_generator_by_slot_and_generation(served):
     assert [(slot, gen) for slot, gen, _ in failed.value.failures] == [(3, 2)]
     with pytest.raises(GeneratorsFailed, match="generator 3 \\(generation 2\\)"):
         asyncio.run(policy.act_async([[5, 6, 7]]))
+
+
+@ray.remote(num_cpus=0)
+def load_later(generator, weights, version, delay_s):
+    """The weights loaded into ``generator`` after ``delay_s``: a learner still training them."""
+    time.sleep(delay_s)
+    return ray.get(generator.update_weights.remote(weights, version))
+
+
+def test_a_policy_sent_before_its_weights_generates_with_them_once_they_are_loaded(served):
+    model_dir, _ = served
+    gen = Generator.options(num_cpus=0.5).remote("torch", str(model_dir), {"max_batch_size": 4}, num_threads=1)
+    try:
+        model = load_causal_lm(model_dir).eval()
+        prompt = [5, 6, 7, 8]
+        for version, asynchronous in ((1, False), (2, True)):
+            torch.manual_seed(version)
+            with torch.no_grad():  # new weights, which greedy decoding tells apart from the old
+                for p in model.parameters():
+                    p.add_(torch.randn_like(p) * 0.5)
+            weights = [ray.put({k: v.clone() for k, v in model.state_dict().items()})]
+            loads = [load_later.remote(gen, weights, version, 3.0)]
+            # the deadline (2 s) is shorter than the wait for the weights (3 s): it counts from their loads
+            policy = ServedLLMPolicy([(0, 0, gen)], GREEDY, timeout_s=2, after=PendingWeights(version, loads))
+            out = asyncio.run(policy.act_async([prompt])) if asynchronous else policy.act([prompt])
+            assert list(out.versions) == [version]
+            ids = torch.tensor([prompt])
+            with torch.no_grad():
+                want = model.generate(
+                    input_ids=ids,
+                    attention_mask=torch.ones_like(ids),
+                    max_new_tokens=5,
+                    do_sample=False,
+                    pad_token_id=0,
+                )[0, len(prompt) :].tolist()
+            assert out.actions[0] == want
+    finally:
+        ray.kill(gen, no_restart=True)
 
 
 def test_served_policy_keeps_each_session_on_one_generator(served):

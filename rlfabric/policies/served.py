@@ -6,6 +6,10 @@ one deadline over all the calls, and returns the completions in order as a ``Pol
 their behaviour logprobs and the version of the weights that sampled them. A generator that raises or misses the
 deadline fails the call with ``GeneratorsFailed``, naming it by slot and generation, so the driver can replace it.
 
+A rollout sent while the weights it must use are still being trained carries them as ``PendingWeights``: every
+generator holds its prompts until it has loaded that version, so generation starts the moment the weights land,
+without a round trip through the driver; the generation deadline starts once the loads have answered.
+
 Multi-turn callers pass a session key per prompt (``act(observations, sessions)``): every turn of a conversation
 then goes to the same generator (chosen by a hash of the key), whose engine continues the conversation's stored
 KV instead of prefilling it again (``rlfabric.engines.session_cache``).
@@ -17,6 +21,7 @@ import asyncio
 import time
 import zlib
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import ray
@@ -40,13 +45,29 @@ class GeneratorsFailed(RuntimeError):
         return GeneratorsFailed, (self.failures,)
 
 
+@dataclass
+class PendingWeights:
+    """Weights a rollout must be generated with that were not loaded yet when it was sent: policy ``version``, and
+    ``loads``, the calls loading it into the generators (and likelihood scorers). A load that fails ends the wait
+    too: its generator is replaced, and the rollout's calls to it fail and are asked again."""
+
+    version: int
+    loads: list[ray.ObjectRef]
+
+
 class ServedLLMPolicy:
-    """See the module docstring. ``params`` are SamplingParams fields; ``timeout_s`` the deadline of one call."""
+    """See the module docstring. ``params`` are SamplingParams fields; ``timeout_s`` the deadline of one call;
+    ``after``: weights still to be loaded that the completions must come from."""
 
     uses_sessions = True  # act takes a session key per prompt (rlfabric.policies.batching.ActBatcher)
 
     def __init__(
-        self, generators: Sequence[GeneratorRef], params: dict[str, Any], timeout_s: float, keep_together: int = 1
+        self,
+        generators: Sequence[GeneratorRef],
+        params: dict[str, Any],
+        timeout_s: float,
+        keep_together: int = 1,
+        after: PendingWeights | None = None,
     ) -> None:
         if not generators:
             raise ValueError("ServedLLMPolicy needs at least one generator")
@@ -54,6 +75,9 @@ class ServedLLMPolicy:
         self.params = params
         self.timeout_s = timeout_s
         self.keep_together = keep_together
+        self.after = after
+        self.landed = after is None  # whether ``after``'s loads have answered
+        self.landed_at: float | None = None  # when they did (time.perf_counter()): the rollout's generation began
         self.version = -1  # newest version seen in a completion
 
     def _send(
@@ -66,7 +90,8 @@ class ServedLLMPolicy:
         for (slot, generation, handle), rows in zip(self.generators, shares, strict=True):
             if rows:
                 keys = None if sessions is None else [sessions[i] for i in rows]
-                ref = handle.generate.remote([prompts[i] for i in rows], self.params, keys)
+                after = None if self.after is None else self.after.version
+                ref = handle.generate.remote([prompts[i] for i in rows], self.params, keys, after_version=after)
                 calls.append((slot, generation, rows, ref))
         return calls
 
@@ -113,6 +138,10 @@ class ServedLLMPolicy:
         """Completions of the prompts ``observations`` (token ids), in order; blocks until all are back.
         ``sessions``: a conversation key (or None) per prompt (see the module docstring)."""
         calls = self._send(observations, sessions)
+        if not self.landed:  # the generators wait for the weights; the deadline is for generating
+            assert self.after is not None
+            ray.wait(self.after.loads, num_returns=len(self.after.loads))
+            self.landed, self.landed_at = True, time.perf_counter()
         deadline = time.monotonic() + self.timeout_s
         results: list[Any] = []
         for *_, ref in calls:
@@ -127,6 +156,12 @@ class ServedLLMPolicy:
     ) -> PolicyOutput:
         """``act`` for a worker's event loop: the calls are awaited, so its other episodes go on meanwhile."""
         calls = self._send(observations, sessions)
+        if not self.landed:  # every call sent until then waits for the weights in its generator too
+            assert self.after is not None
+            await asyncio.gather(
+                *(asyncio.wrap_future(ref.future()) for ref in self.after.loads), return_exceptions=True
+            )
+            self.landed, self.landed_at = True, time.perf_counter()
         results = await asyncio.gather(
             *(asyncio.wait_for(asyncio.wrap_future(ref.future()), self.timeout_s) for *_, ref in calls),
             return_exceptions=True,
