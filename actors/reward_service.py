@@ -29,6 +29,7 @@ import dataclasses
 import math
 import numbers
 import os
+import queue
 import threading
 from collections.abc import Mapping
 from typing import Any
@@ -76,16 +77,15 @@ def one_line(exc: BaseException) -> str:
 
 
 class _GroupRun:
-    """One group's evaluation on its own daemon thread, so the caller can stop waiting for it."""
+    """One group's evaluation, run on a ``_Runner``'s thread, so the caller can stop waiting for it."""
 
     def __init__(self, functions: list[tuple[str, RewardFn]], group: list[RewardInput]) -> None:
         self.functions, self.group = functions, group
         self.current = ""  # the function running now: named in the timeout error
         self.results: list[RewardResult] | None = None
         self.error: str | None = None
-        self.thread = threading.Thread(target=self._run, name="reward-group", daemon=True)
 
-    def _run(self) -> None:
+    def run(self) -> None:
         try:
             self.results = self._evaluate()
         except GroupFailed as exc:
@@ -135,6 +135,28 @@ class _GroupRun:
             RewardResult({}, error) if error is not None else RewardResult(components, None, per_step)
             for components, per_step, error in zip(outcome, steps, unscored, strict=True)
         ]
+
+
+class _Runner:
+    """A daemon thread that evaluates group runs one at a time, kept from call to call: a thread started per group
+    cost most of a cheap reward's call (1.5 of 1.8 ms for eight groups of the arithmetic reward). A run that
+    overruns its deadline leaves the thread stuck in it; the service then starts a new runner."""
+
+    def __init__(self) -> None:
+        self._jobs: queue.SimpleQueue[tuple[_GroupRun, threading.Event]] = queue.SimpleQueue()
+        threading.Thread(target=self._loop, name="reward-group", daemon=True).start()
+
+    def _loop(self) -> None:
+        while True:
+            run, done = self._jobs.get()
+            run.run()
+            done.set()
+
+    def finished(self, run: _GroupRun, timeout_s: float) -> bool:
+        """Evaluate ``run``; False when it is still running after ``timeout_s``."""
+        done = threading.Event()
+        self._jobs.put((run, done))
+        return done.wait(timeout_s)
 
 
 def _merge(
@@ -191,6 +213,7 @@ class RewardServiceCore:
         ]
         self.group_timeout_s = group_timeout_s
         self.poisoned = False  # a group's thread is stuck: this process should be replaced
+        self._runner: _Runner | None = None  # started at the first group
         self.skipped: list[int] = []  # the last call's groups not tried once it gave up (``gives_up``)
 
     def score(self, groups: list[list[RewardInput]]) -> list[list[RewardResult]]:
@@ -246,10 +269,11 @@ class RewardServiceCore:
         if not group:
             return []
         run = _GroupRun(functions, group)
-        run.thread.start()
-        run.thread.join(timeout_s)
-        if run.thread.is_alive():
+        if self._runner is None:
+            self._runner = _Runner()
+        if not self._runner.finished(run, timeout_s):
             self.poisoned = True
+            self._runner = None  # stuck in this run: the next one gets a thread of its own
             return TimedOut(f"timed out after {timeout_s:g}s in reward {run.current!r}")
         if run.results is None:
             return run.error or "no result"
