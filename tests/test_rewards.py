@@ -338,8 +338,8 @@ def test_rewards_list_shows_what_each_function_gives_and_takes(tmp_path, monkeyp
     assert main(["rewards", "list", "--import", "my_graders"]) == 0
     lines = capsys.readouterr().out.splitlines()
     described = {line.split()[0]: line.split(None, 1)[1] for line in lines if line.startswith("  ") and line[2] != " "}
-    assert described["arithmetic"] == "gives correct, format (weighs 0); kwargs: answer_key='answer'"
-    assert described["length"] == "gives length_penalty; kwargs: max_tokens, cache_tokens, scale=1.0"
+    assert described["arithmetic"] == "gives correct, format (weighs 0); kwargs: answer_key='answer'; pointwise"
+    assert described["length"] == "gives length_penalty; kwargs: max_tokens, cache_tokens, scale=1.0; pointwise"
     assert described["arithmetic_steps"] == "gives step_correct; kwargs: none; process reward; pointwise"
     assert described["reward_model"].startswith("components not declared (named once it scores); kwargs: path=''")
     assert described["graded"] == "gives correct, style (weighs 0.5); kwargs: strict=True"

@@ -36,7 +36,14 @@ from typing import Any, TypeVar
 
 from rlfabric.rewards.likelihood import likelihood_reward, teacher_logprob_reward
 from rlfabric.rewards.math_verify import answers_match, find_answer
-from rlfabric.rewards.registry import RewardInput, arguments_with_defaults, default_weights, gives, register_reward
+from rlfabric.rewards.registry import (
+    RewardInput,
+    arguments_with_defaults,
+    default_weights,
+    gives,
+    pointwise,
+    register_reward,
+)
 from rlfabric.rewards.reward_model import reward_model_reward
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -85,6 +92,7 @@ def _first_line(text: str) -> str:
     return text.split("\n", 1)[0].strip()
 
 
+@pointwise  # each sample on its own: one run per call across its groups
 @default_weights(format=0.0)  # well formed is not correct: logged, not rewarded
 @gives("correct", "format")
 @reads_columns("answer_key")
@@ -100,6 +108,7 @@ def math_reward(inputs: list[RewardInput], *, answer_key: str = "answer") -> lis
 _INTEGER_RE = re.compile(r"-?\d+")
 
 
+@pointwise  # each sample on its own: one run per call across its groups
 @default_weights(format=0.0)  # well formed is not correct: logged, not rewarded
 @gives("correct", "format")
 @reads_columns("answer_key")
@@ -157,6 +166,7 @@ def evaluate_expression(tree: ast.expr) -> Fraction | None:
     return _BINARY_OPS[type(tree.op)](left, right)
 
 
+@pointwise  # each sample on its own: one run per call across its groups
 @default_weights(format=0.0)  # well formed is not correct: logged, not rewarded
 @gives("correct", "format")
 @reads_columns("numbers_key", "target_key")
@@ -176,6 +186,7 @@ def countdown_reward(
     return out
 
 
+@pointwise  # each sample on its own: one run per call across its groups
 @gives("length_penalty")
 def length_reward(
     inputs: list[RewardInput], *, max_tokens: int, cache_tokens: int, scale: float = 1.0
