@@ -171,6 +171,8 @@ class LLMLearnerCore:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         norm = clip_gradients(list(self.model.parameters()), clip)
+        if self._shared_writer is not None:  # the parameters live in the published file: readers must see it change
+            self._shared_writer.updating()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return norm
@@ -439,6 +441,8 @@ class LLMLearnerCore:
             self._shared_writer, self.shared_unavailable = SharedWeightsWriter.create(
                 self.model.state_dict(), node_id, reserved_bytes()
             )
+            if self._shared_writer is not None:  # the parameters move into the file: publishing is then a stamp
+                self._shared_writer.adopt(dict(self.model.named_parameters()))
         if self._shared_writer is None:
             return None
         return self._shared_writer.publish(self.model.state_dict(), self.version)

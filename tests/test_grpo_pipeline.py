@@ -547,6 +547,32 @@ def test_data_parallel_mini_batches_are_each_ranks_share_of_each_step(local_ray,
 # -- 3. reward faults in a real run ----------------------------------------------------------------------------
 
 
+def test_a_learner_publishing_through_shared_memory_updates_the_file_in_place_and_saves_whole(dp_setup, tmp_path):
+    """Learner 0's parameters move into the shared-memory file at its first publication: its optimizer step then
+    writes the next version there (a reader of the last one is told), and its checkpoint still holds every tensor."""
+    model_dir, batch = dp_setup
+    threads = torch.get_num_threads()
+    try:  # the learner sets this process's torch threads
+        core = LLMLearnerCore(**learner_kwargs(model_dir, "token_mean", 64))
+        twin = LLMLearnerCore(**learner_kwargs(model_dir, "token_mean", 64))  # the same steps in its own memory
+    finally:
+        torch.set_num_threads(threads)
+    try:
+        first = core.shared_weights("this-node")
+        assert first is not None, core.shared_unavailable
+        core.train_step(batch, 1e-3)
+        twin.train_step(batch, 1e-3)
+        with pytest.raises(RuntimeError, match="a version being written, not version 0"):
+            first.check_intact()  # the step changed the weights in the file before any publication
+        second = core.shared_weights("this-node")
+        want = twin.state_dict_cpu()
+        assert second.version == 1 and max_abs_diff(as_state_dict(second), want) == 0
+        core.save(str(tmp_path / "checkpoint"))
+        assert max_abs_diff(load_causal_lm(tmp_path / "checkpoint").state_dict(), want) == 0
+    finally:
+        core.close()
+
+
 def test_weights_reach_the_generators_through_shared_memory_on_one_node_unless_told_otherwise(sync_run, faulty_run):
     """auto takes the node's shared memory when every reader is on learner 0's node and /dev/shm has room beside
     Ray's object store; the tests run where it has (a 64 MiB container /dev/shm would fail this, as it should:

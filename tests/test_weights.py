@@ -126,6 +126,26 @@ def test_a_version_overwritten_while_read_is_an_error_not_a_mix(writer):
 
 
 @needs_shm
+def test_adopted_parameters_live_in_the_file_and_publish_as_they_stand(writer):
+    state = mixed_state_dict()
+    # the learner's parameters: one name of the tied pair (the other stays a copy), the bf16 one, the scalar
+    params = {k: torch.nn.Parameter(state[k].clone()) for k in ("embed.weight", "half", "scalar")}
+    assert writer.adopt(params) == 3
+    assert all(torch.equal(params[k].detach(), state[k]) for k in params)  # values kept
+    entry = next(e for e in writer.entries if e.name == "embed.weight")
+    writer.updating()
+    with torch.no_grad():
+        params["embed.weight"].add_(1.0)  # an optimizer step, in place
+    raw = np.fromfile(writer.path, dtype=np.uint8)
+    start = shared_weights.HEADER_BYTES + entry.offset
+    in_file = torch.from_numpy(raw[start : start + entry.nbytes].copy()).view(torch.float32).view(6, 4)
+    assert torch.equal(in_file, params["embed.weight"].detach())  # the step wrote the file itself
+    published = {**state, **{k: p.detach() for k, p in params.items()}}
+    published["lm_head.weight"] = published["embed.weight"]  # tied: its copy is written at publication
+    assert_same(as_state_dict(writer.publish(published, version=2)), published)
+
+
+@needs_shm
 def test_shared_writer_refuses_another_layout(writer):
     state = mixed_state_dict()
     state["extra"] = torch.zeros(2)

@@ -86,11 +86,13 @@ def layout(state: Mapping[str, torch.Tensor]) -> tuple[tuple[WeightEntry, ...], 
 
 
 def pack_into(buffer: torch.Tensor, entries: tuple[WeightEntry, ...], state: Mapping[str, torch.Tensor]) -> None:
-    """Copy ``state``'s tensors into ``buffer`` (uint8, CPU) where ``entries`` (its ``layout``) puts them."""
+    """Copy ``state``'s tensors into ``buffer`` (uint8, CPU) where ``entries`` (its ``layout``) puts them; a tensor
+    that already lives there (``SharedWeightsWriter.adopt``) is left as it is."""
     for entry, tensor in zip(entries, state.values(), strict=True):
         if entry.nbytes:
             target = buffer[entry.offset : entry.offset + entry.nbytes].view(tensor.dtype).view(entry.shape)
-            target.copy_(tensor.detach())
+            if target.data_ptr() != tensor.data_ptr():
+                target.copy_(tensor.detach())
 
 
 def flatten_state_dict(state: Mapping[str, torch.Tensor]) -> FlatWeights:
