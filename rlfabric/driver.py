@@ -313,11 +313,16 @@ class Trainer(ActorPlacement):
         p.recent_lengths = (p.recent_lengths + meta["episode_lengths"])[-RETURN_WINDOW:]
         for key, sums in meta.get("episode_components", {}).items():
             self._episode_components[key] += sums
-        if meta["version"] < self.version - self.cfg.training.max_policy_lag:
-            p.dropped_fragments += 1
-            self._sampled_this_version.discard(done.runner)  # sync mode: that runner owes a fresh one
-            return
-        buffer.append(done)
+        if not self._drop_if_stale(done):
+            buffer.append(done)
+
+    def _drop_if_stale(self, done: Completed) -> bool:
+        """Count ``done`` as dropped when its policy version is more than ``max_policy_lag`` behind the learner's."""
+        if done.meta["version"] >= self.version - self.cfg.training.max_policy_lag:
+            return False
+        self.progress.dropped_fragments += 1
+        self._sampled_this_version.discard(done.runner)  # sync mode: that runner owes a fresh one
+        return True
 
     def _should_stop(self) -> bool:
         p, t = self.progress, self.cfg.training
@@ -370,6 +375,8 @@ class Trainer(ActorPlacement):
             for done in completed:
                 self._accept(done, buffer)
             self._sampled_this_version.difference_update(failed)  # lost work is asked for again
+            if self._update_refs is None:  # a fragment that waited here through updates may have gone stale
+                buffer = [done for done in buffer if not self._drop_if_stale(done)]
             if self._update_refs is None and len(buffer) >= self.fragments_per_batch and not self._should_stop():
                 batch, buffer = buffer[: self.fragments_per_batch], buffer[self.fragments_per_batch :]
                 batch.sort(key=lambda c: c.runner)  # arrival order varies; a fixed order keeps seeded runs repeatable
