@@ -145,6 +145,16 @@ def served(local_ray, tmp_path_factory):
 GREEDY = {"max_new_tokens": 5, "temperature": 0.0}
 
 
+def greedy_continuation(model: torch.nn.Module, context: list[int], pad_id: int) -> list[int]:
+    """transformers' own greedy decoding of ``GREEDY``'s 5 tokens after ``context``."""
+    ids = torch.tensor([context])
+    with torch.no_grad():
+        out = model.generate(
+            input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=5, do_sample=False, pad_token_id=pad_id
+        )
+    return out[0, len(context) :].tolist()
+
+
 def test_served_policy_batches_episodes_in_flight_into_one_generator_call_per_turn(served):
     model_dir, gen = served
     tokenizer = load_tokenizer(model_dir)
@@ -172,16 +182,7 @@ def test_served_policy_batches_episodes_in_flight_into_one_generator_call_per_tu
             sampled = out.actions[0]
             assert len(out.logprobs[0]) == len(sampled) and list(out.versions) == [0]
             # batched with the others, each episode still gets exactly its own greedy continuation
-            ids = torch.tensor([context])
-            with torch.no_grad():
-                want = model.generate(
-                    input_ids=ids,
-                    attention_mask=torch.ones_like(ids),
-                    max_new_tokens=5,
-                    do_sample=False,
-                    pad_token_id=tokenizer.pad_token_id,
-                )[0, len(context) :].tolist()
-            assert sampled == want
+            assert sampled == greedy_continuation(model, context, tokenizer.pad_token_id)
             assert out.info["text"][0] == tokenizer.decode(sampled, skip_special_tokens=True)
     assert policy.version == 0
 
@@ -223,16 +224,7 @@ def test_a_policy_sent_before_its_weights_generates_with_them_once_they_are_load
             policy = ServedLLMPolicy([(0, 0, gen)], GREEDY, timeout_s=2, after=PendingWeights(version, loads))
             out = asyncio.run(policy.act_async([prompt])) if asynchronous else policy.act([prompt])
             assert list(out.versions) == [version]
-            ids = torch.tensor([prompt])
-            with torch.no_grad():
-                want = model.generate(
-                    input_ids=ids,
-                    attention_mask=torch.ones_like(ids),
-                    max_new_tokens=5,
-                    do_sample=False,
-                    pad_token_id=0,
-                )[0, len(prompt) :].tolist()
-            assert out.actions[0] == want
+            assert out.actions[0] == greedy_continuation(model, prompt, pad_id=0)
     finally:
         ray.kill(gen, no_restart=True)
 
