@@ -367,7 +367,9 @@ class Trainer(ActorPlacement):
             if update_refs and len(ray.wait(update_refs, num_returns=len(update_refs), timeout=0)[0]) == len(
                 update_refs
             ):
-                buffer[:0] = self._complete_update()  # a batch that lost a fragment is filled up again
+                # A batch that lost a fragment is filled up again; a fragment that waited here through the update
+                # may now be more than max_policy_lag versions behind.
+                buffer = [done for done in (*self._complete_update(), *buffer) if not self._drop_if_stale(done)]
             completed, failed = self.pool.collect([r for r in ready if r not in update_refs])
             for k in range(len(self.pool.failures) - len(failed), len(self.pool.failures)):
                 reason, text = self.pool.failures[k], self.pool.failure_texts[k]
@@ -375,8 +377,6 @@ class Trainer(ActorPlacement):
             for done in completed:
                 self._accept(done, buffer)
             self._sampled_this_version.difference_update(failed)  # lost work is asked for again
-            if self._update_refs is None:  # a fragment that waited here through updates may have gone stale
-                buffer = [done for done in buffer if not self._drop_if_stale(done)]
             if self._update_refs is None and len(buffer) >= self.fragments_per_batch and not self._should_stop():
                 batch, buffer = buffer[: self.fragments_per_batch], buffer[self.fragments_per_batch :]
                 batch.sort(key=lambda c: c.runner)  # arrival order varies; a fixed order keeps seeded runs repeatable
