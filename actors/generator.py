@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-from dataclasses import fields
 from typing import TYPE_CHECKING, Any
 
 import ray
@@ -67,10 +66,7 @@ class Generator:
         completions = await self.engine.generate(prompts, SamplingParams(**params), sessions)
         texts = self.tokenizer.batch_decode([c.token_ids for c in completions], skip_special_tokens=True)
         # a shallow dict per completion: dataclasses.asdict deep-copies every token list (about 2 ms for 64)
-        names = [f.name for f in fields(completions[0])] if completions else []
-        return [
-            {**{k: getattr(c, k) for k in names}, "text": text} for c, text in zip(completions, texts, strict=False)
-        ]
+        return [{**vars(c), "text": text} for c, text in zip(completions, texts, strict=False)]
 
     async def update_weights(self, weights: list[ray.ObjectRef] | SharedFlatWeights, version: int) -> int:
         """Load published weights: ``[ObjectRef]`` of FlatWeights (or a plain state dict), or a SharedFlatWeights
