@@ -107,7 +107,7 @@ class EpisodeRollouts:
                     for kind in ERROR_KINDS
                 },
                 # episodes interleave generation and env steps; a rollout sent ahead waited for its weights first
-                "generate_time_s": played - max(started, policy.landed_at or started),
+                "generate_time_s": played - policy.generation_began(started),
                 "reward_restarts": reward_restarts,
                 "reward_time_s": reward_time_s,
             }
@@ -182,7 +182,7 @@ class EpisodeRollouts:
                 "rewrites": sum(e.trace.rewrites for e in episodes),
                 **refused,
                 # episodes interleave calls and the agents' work; a rollout sent ahead waited for its weights first
-                "generate_time_s": played - max(started, policy.landed_at or started),
+                "generate_time_s": played - policy.generation_began(started),
                 "reward_restarts": reward_restarts,
                 "reward_time_s": reward_time_s,
             }

@@ -279,7 +279,7 @@ class LLMRolloutCore(EpisodeRollouts):
             return {**meta, "generator_failures": failed.failures}, None
         sampled, texts, finish = acted.actions, acted.info["text"], acted.info["finish_reason"]
         generated = time.perf_counter()
-        started = max(started, policy.landed_at or started)  # a rollout sent ahead waited for its weights first
+        started = policy.generation_began(started)  # a rollout sent ahead waited for its weights first
         steps = self._split(sampled, texts)
         inputs = self._inputs(rows, sampled, texts, finish, steps)
         results, restarts = self._score(inputs, g)

@@ -80,6 +80,11 @@ class ServedLLMPolicy:
         self.landed_at: float | None = None  # when they did (time.perf_counter()): the rollout's generation began
         self.version = -1  # newest version seen in a completion
 
+    def generation_began(self, sent: float) -> float:
+        """When generating began for a rollout that started at ``sent`` (time.perf_counter()): then, or once its
+        pending weights landed."""
+        return max(sent, self.landed_at or sent)
+
     def _send(
         self, prompts: Sequence[list[int]], sessions: Sequence[str | None] | None
     ) -> list[tuple[int, int, list[int], ray.ObjectRef]]:
